@@ -1,0 +1,30 @@
+# Every target sets itself up: a fresh machine needs only python3 and make.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+
+.PHONY: demo demo-long test lint format bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	.venv/bin/fp8lab formats
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+format: $(STAMP)
+	.venv/bin/ruff format . && .venv/bin/ruff check --fix .
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .venv build src/*.egg-info .pytest_cache

@@ -1,0 +1,34 @@
+"""The ``fp8lab`` command line: one typer app, one module per command.
+
+Each command module defines ``register(app)``; a command whose module fails to import is reported
+as such instead of breaking the other commands.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="fp8lab",
+    help="Simulate, analyse and debug FP8-family low-precision training on a CPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_COMMANDS = ("formats", "snr", "inspect", "compare")
+
+for _name in _COMMANDS:
+    try:
+        _module = importlib.import_module(f"fp8lab.cli.{_name}")
+    except ModuleNotFoundError as exc:  # a command not built yet
+        if exc.name != f"fp8lab.cli.{_name}":
+            raise
+        continue
+    _module.register(app)
+
+
+def main() -> None:
+    app()

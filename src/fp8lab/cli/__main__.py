@@ -1,0 +1,3 @@
+from fp8lab.cli import main
+
+main()
