@@ -18,6 +18,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the fp8lab version and exit."),
+) -> None:
+    """fp8lab: bit-faithful FP8-family training simulation on a CPU."""
+    if version:
+        from fp8lab import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 _COMMANDS = ("formats", "snr", "inspect", "compare")
 
 for _name in _COMMANDS:
