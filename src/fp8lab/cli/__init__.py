@@ -20,8 +20,9 @@ app = typer.Typer(
 
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", help="Print the fp8lab version and exit."),
 ) -> None:
     """fp8lab: bit-faithful FP8-family training simulation on a CPU."""
@@ -29,6 +30,9 @@ def _root(
         from fp8lab import __version__
 
         typer.echo(__version__)
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
         raise typer.Exit()
 
 
