@@ -1,0 +1,361 @@
+"""Rounding onto a number format, exact to the bit: `cast`.
+
+Everything is done on the integer fields of the input (sign, exponent, significand) in one numba
+pass: no floating-point ``log2``, no double rounding. A format's grid is described to the kernel
+by a table ``binade -> exponent of the grid spacing`` (`_Params.qtab`), so ExMy formats, E8M0 and
+HiFloat8's tapered grid share one kernel and one compiled signature per input width.
+
+Semantics (see also the README section "formats"):
+
+* ``nearest_even`` / ``nearest_away`` round to the nearest grid value, ties to the even significand
+  / away from zero. Where the significand has no stored bit (E8M0, HiF8's DML binades) the kept
+  significand is the implicit 1, so "even" ties go up, as in ml_dtypes and torch.
+* ``toward_zero`` truncates. As in IEEE 754, it never overflows a finite input to Inf/NaN: finite
+  inputs beyond max give ±max even with ``saturate=False`` (only ±Inf inputs stay infinite).
+* ``stochastic`` rounds up with probability (distance to the lower neighbour) / (grid spacing).
+  The random numbers are a counter-based hash (splitmix64) of a 64-bit seed drawn from
+  ``generator`` (or torch's default generator) and the element index: reproducible, independent
+  of the thread count, no random tensor. The probability is exact for remainders of up to 32 bits
+  below the kept significand; deeper bits are truncated (bias < 2**-32 of a grid step).
+* ``hybrid`` (HiF8 only) is Ascend's HR rule (reference §1.5): TA for binades 2^-3..2^3, SSR
+  elsewhere. SSR rounds up iff the 14 bits just below the kept mantissa (f14) are >= the lowest 14
+  bits of the fp32 fraction (t14); for float16 input, iff the 2 bits below the kept mantissa are
+  >= 2 * (fp16 mantissa LSB) + 1. bfloat16 input uses the fp32 rule on its exact fp32 value. An
+  exact remainder is never rounded; |x| >= 40960 overflows; |x| < 2^-23 gives 0.
+* Overflow: a result is an overflow when the rounded value (the grid continued above max with the
+  top binade's spacing) exceeds max. ``saturate=True`` gives ±max (also for ±Inf inputs);
+  ``saturate=False`` gives the format's Inf, or NaN where it has no Inf (e4m3: |x| > 464 -> NaN).
+  Formats with neither Inf nor NaN (FP4/FP6) accept only ``saturate=True``.
+* NaN stays NaN (also for FP4/FP6, whose `encode` maps NaN to the -0 code as ml_dtypes does).
+  Formats without -0 give +0 for -0 and for negative underflow.
+* E8M0 (unsigned, no zero): nearest power of two, ties up; 0, negative and NaN inputs give NaN;
+  values below 2^-127 give 2^-127 (as ml_dtypes); overflow gives NaN, or 2^127 if saturating.
+* Input dtypes: float32, bfloat16, float16 (both exact in float32) and float64, which is rounded
+  directly from its own 53-bit significand (never via float32: that would round twice). The
+  result is always float32. Other dtypes raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from fp8lab.formats import hif8 as _hif8
+from fp8lab.formats.spec import FloatFormat, get_format
+
+ROUNDING_MODES: tuple[str, ...] = (
+    "nearest_even",
+    "nearest_away",
+    "toward_zero",
+    "stochastic",
+    "hybrid",
+)
+_MODE_ID = {name: i for i, name in enumerate(ROUNDING_MODES)}
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# binade table: entry k describes binade eb = k + _TAB_LO (inputs outside are clamped to the ends,
+# where every format's table is flat below and overflowing above)
+_TAB_LO = -192
+_TAB_N = 400
+
+_F_SIGNED_ZERO = 1
+_F_HAS_ZERO = 2
+_F_SIGNED = 4
+
+
+@dataclass(frozen=True)
+class _Params:
+    qtab: np.ndarray  # int64[_TAB_N]: exponent of the grid spacing per binade
+    stab: np.ndarray  # float64[_TAB_N]: 2.0**qtab
+    max: float
+    tiny: float  # value for a non-zero input that rounds to 0 in a format without zero
+    flags: int
+    inf: bool
+    has_nan: bool
+
+
+def default_rounding(fmt: str | FloatFormat) -> str:
+    """The format's native rounding: TA (``nearest_away``) for HiF8, ``nearest_even`` otherwise."""
+    return "nearest_away" if get_format(fmt).kind == "hif8" else "nearest_even"
+
+
+@functools.lru_cache(maxsize=256)
+def _params(fmt: FloatFormat) -> _Params:
+    ebs = np.arange(_TAB_LO, _TAB_LO + _TAB_N, dtype=np.int64)
+    if fmt.kind == "hif8":
+        q = np.array([_hif8.quantum_exponent(int(e)) for e in ebs], dtype=np.int64)
+        flags = _F_HAS_ZERO | _F_SIGNED
+        return _Params(q, np.ldexp(1.0, q), _hif8.MAX, 0.0, flags, True, True)
+    emin, mb = fmt.emin, fmt.mbits
+    lowest = emin - mb if fmt.subnormals else emin
+    if lowest < -149 or fmt.emax > 127:
+        raise ValueError(
+            f"{fmt.name}: its range (quantum 2**{lowest}, emax {fmt.emax}) is not representable "
+            "in float32, the result type of cast"
+        )
+    q = np.where(ebs >= emin, ebs - mb, lowest).astype(np.int64)
+    flags = (
+        (_F_SIGNED_ZERO if fmt.signed_zero else 0)
+        | (_F_HAS_ZERO if fmt.has_zero else 0)
+        | (_F_SIGNED if fmt.signed else 0)
+    )
+    tiny = 0.0 if fmt.has_zero else fmt.min_subnormal
+    return _Params(q, np.ldexp(1.0, q), float(fmt.max), tiny, flags, fmt.inf, fmt.has_nan)
+
+
+# ----------------------------------------------------------------------------------- kernels
+@njit(cache=True, inline="always")
+def _rand32(seed, i):
+    z = np.uint64(seed) + np.uint64(i) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.int64(z >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")
+def _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16):
+    """Round |x| = sig * 2**e0 (eb = floor(log2 |x|)) onto the grid; returns a float64 magnitude.
+
+    The result may exceed the format's max (the caller turns that into overflow) and is 0.0 on
+    underflow. ``mode == 4`` (hybrid) returns +inf for |x| >= 40960.
+    """
+    k = eb - _TAB_LO
+    if k < 0:
+        k = 0
+    elif k >= _TAB_N:
+        k = _TAB_N - 1
+    if mode == 4:
+        if eb < -23:
+            return 0.0
+        if eb > 15 or (eb == 15 and sig >= 0xA00000):
+            return math.inf
+    q = qtab[k]
+    shift = q - e0
+    if shift <= 0:
+        return math.ldexp(float(sig), e0)
+    if shift > 62:
+        kept = 0
+        rem = sig
+    else:
+        kept = sig >> shift
+        rem = sig - (kept << shift)
+    if rem == 0:
+        return float(kept) * stab[k]
+    up = False
+    if mode == 0:
+        if shift <= 62:
+            half = np.int64(1) << (shift - 1)
+            up = rem > half or (rem == half and (kept & 1) == 1)
+    elif mode == 1:
+        if shift <= 62:
+            up = rem >= (np.int64(1) << (shift - 1))
+    elif mode == 3:
+        if shift <= 32:
+            thresh = rem << (32 - shift)
+        elif shift - 32 < 63:
+            thresh = rem >> (shift - 32)
+        else:
+            thresh = 0
+        up = _rand32(seed, i) < thresh
+    elif mode == 4:
+        if -3 <= eb <= 3:
+            up = rem >= (np.int64(1) << (shift - 1))
+        elif hyb16 == 0:
+            f14 = rem >> (shift - 14)
+            t14 = sig & 0x3FFF
+            up = f14 >= t14
+        else:
+            f2 = rem >> (shift - 2)
+            lsb = 13
+            if eb < -14:
+                lsb = 13 - 14 - eb
+            t2 = ((sig >> lsb) & 1) * 2 + 1
+            up = f2 >= t2
+    if up:
+        kept += 1
+    return float(kept) * stab[k]
+
+
+@njit(cache=True, inline="always")
+def _finish(mag, neg, is_zero_in, maxval, ovfval, tinyval, flags):
+    if is_zero_in:
+        if (flags & _F_HAS_ZERO) == 0:
+            return np.nan
+        if neg and (flags & _F_SIGNED_ZERO) != 0:
+            return -0.0
+        return 0.0
+    if mag > maxval:
+        mag = ovfval
+    elif mag == 0.0:
+        mag = tinyval
+    if mag != mag:
+        return np.nan
+    if neg:
+        if (flags & _F_SIGNED) == 0:
+            return np.nan
+        if mag == 0.0 and (flags & _F_SIGNED_ZERO) == 0:
+            return 0.0
+        return -mag
+    return mag
+
+
+@njit(parallel=True, cache=True)
+def _cast_u32(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+    for i in prange(src.shape[0]):
+        u = np.int64(src[i])
+        a = u & 0x7FFFFFFF
+        neg = (u >> 31) != 0
+        if a >= 0x7F800000:
+            if a > 0x7F800000:
+                dst[i] = np.nan
+                continue
+            r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
+        elif a == 0:
+            r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+        else:
+            ex = a >> 23
+            if ex == 0:
+                sig = a
+                e0 = -149
+                eb = -150
+                m = a
+                while m != 0:
+                    m >>= 1
+                    eb += 1
+            else:
+                sig = (a & 0x7FFFFF) | 0x800000
+                e0 = ex - 150
+                eb = ex - 127
+            mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
+            r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
+        dst[i] = r
+
+
+@njit(parallel=True, cache=True)
+def _cast_u64(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+    for i in prange(src.shape[0]):
+        u = src[i]
+        a = np.int64(u & np.uint64(0x7FFFFFFFFFFFFFFF))
+        neg = (u >> np.uint64(63)) != 0
+        if a >= 0x7FF0000000000000:
+            if a > 0x7FF0000000000000:
+                dst[i] = np.nan
+                continue
+            r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
+        elif a == 0:
+            r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+        else:
+            ex = a >> 52
+            if ex == 0:
+                sig = a
+                e0 = -1074
+                eb = -1075
+                m = a
+                while m != 0:
+                    m >>= 1
+                    eb += 1
+            else:
+                sig = (a & 0xFFFFFFFFFFFFF) | 0x10000000000000
+                e0 = ex - 1075
+                eb = ex - 1023
+            mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
+            r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
+        dst[i] = r
+
+
+# ----------------------------------------------------------------------------------- public
+def _check_tensor(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"cast needs a float32, bfloat16, float16 or float64 tensor, got {x.dtype}"
+        )
+    if x.device.type != "cpu":
+        raise ValueError(f"fp8lab casts run on the CPU; got a tensor on {x.device}")
+
+
+def _resolve(fmt: FloatFormat, rounding: str | None, saturate: bool) -> int:
+    if rounding is None:
+        rounding = default_rounding(fmt)
+    if rounding not in _MODE_ID:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}")
+    if rounding == "hybrid" and fmt.kind != "hif8":
+        raise ValueError(f"rounding 'hybrid' is defined only for hif8, not {fmt.name}")
+    if not saturate and not fmt.inf and not fmt.has_nan:
+        raise ValueError(
+            f"{fmt.name} has neither Inf nor NaN, so overflow can only saturate: use saturate=True"
+        )
+    return _MODE_ID[rounding]
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    return int(
+        torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator).item()
+    )
+
+
+def cast(
+    x: torch.Tensor,
+    fmt: str | FloatFormat,
+    rounding: str | None = None,
+    saturate: bool = True,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Round ``x`` onto the grid of ``fmt``; returns a float32 tensor of ``x``'s shape.
+
+    Args:
+        x: float32, bfloat16, float16 or float64 CPU tensor (not differentiated through).
+        fmt: a format name (`fp8lab.format_names()`, or any ``eXmY``) or a `FloatFormat`.
+        rounding: one of `ROUNDING_MODES`; ``None`` = the format's native rule
+            (``nearest_even``; ``nearest_away``, i.e. TA, for HiF8).
+        saturate: clamp overflow and ±Inf to ±max (True) or give the format's Inf/NaN (False).
+        generator: torch.Generator for ``stochastic`` rounding (one 64-bit draw per call).
+        out: optional contiguous float32 tensor of the same shape to write into (may be ``x``).
+    """
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    mode = _resolve(fmt, rounding, saturate)
+    if mode == 4 and x.dtype == torch.float64:
+        raise ValueError("hybrid rounding follows the input dtype: use float32, bf16 or fp16 input")
+    p = _params(fmt)
+    x = x.detach()
+    if out is not None:
+        if out.dtype != torch.float32 or out.shape != x.shape or not out.is_contiguous():
+            raise ValueError("out must be a contiguous float32 tensor of the input's shape")
+        dst = out
+    if x.dtype in (torch.bfloat16, torch.float16):
+        src = x.float().contiguous()  # exact; the kernel then works in place on this buffer
+        if out is None:
+            dst = src
+    else:
+        src = x.contiguous()
+        if out is None:
+            dst = torch.empty(x.shape, dtype=torch.float32)
+    infval = p.max if saturate else (math.inf if p.inf else math.nan)
+    ovf = p.max if mode == 2 else infval  # toward_zero never overflows a finite input
+    seed = _seed(generator) if mode == 3 else 0
+    hyb16 = 1 if x.dtype == torch.float16 else 0
+    n = src.numel()
+    if n == 0:
+        return dst
+    d = dst.view(-1).numpy()
+    if src.dtype == torch.float64:
+        s = src.view(-1).numpy().view(np.uint64)
+        kernel = _cast_u64
+    else:
+        s = src.view(-1).numpy().view(np.uint32)
+        kernel = _cast_u32
+    kernel(s, d, p.qtab, p.stab, p.max, ovf, infval, p.tiny, p.flags, mode, seed, hyb16)
+    return dst
+
+
+__all__ = ["ROUNDING_MODES", "cast", "default_rounding"]
