@@ -1,0 +1,492 @@
+"""Quantized tensors: `QuantSpec`, `QTensor`, `quantize`, `fake_quant`, `retile`.
+
+Quantization follows Transformer Engine: for every scale block, a rule turns the block amax into
+a quantization multiplier ``scale`` and the elements become ``values = cast(x * scale)``
+(``cast`` = `fp8lab.cast`, round-to-nearest-even and saturating by default). `QTensor.scales`
+stores the **dequantization multipliers** ``scale_inv = 1/scale`` (TE's ``scale_inv``), so
+``dequantize() = values * scales`` (times the FP32 tensor scale for NVFP4's second level).
+
+amax is ``max |x|`` over the block with NaN ignored (TE's ``fmaxf`` reductions); NaN elements stay
+NaN through the cast. See `fp8lab.scaling.rules` for what each rule does with an amax of 0, inf or
+NaN, and `fp8lab.scaling.granularity` for block shapes and ragged edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8lab.formats import FloatFormat, get_format
+from fp8lab.scaling import rules as _rules
+from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.granularity import (
+    GranularityLike,
+    as_2d,
+    block_amax,
+    canonical_granularity,
+    check_fit,
+    expand_blocks,
+    granularity_to_plain,
+    normalize_granularity,
+    num_blocks,
+    shape_2d,
+    transpose_granularity,
+)
+
+__all__ = [
+    "QTensor",
+    "QuantSpec",
+    "fake_quant",
+    "quantize",
+    "retile",
+    "retile_counts",
+]
+
+_MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
+ScalingLike = str | float | int | DelayedScaling | None
+
+
+def _default_scaling(block: tuple[int, int]) -> str:
+    if block in ((1, 32), (32, 1)):
+        return "mx_floor"
+    if block in ((1, 16), (16, 1)):
+        return "nvfp4"
+    return "max"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize one tensor. Frozen, hashable, serialisable with `to_dict`/`from_dict`.
+
+    Attributes:
+        format: element format name (`fp8lab.get_format`), e.g. ``"e4m3"``, ``"e5m2"``, ``"e2m1"``.
+        granularity: ``"tensor"``, ``"row"``, ``"col"``, ``"mx"``, ``"mx_col"``, ``"nvfp4"``,
+            ``"nvfp4_col"`` or a block ``(m, k)`` (-1 = full extent); stored canonically (a name
+            if the block has one, else a tuple).
+        scaling: a rule name (``max``, ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``,
+            ``mx_even``, ``mx_rceil``, ``nvfp4``), a fixed float quantization multiplier
+            (``values = cast(x * scaling)``), or a `DelayedScaling` object (per-tensor only).
+            ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
+            ``nvfp4`` for NVFP4 blocks, ``max`` otherwise.
+        rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`).
+        saturate: clamp out-of-range values to ±max (TE's ``__NV_SATFINITE``) instead of Inf/NaN.
+        pad: ragged edge blocks are treated as zero-padded (True) or raise (False).
+        margin: power-of-two margin for the ``max`` family: ``scale = fmt_max * 2**-margin / amax``.
+        epsilon: floor on amax for the ``max`` family (TE ``amax_epsilon``).
+        scale_format: the NVFP4 block-scale format (E4M3).
+        two_level: NVFP4 with the FP32 per-tensor second-level scale (True) or block scales only.
+    """
+
+    format: str = "e4m3"
+    granularity: str | tuple[int, int] = "tensor"
+    scaling: ScalingLike = None
+    rounding: str = "nearest_even"
+    saturate: bool = True
+    pad: bool = True
+    margin: int = 0
+    epsilon: float = 0.0
+    scale_format: str = "e4m3"
+    two_level: bool = True
+
+    def __post_init__(self) -> None:
+        fmt = self.format.name if isinstance(self.format, FloatFormat) else self.format
+        get_format(fmt)  # validates
+        object.__setattr__(self, "format", str(fmt))
+        block = normalize_granularity(self.granularity)
+        object.__setattr__(self, "granularity", canonical_granularity(block))
+        sc = self.scaling
+        if sc is None:
+            sc = _default_scaling(block)
+        if isinstance(sc, bool):
+            raise TypeError("scaling must be a rule name, a float or a DelayedScaling, not a bool")
+        if isinstance(sc, str):
+            sc = sc.strip().lower()
+            if sc == "amax":
+                sc = "max"
+            if sc not in _rules.RULE_NAMES:
+                _rules.get_rule(sc)  # raises with the list of names
+        elif isinstance(sc, int | float):
+            sc = float(sc)
+            if not math.isfinite(sc) or sc <= 0:
+                raise ValueError(f"a fixed scale must be a positive finite float, got {sc}")
+        elif isinstance(sc, DelayedScaling):
+            if block != (-1, -1):
+                raise ValueError("DelayedScaling is per-tensor: use granularity='tensor'")
+        else:
+            raise TypeError(
+                f"scaling must be a rule name, a float or a DelayedScaling, got {type(sc).__name__}"
+            )
+        object.__setattr__(self, "scaling", sc)
+        from fp8lab.formats import ROUNDING_MODES
+
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(
+                f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDING_MODES)}"
+            )
+        get_format(self.scale_format)
+        object.__setattr__(self, "margin", int(self.margin))
+        object.__setattr__(self, "epsilon", float(self.epsilon))
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def fmt(self) -> FloatFormat:
+        return get_format(self.format)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """Normalised block shape ``(m, k)`` (-1 = full extent)."""
+        return normalize_granularity(self.granularity)
+
+    @property
+    def is_delayed(self) -> bool:
+        return isinstance(self.scaling, DelayedScaling)
+
+    def replace(self, **changes: Any) -> QuantSpec:
+        return dataclasses.replace(self, **changes)
+
+    def fresh(self) -> QuantSpec:
+        """This spec with a fresh `DelayedScaling` state (one per tensor); else ``self``."""
+        if isinstance(self.scaling, DelayedScaling):
+            return dataclasses.replace(self, scaling=self.scaling.fresh())
+        return self
+
+    def transposed(self) -> QuantSpec:
+        """The spec with the block axes swapped (for the transposed direction)."""
+        return dataclasses.replace(self, granularity=transpose_granularity(self.granularity))
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str/int/float/bool/list/dict): TOML/JSON friendly."""
+        sc = self.scaling
+        sc_plain: Any = {"delayed": sc.config()} if isinstance(sc, DelayedScaling) else sc
+        return {
+            "format": self.format,
+            "granularity": granularity_to_plain(self.granularity),
+            "scaling": sc_plain,
+            "rounding": self.rounding,
+            "saturate": self.saturate,
+            "pad": self.pad,
+            "margin": self.margin,
+            "epsilon": self.epsilon,
+            "scale_format": self.scale_format,
+            "two_level": self.two_level,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown QuantSpec keys: {sorted(unknown)}")
+        kw = dict(d)
+        g = kw.get("granularity")
+        if isinstance(g, list):
+            kw["granularity"] = tuple(g)
+        sc = kw.get("scaling")
+        if isinstance(sc, dict):
+            if set(sc) != {"delayed"}:
+                raise ValueError(f"scaling dict must be {{'delayed': {{...}}}}, got {sc!r}")
+            kw["scaling"] = DelayedScaling.from_config(sc["delayed"])
+        return cls(**kw)
+
+
+def _spec_from_args(
+    fmt: str | FloatFormat | QuantSpec,
+    granularity: GranularityLike | None,
+    scaling: ScalingLike,
+    rounding: str | None,
+    saturate: bool | None,
+    pad: bool | None,
+    **kw: Any,
+) -> QuantSpec:
+    if isinstance(fmt, QuantSpec):
+        changes: dict[str, Any] = {}
+        for name, v in (
+            ("granularity", granularity),
+            ("scaling", scaling),
+            ("rounding", rounding),
+            ("saturate", saturate),
+            ("pad", pad),
+        ):
+            if v is not None:
+                changes[name] = v
+        changes.update({k: v for k, v in kw.items() if v is not None})
+        return dataclasses.replace(fmt, **changes) if changes else fmt
+    if not isinstance(fmt, str | FloatFormat):
+        raise TypeError(f"fmt must be a format name, FloatFormat or QuantSpec, got {type(fmt)}")
+    args: dict[str, Any] = {
+        "format": fmt.name if isinstance(fmt, FloatFormat) else fmt,
+        "granularity": "tensor" if granularity is None else granularity,
+        "scaling": scaling,
+    }
+    if rounding is not None:
+        args["rounding"] = rounding
+    if saturate is not None:
+        args["saturate"] = saturate
+    if pad is not None:
+        args["pad"] = pad
+    args.update({k: v for k, v in kw.items() if v is not None})
+    return QuantSpec(**args)
+
+
+@dataclass(eq=False)
+class QTensor:
+    """A quantized tensor.
+
+    Attributes:
+        values: float32, the original shape, every element on the format's grid (the *scaled*
+            values: ``x * scale`` after the cast).
+        scales: float32 ``[nr, nc]`` per-block dequantization multipliers (TE ``scale_inv``;
+            for MX exact powers of two, for NVFP4 the E4M3 block scales). Blocks tile the 2-D
+            view ``[R, C]`` of the tensor (`fp8lab.scaling.granularity`).
+        spec: the `QuantSpec` used.
+        global_scale: NVFP4's FP32 tensor-level dequantization scale (``None`` otherwise).
+        retiled: how many re-tilings led to this tensor (0 for a direct quantization).
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    spec: QuantSpec
+    global_scale: torch.Tensor | None = None
+    retiled: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.spec.block
+
+    @property
+    def fmt(self) -> FloatFormat:
+        return self.spec.fmt
+
+    def scale_tensor(self) -> torch.Tensor:
+        """Per-block dequantization multipliers including the NVFP4 tensor scale."""
+        if self.global_scale is None:
+            return self.scales
+        return self.scales * self.global_scale
+
+    def dequantize(self) -> torch.Tensor:
+        """``values * scales`` broadcast over the blocks (float32, the original shape)."""
+        s2 = shape_2d(self.values.shape)
+        sc = self.scales
+        v2 = as_2d(self.values)
+        out = v2 * sc.reshape(()) if sc.numel() == 1 else v2 * expand_blocks(sc, self.block, s2)
+        if self.global_scale is not None:
+            out = out * self.global_scale
+        return out.reshape(self.values.shape)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 bit codes of the element values (`fp8lab.encode`)."""
+        from fp8lab.formats import encode
+
+        return encode(self.values, self.fmt)
+
+    def scale_codes(self) -> torch.Tensor:
+        """E8M0 codes (uint8) of power-of-two scales (MX): ``exponent(scale) + 127``."""
+        b = self.scales.contiguous().view(torch.int32)
+        if bool(((b & 0x007FFFFF) != 0).any()):
+            raise ValueError("scales are not all powers of two; E8M0 codes need an MX rule")
+        code = (b >> 23) & 0xFF
+        return torch.where(torch.isnan(self.scales), 255, code).to(torch.uint8)
+
+    def t(self) -> QTensor:
+        """The transpose of a 2-D quantized tensor (values, scales and block shape swapped)."""
+        if self.values.dim() != 2:
+            raise ValueError(f"t() needs a 2-D QTensor, got shape {tuple(self.values.shape)}")
+        return QTensor(
+            values=self.values.t(),
+            scales=self.scales.t(),
+            spec=self.spec.transposed(),
+            global_scale=self.global_scale,
+            retiled=self.retiled,
+            meta=dict(self.meta),
+        )
+
+    @property
+    def T(self) -> QTensor:
+        return self.t()
+
+    def __repr__(self) -> str:
+        return (
+            f"QTensor(shape={tuple(self.values.shape)}, format={self.spec.format!r}, "
+            f"granularity={self.spec.granularity!r}, scales={tuple(self.scales.shape)}, "
+            f"retiled={self.retiled})"
+        )
+
+
+# ---------------------------------------------------------------------------------- cast
+def _cast(
+    x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    from fp8lab.formats import cast
+
+    return cast(x, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator)
+
+
+def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    a = x.detach().float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype), a)
+    return a.amax()
+
+
+def _scales_for(
+    x: torch.Tensor, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-block quantization multiplier, per-block scale_inv, global dequant scale)."""
+    sc = spec.scaling
+    block = spec.block
+    s2 = shape_2d(x.shape)
+    nb = num_blocks(s2, block)
+    if isinstance(sc, float):
+        s = torch.full(nb, sc, dtype=torch.float32)
+        return s, torch.reciprocal(s), None
+    if isinstance(sc, DelayedScaling):
+        amax = _tensor_amax(x)
+        s = sc.scale_for(amax, spec.fmt)
+        sc.observe(amax)
+        s = s.reshape(1, 1)
+        return s, torch.reciprocal(s), None
+    amax = block_amax(x, block, pad=spec.pad)
+    if sc == "nvfp4":
+        tensor_amax = amax.amax() if spec.two_level else None
+        if tensor_amax is not None and tensor_amax.numel() == 0:
+            tensor_amax = torch.zeros(())
+        s_blk, s_dec, enc = _rules.nvfp4_scales(
+            amax, tensor_amax, spec.fmt, scale_format=spec.scale_format
+        )
+        return enc, s_blk, (s_dec if spec.two_level else None)
+    if sc in _MX_RULES:
+        s = _rules.get_rule(sc)(amax, spec.fmt)
+        return (
+            s,
+            _rules.e8m0_to_scale_inv(_rules.mx_exponent(amax, spec.fmt, sc.removeprefix("mx_"))),
+            None,
+        )
+    s = _rules.get_rule(sc)(amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon)
+    return s, torch.reciprocal(s), None
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | FloatFormat | QuantSpec = "e4m3",
+    granularity: GranularityLike | None = None,
+    scaling: ScalingLike = None,
+    rounding: str | None = None,
+    *,
+    saturate: bool | None = None,
+    pad: bool | None = None,
+    margin: int | None = None,
+    epsilon: float | None = None,
+    generator: torch.Generator | None = None,
+) -> QTensor:
+    """Quantize ``x`` (float tensor, any shape) under a spec.
+
+    ``fmt`` is a format name / `FloatFormat` (then the other arguments build a `QuantSpec`) or a
+    `QuantSpec` (then non-None arguments override its fields). Returns a `QTensor` whose
+    ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
+    the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
+    step). ``generator`` feeds stochastic rounding.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    spec = _spec_from_args(
+        fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
+    )
+    x = x.detach()
+    check_fit(shape_2d(x.shape), spec.block, spec.pad)
+    s, s_inv, g = _scales_for(x, spec)
+    x2 = as_2d(x).float()
+    s2 = tuple(x2.shape)
+    mult = s.reshape(()) if s.numel() == 1 else expand_blocks(s, spec.block, s2)
+    values = _cast(x2 * mult, spec, generator).reshape(x.shape)
+    return QTensor(
+        values=values, scales=s_inv.reshape(num_blocks(s2, spec.block)), spec=spec, global_scale=g
+    )
+
+
+def fake_quant(
+    x: torch.Tensor,
+    fmt: str | FloatFormat | QuantSpec = "e4m3",
+    granularity: GranularityLike | None = None,
+    scaling: ScalingLike = None,
+    rounding: str | None = None,
+    **kw: Any,
+) -> torch.Tensor:
+    """``quantize(x, ...).dequantize()``: float32, ``x``'s shape."""
+    return quantize(x, fmt, granularity, scaling, rounding, **kw).dequantize()
+
+
+# ---------------------------------------------------------------------------------- retile
+_RETILE_COUNTS = {"from_quantized": 0, "from_source": 0}
+
+
+def retile_counts(reset: bool = False) -> dict[str, int]:
+    """How many re-tilings ran in this process, by source; ``reset=True`` zeroes the counters."""
+    out = dict(_RETILE_COUNTS)
+    if reset:
+        for k in _RETILE_COUNTS:
+            _RETILE_COUNTS[k] = 0
+    return out
+
+
+def retile(
+    q: QTensor,
+    to: GranularityLike | None = None,
+    *,
+    source: torch.Tensor | None = None,
+    spec: QuantSpec | None = None,
+) -> QTensor:
+    """Re-tile a quantized tensor for the other GEMM direction. Explicit and counted.
+
+    Returns a `QTensor` of the *same* logical tensor (same shape) with granularity ``to``
+    (default: the block transposed, (1, 128) -> (128, 1), ``mx`` -> ``mx_col``).
+
+    * ``source=None``: from the quantized values, as DeepSeek-V3 does (dequantize, re-quantize
+      into the new tiles). Power-of-two scales keep this nearly lossless; other rules add a second
+      rounding, which `QTensor.meta["retile_added_error"]` reports (max |new - old dequantized|).
+    * ``source=x``: from the high-precision tensor, as TE's MXFP8 does (rowwise and columnwise
+      copies quantized independently from the same source).
+
+    ``spec`` overrides the whole target spec (default: ``q.spec`` with the new granularity).
+    """
+    if not isinstance(q, QTensor):
+        raise TypeError(f"retile expects a QTensor, got {type(q).__name__}")
+    target = spec or q.spec.replace(
+        granularity=to if to is not None else transpose_granularity(q.spec.granularity)
+    )
+    if isinstance(target.scaling, DelayedScaling):
+        raise ValueError("retile does not apply to DelayedScaling (per-tensor) QTensors")
+    if source is not None:
+        if tuple(source.shape) != tuple(q.shape):
+            raise ValueError(
+                f"source shape {tuple(source.shape)} does not match the QTensor {tuple(q.shape)}"
+            )
+        out = quantize(source, target)
+        _RETILE_COUNTS["from_source"] += 1
+        out.meta["retile_source"] = "source"
+    else:
+        deq = q.dequantize()
+        out = quantize(deq, target)
+        _RETILE_COUNTS["from_quantized"] += 1
+        out.meta["retile_source"] = "quantized"
+        out.meta["retile_added_error"] = (
+            float(torch.nan_to_num((out.dequantize() - deq).abs(), nan=0.0).max())
+            if deq.numel()
+            else 0.0
+        )
+    out.retiled = q.retiled + 1
+    return out

@@ -1,0 +1,55 @@
+"""L1: how a tensor is scaled before a cast — granularity, scale rules, delayed scaling."""
+
+from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.granularity import (
+    NAMED_GRANULARITIES,
+    block_amax,
+    canonical_granularity,
+    expand_blocks,
+    normalize_granularity,
+    transpose_granularity,
+)
+from fp8lab.scaling.rules import (
+    FLT_MAX,
+    RULE_NAMES,
+    SCALE_RULES,
+    e8m0_to_scale,
+    e8m0_to_scale_inv,
+    get_rule,
+    max_scale,
+    mx_ceil,
+    mx_even,
+    mx_exponent,
+    mx_floor,
+    mx_rceil,
+    nvfp4_scales,
+    pow2_down,
+    pow2_up,
+    scale_inv_of,
+)
+
+__all__ = [
+    "FLT_MAX",
+    "NAMED_GRANULARITIES",
+    "RULE_NAMES",
+    "SCALE_RULES",
+    "DelayedScaling",
+    "block_amax",
+    "canonical_granularity",
+    "e8m0_to_scale",
+    "e8m0_to_scale_inv",
+    "expand_blocks",
+    "get_rule",
+    "max_scale",
+    "mx_ceil",
+    "mx_even",
+    "mx_exponent",
+    "mx_floor",
+    "mx_rceil",
+    "normalize_granularity",
+    "nvfp4_scales",
+    "pow2_down",
+    "pow2_up",
+    "scale_inv_of",
+    "transpose_granularity",
+]

@@ -1,0 +1,286 @@
+"""Scale rules: block amax -> scale. One function per rule.
+
+Conventions (Transformer Engine's):
+
+* ``scale`` is the **quantization multiplier**: the cast is ``values = cast(x * scale)``.
+* ``scale_inv = 1 / scale`` is the **dequantization multiplier**, the number `QTensor.scales`
+  stores (TE's ``scale_inv``; for power-of-two rules it is exact).
+
+Every rule takes a float32 tensor of block amaxes (any shape) and the element format, and returns
+the float32 ``scale`` tensor of the same shape. The MX rules are computed on the bits of the FP32
+amax (no float ``log2``, which is off by one just below powers of two); `mx_exponent` returns their
+biased E8M0 codes.
+
+Rules
+-----
+``max``        TE current scaling (``compute_scale_from_amax``): ``amax = max(amax, epsilon)``;
+               amax of 0, inf or NaN -> scale 1.0; else ``fmt_max * 2**-margin / amax`` with one
+               correctly rounded float32 division; an infinite result (tiny amax) -> FLT_MAX.
+``pow2_down``  ``max`` then the scale's FP32 mantissa zeroed (TE ``use_power_2_scales``,
+               Float8BlockScaling's default): the multiplier is rounded *down*, so nothing clips.
+``pow2_up``    ``max`` then the multiplier rounded *up* to a power of two (more resolution, the
+               block amax may saturate). Directions refer to the multiplier ``scale``.
+``mx_floor``   OCP MX v1.0 §6.3: ``X = 2**(floor(log2 amax) - emax_elem)`` (torchao FLOOR,
+               microxcaling). Blocks whose amax mantissa exceeds the element max clip.
+``mx_ceil``    torchao CEIL: ``X = 2**(ceil(log2 amax) - emax_elem)``.
+``mx_even``    torchao EVEN: amax's mantissa rounded to the element's mantissa width, then floor.
+``mx_rceil``   cuBLAS / TE MXFP8 / DeepGEMM ``ceil_to_ue8m0``: ``X = 2**ceil(log2(amax/fmt_max))``,
+               never clips. The quotient is formed as TE does, ``fl32(amax * fl32(1/fmt_max))``
+               (``divide=True`` uses a correctly rounded division, as DeepGEMM's reference does).
+``nvfp4``      two-level NVFP4 (TE ``reference_nvfp4.py``): see `nvfp4_scales`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fp8lab.formats import FloatFormat, get_format
+
+FLT_MAX = torch.finfo(torch.float32).max
+_EXP_MASK = 0x7F800000
+_MANT_MASK = 0x007FFFFF
+
+__all__ = [
+    "FLT_MAX",
+    "SCALE_RULES",
+    "e8m0_to_scale",
+    "e8m0_to_scale_inv",
+    "get_rule",
+    "max_scale",
+    "mx_ceil",
+    "mx_even",
+    "mx_exponent",
+    "mx_floor",
+    "mx_rceil",
+    "nvfp4_scales",
+    "pow2_down",
+    "pow2_up",
+    "scale_inv_of",
+]
+
+
+def _f32(t: torch.Tensor | float) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        return torch.tensor(float(t), dtype=torch.float32)
+    return t.to(torch.float32)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _from_bits(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.int32).contiguous().view(torch.float32)
+
+
+def scale_inv_of(scale: torch.Tensor) -> torch.Tensor:
+    """Dequantization multiplier ``1/scale``, correctly rounded (TE ``__frcp_rn``)."""
+    return torch.reciprocal(_f32(scale))
+
+
+# --------------------------------------------------------------------------- per-tensor family
+def max_scale(
+    amax: torch.Tensor,
+    fmt: str | FloatFormat,
+    *,
+    margin: int = 0,
+    epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
+) -> torch.Tensor:
+    """TE current scaling: ``scale = fmt_max * 2**-margin / amax`` (see module doc)."""
+    f = get_format(fmt)
+    amax = _f32(amax)
+    if epsilon > 0:
+        eps = torch.tensor(float(epsilon), dtype=torch.float32)
+        amax = torch.where(amax < eps, eps, amax)  # NaN < eps is False: NaN stays NaN
+    scaled_max = torch.tensor(f.max * 2.0 ** (-int(margin)), dtype=torch.float32)
+    scale = torch.div(scaled_max, amax)  # IEEE division: correctly rounded
+    good = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(good, scale, torch.ones((), dtype=torch.float32))
+    return torch.where(
+        torch.isinf(scale), torch.tensor(float(value_for_inf), dtype=torch.float32), scale
+    )
+
+
+def pow2_down(
+    amax: torch.Tensor, fmt: str | FloatFormat, *, margin: int = 0, epsilon: float = 0.0
+) -> torch.Tensor:
+    """``max`` with the multiplier rounded down to a power of two (``bits &= 0xFF800000``)."""
+    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon)
+    return _from_bits(_bits(s) & torch.tensor(-8388608, dtype=torch.int32))  # 0xFF800000
+
+
+def pow2_up(
+    amax: torch.Tensor, fmt: str | FloatFormat, *, margin: int = 0, epsilon: float = 0.0
+) -> torch.Tensor:
+    """``max`` with the multiplier rounded up to a power of two (capped at 2**127)."""
+    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon)
+    b = _bits(s)
+    has_mant = (b & _MANT_MASK) != 0
+    up = (b & -8388608) + 0x00800000
+    up = torch.where((up & _EXP_MASK) == _EXP_MASK, torch.full_like(up, 0x7F000000), up)
+    return _from_bits(torch.where(has_mant, up, b))
+
+
+# --------------------------------------------------------------------------- MX (E8M0) family
+def _exp_field(amax: torch.Tensor) -> torch.Tensor:
+    return (_bits(amax) >> 23) & 0xFF
+
+
+def _clamp_code(unbiased: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    # torchao: clamp the unbiased exponent to [-127, 128] (128 encodes NaN), +127 -> code.
+    code = unbiased.clamp(-127, 128) + 127
+    return torch.where(torch.isfinite(amax), code, torch.full_like(code, 255))
+
+
+def mx_exponent(
+    amax: torch.Tensor, fmt: str | FloatFormat, mode: str = "floor", *, divide: bool = False
+) -> torch.Tensor:
+    """Biased E8M0 code (int32, 0..255; 255 = NaN) of the MX shared scale ``X = 2**(code-127)``.
+
+    ``mode`` is ``floor`` | ``ceil`` | ``even`` | ``rceil`` (see the module doc). ``X`` is the
+    dequantization multiplier; elements are quantized as ``cast(x * 2**(127-code))``.
+    """
+    f = get_format(fmt)
+    amax = _f32(amax).abs()
+    emax = f.emax
+    if mode == "floor":
+        return _clamp_code(_exp_field(amax) - 127 - emax, amax)
+    if mode == "ceil":
+        b = _bits(amax)
+        e = ((b >> 23) & 0xFF) - 127 + ((b & _MANT_MASK) != 0).to(torch.int32)
+        return _clamp_code(e - emax, amax)
+    if mode == "even":
+        mbits_diff = 23 - f.mbits
+        b = _bits(amax)
+        b = (b + (1 << (mbits_diff - 1))) & 0x7F800000 if mbits_diff > 0 else b & 0x7F800000
+        e = ((b >> 23) & 0xFF) - 127
+        # rounding up may carry into the inf/NaN exponent: treat as non-finite like torchao
+        code = _clamp_code(e - emax, amax)
+        return torch.where(((b >> 23) & 0xFF) == 255, torch.full_like(code, 255), code)
+    if mode == "rceil":
+        fmax = torch.tensor(f.max, dtype=torch.float32)
+        # TE forms fl32(amax * fl32(1/fmt_max)); DeepGEMM's reference divides
+        r = torch.div(amax, fmax) if divide else amax * torch.reciprocal(fmax)
+        b = _bits(r)
+        e = (b >> 23) & 0xFF
+        mant = b & _MANT_MASK
+        bump = (mant > 0) & (e != 0xFE) & ~((e == 0) & (mant <= 0x400000))
+        code = e + bump.to(torch.int32)
+        code = torch.where(torch.isinf(r), torch.full_like(code, 0xFE), code)
+        code = torch.where(torch.isnan(r), torch.full_like(code, 0xFF), code)
+        return torch.where(r == 0, torch.zeros_like(code), code)
+    raise ValueError(f"unknown MX scale mode {mode!r}; use floor, ceil, even or rceil")
+
+
+def e8m0_to_scale_inv(code: torch.Tensor) -> torch.Tensor:
+    """``2**(code-127)`` as float32 (code 255 -> NaN). The dequantization multiplier."""
+    code = code.to(torch.int32)
+    out = torch.ldexp(torch.ones(code.shape, dtype=torch.float32), (code - 127).float())
+    return torch.where(code == 255, torch.full_like(out, float("nan")), out.float())
+
+
+def e8m0_to_scale(code: torch.Tensor) -> torch.Tensor:
+    """``2**(127-code)`` as float32 (code 254 -> 2**-127, a subnormal; 255 -> NaN)."""
+    code = code.to(torch.int32)
+    out = torch.ldexp(torch.ones(code.shape, dtype=torch.float32), (127 - code).float())
+    return torch.where(code == 255, torch.full_like(out, float("nan")), out.float())
+
+
+def _mx_rule(mode: str) -> Callable[..., torch.Tensor]:
+    def rule(
+        amax: torch.Tensor, fmt: str | FloatFormat, *, divide: bool = False, **_: object
+    ) -> torch.Tensor:
+        return e8m0_to_scale(mx_exponent(amax, fmt, mode, divide=divide))
+
+    rule.__name__ = f"mx_{mode}"
+    rule.__doc__ = f"MX shared scale, mode {mode!r}: the multiplier ``2**(127 - mx_exponent)``."
+    return rule
+
+
+mx_floor = _mx_rule("floor")
+mx_ceil = _mx_rule("ceil")
+mx_even = _mx_rule("even")
+mx_rceil = _mx_rule("rceil")
+
+
+# --------------------------------------------------------------------------- NVFP4 two-level
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """RNE onto E4M3 with saturation (the block-scale cast)."""
+    try:
+        from fp8lab.formats import cast
+    except ImportError:  # pragma: no cover - formats.cast not landed yet
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return cast(x, "e4m3", rounding="nearest_even", saturate=True)
+
+
+def nvfp4_scales(
+    block_amax: torch.Tensor,
+    tensor_amax: torch.Tensor | float | None,
+    fmt: str | FloatFormat = "e2m1",
+    *,
+    scale_format: str | FloatFormat = "e4m3",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 two-level scales, TE's reference (``reference_nvfp4.py``) with ``fmt_max`` = 6.
+
+    Returns ``(s_blk, s_dec, enc)``:
+
+    * ``s_enc = (scale_max * fmt_max) / tensor_amax`` (FP32; capped at FLT_MAX; amax 0 -> 1),
+      ``s_dec = 1 / s_enc``: the FP32 tensor-level dequantization scale;
+    * ``s_blk = e4m3(clamp(block_amax * (s_enc * (1/fmt_max)), +-scale_max))``, per block, on the
+      E4M3 grid: the block-level dequantization scale;
+    * ``enc = min(1 / (s_blk * s_dec), FLT_MAX)``: the per-block quantization multiplier.
+
+    Dequantization is ``q * s_blk * s_dec``. With ``tensor_amax=None`` (single level):
+    ``s_blk = e4m3(clamp(block_amax / fmt_max, 2**-9, scale_max))``, ``s_dec = 1`` and
+    ``enc = 1 / s_blk``.
+    """
+    f = get_format(fmt)
+    sf = get_format(scale_format)
+    block_amax = _f32(block_amax)
+    fmax = torch.tensor(f.max, dtype=torch.float32)
+    smax = torch.tensor(sf.max, dtype=torch.float32)
+    flt_max = torch.tensor(FLT_MAX, dtype=torch.float32)
+    if tensor_amax is None:
+        s_blk = _to_e4m3(torch.div(block_amax, fmax).clamp(sf.min_subnormal, sf.max))
+        s_dec = torch.ones((), dtype=torch.float32)
+        enc = torch.reciprocal(s_blk)
+        return s_blk, s_dec, enc
+    tensor_amax = _f32(tensor_amax)
+    s_enc = torch.div(smax * fmax, tensor_amax)
+    s_enc = torch.minimum(s_enc, flt_max)
+    s_enc = torch.where(tensor_amax == 0, torch.ones_like(s_enc), s_enc)
+    s_dec = torch.reciprocal(s_enc)
+    inv_fmax = torch.reciprocal(fmax)  # fl32(1/6)
+    s_blk = _to_e4m3((block_amax * (s_enc * inv_fmax)).clamp(-sf.max, sf.max))
+    enc = torch.minimum(torch.reciprocal(s_blk * s_dec), flt_max)
+    return s_blk, s_dec, enc
+
+
+# --------------------------------------------------------------------------- registry
+SCALE_RULES: dict[str, Callable[..., torch.Tensor]] = {
+    "max": max_scale,
+    "amax": max_scale,
+    "pow2_down": pow2_down,
+    "pow2_up": pow2_up,
+    "mx_floor": mx_floor,
+    "mx_ceil": mx_ceil,
+    "mx_even": mx_even,
+    "mx_rceil": mx_rceil,
+}
+RULE_NAMES = (*SCALE_RULES, "nvfp4")
+
+
+def get_rule(name: str) -> Callable[..., torch.Tensor]:
+    """The per-block rule function ``(amax, fmt, **knobs) -> scale`` (``nvfp4``: `nvfp4_scales`)."""
+    key = name.strip().lower()
+    if key == "nvfp4":
+        return nvfp4_scales
+    if key not in SCALE_RULES:
+        raise ValueError(
+            f"unknown scaling rule {name!r}; valid: {', '.join(RULE_NAMES)}, a fixed float "
+            "multiplier, or a DelayedScaling object"
+        )
+    return SCALE_RULES[key]
