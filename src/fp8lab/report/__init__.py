@@ -1,0 +1,1 @@
+"""L4: figures and tables (matplotlib PNGs, Markdown) written from lab results."""

@@ -1,0 +1,378 @@
+"""Tensor error statistics: how much a quantization spec damages a tensor.
+
+The one call most users need::
+
+    stats.tensor_stats(x, spec) -> dict
+        amax            max |x| (float; NaN ignored)
+        dynamic_range   log2(amax / min nonzero |x|) in binades (NaN if x has no nonzero value)
+        sqnr_db         10*log10(sum x^2 / sum (x - xq)^2); +inf when xq == x exactly
+        cosine          cos(x, xq); 1.0 when both are all-zero, 0.0 when only one is
+        rel_error       ||x - xq|| / ||x|| (Frobenius); 0.0 exact, +inf when x == 0 but xq != 0
+        underflow_pct   % of the nonzero elements of x that quantize to 0 (0 when x has none)
+        saturation_pct  % of all elements whose scaled magnitude exceeds the format's max
+                        (clamped to +-max, or Inf/NaN without saturation)
+        nonzero_pct     % of nonzero elements of x
+        numel           number of elements
+
+``x`` is any floating tensor (computed in float64). ``spec`` is a spec string (`parse_spec`), a
+`fp8lab.QuantSpec`, or a format name (a plain cast, scale 1). SQNR can look fine while most small
+values underflow (the large values carry the energy): read ``sqnr_db`` and ``underflow_pct``
+together. Values are plain Python floats and may be ``inf``/``nan`` (use `json_safe` before
+writing JSON: non-finite numbers become None).
+
+Spec strings: ``FORMAT`` (plain cast), ``FORMAT:GRAN`` with GRAN ``tensor``, ``row``, ``col``,
+``MxK`` (e.g. ``e4m3:128x128``, ``e4m3:1x128``) or ``mx``; and the shorthands ``mxfp8``
+(= ``e4m3:mx`` with E8M0 power-of-two scales), ``mxfp8_e5m2``, ``mxfp6``/``mxfp6_e2m3``,
+``mxfp6_e3m2``, ``mxfp4``. Dynamic scaling maps each block's amax to the format max.
+
+Also here: the pair functions on ``(x, xq)`` (`sqnr_db`, `cosine`, `rel_error`, `underflow_pct`,
+`saturation_pct`, `amax`, `dynamic_range`), `error_stats` (all of them for a pair),
+`block_stats` (per-block tensors), `what_if` (one tensor under several specs) and `fake_quant`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8lab.formats import FloatFormat, get_format
+
+STAT_KEYS = (
+    "amax",
+    "dynamic_range",
+    "sqnr_db",
+    "cosine",
+    "rel_error",
+    "underflow_pct",
+    "saturation_pct",
+    "nonzero_pct",
+    "numel",
+)
+
+
+# ----------------------------------------------------------------------------- pair statistics
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected a floating tensor, got dtype {x.dtype}")
+    return x.detach().to(torch.float64)
+
+
+def _pair(x: torch.Tensor, xq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _f64(x), _f64(xq)
+    if a.shape != b.shape:
+        raise ValueError(f"x and xq shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return a, b
+
+
+def sqnr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB; ``+inf`` when ``xq == x`` (also all-zero),
+    ``-inf`` when ``x`` is all-zero and ``xq`` is not."""
+    a, b = _pair(x, xq)
+    noise = float(torch.sum((a - b) ** 2))
+    signal = float(torch.sum(a * a))
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def cosine(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors; 1.0 if both are all-zero, 0.0 if one is."""
+    a, b = _pair(x, xq)
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(torch.sum(a * b)) / (na * nb)
+
+
+def rel_error(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """``||x - xq|| / ||x||``; 0.0 when exact, ``+inf`` when x is all-zero but xq is not."""
+    a, b = _pair(x, xq)
+    err = float(torch.linalg.vector_norm(a - b))
+    if err == 0.0:
+        return 0.0
+    ref = float(torch.linalg.vector_norm(a))
+    return math.inf if ref == 0.0 else err / ref
+
+
+def underflow_pct(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """Percentage of the nonzero elements of ``x`` that became 0 in ``xq`` (0 if none nonzero)."""
+    a, b = _pair(x, xq)
+    nz = a != 0
+    n = int(nz.sum())
+    if n == 0:
+        return 0.0
+    return 100.0 * int((nz & (b == 0)).sum()) / n
+
+
+def saturation_pct(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    fmt: str | FloatFormat,
+    values: torch.Tensor | None = None,
+) -> float:
+    """Percentage of elements whose scaled magnitude exceeds ``fmt.max``.
+
+    ``values`` are the on-grid values in the scaled domain (``xq`` = values * per-element
+    dequantization scale); None means scale 1 (``values = xq``). An element counts when its grid
+    value is ``+-max`` while ``|x| > |xq|`` (it was clamped), or when it overflowed to Inf/NaN
+    from a finite input (non-saturating casts).
+    """
+    f = get_format(fmt)
+    a, b = _pair(x, xq)
+    v = b if values is None else _f64(values)
+    if v.shape != a.shape:
+        raise ValueError(f"values shape {tuple(v.shape)} differs from x {tuple(a.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    # 1e-9 relative: above float64 rounding noise of the de-scaling multiply, far below a step
+    clamped = (v.abs() == f.max) & (a.abs() > b.abs() * (1.0 + 1e-9))
+    overflow = ~torch.isfinite(v) & torch.isfinite(a)
+    return 100.0 * int((clamped | overflow).sum()) / a.numel()
+
+
+def amax(x: torch.Tensor) -> float:
+    """``max |x|`` ignoring NaN (0.0 for an empty tensor)."""
+    a = _f64(x).abs()
+    a = a[~torch.isnan(a)]
+    return float(a.max()) if a.numel() else 0.0
+
+
+def dynamic_range(x: torch.Tensor) -> float:
+    """``log2(amax / min nonzero |x|)`` in binades over the finite values; NaN if none nonzero."""
+    a = _f64(x).abs()
+    a = a[torch.isfinite(a) & (a != 0)]
+    if a.numel() == 0:
+        return math.nan
+    return math.log2(float(a.max()) / float(a.min()))
+
+
+def error_stats(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    fmt: str | FloatFormat | None = None,
+    values: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Every statistic of `STAT_KEYS` for a pair (saturation needs ``fmt``; else NaN)."""
+    a, b = _pair(x, xq)
+    n = a.numel()
+    return {
+        "amax": amax(a),
+        "dynamic_range": dynamic_range(a),
+        "sqnr_db": sqnr_db(a, b),
+        "cosine": cosine(a, b),
+        "rel_error": rel_error(a, b),
+        "underflow_pct": underflow_pct(a, b),
+        "saturation_pct": math.nan if fmt is None else saturation_pct(a, b, fmt, values),
+        "nonzero_pct": 100.0 * int((a != 0).sum()) / n if n else 0.0,
+        "numel": n,
+    }
+
+
+# --------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class StatSpec:
+    """A parsed spec string: element format, granularity and scale rule.
+
+    ``granularity`` None = a plain cast (scale 1); ``scale_rule`` ``"max"`` (amax -> format max,
+    float scale) or ``"mx"`` (E8M0 power of two, OCP MX floor rule).
+    """
+
+    name: str
+    format: str
+    granularity: str | tuple[int, int] | None
+    scale_rule: str = "max"
+
+
+_MX_SHORTHANDS = {
+    "mxfp8": "e4m3",
+    "mxfp8_e4m3": "e4m3",
+    "mxfp8_e5m2": "e5m2",
+    "mxfp6": "e2m3",
+    "mxfp6_e2m3": "e2m3",
+    "mxfp6_e3m2": "e3m2",
+    "mxfp4": "e2m1",
+}
+_BLOCK = re.compile(r"^(\d+|-1)x(\d+|-1)$")
+
+
+def parse_spec(spec: str | StatSpec | Any) -> StatSpec | Any:
+    """Parse a spec string (see the module docstring); a `StatSpec`/`QuantSpec` passes through."""
+    if not isinstance(spec, str):
+        return spec
+    s = spec.strip().lower()
+    if s in _MX_SHORTHANDS:
+        return StatSpec(s, _MX_SHORTHANDS[s], "mx", "mx")
+    fmt_name, _, gran = s.partition(":")
+    try:
+        fmt = get_format(fmt_name)
+    except ValueError as exc:
+        raise ValueError(f"bad spec {spec!r}: {exc}") from None
+    if not gran:
+        return StatSpec(s, fmt.name, None)
+    if gran == "mx":
+        return StatSpec(s, fmt.name, "mx", "mx")
+    if gran in ("tensor", "row", "col"):
+        return StatSpec(s, fmt.name, gran)
+    m = _BLOCK.match(gran)
+    if not m or int(m.group(1)) == 0 or int(m.group(2)) == 0:
+        raise ValueError(
+            f"bad spec {spec!r}: granularity must be tensor, row, col, mx or MxK (e.g. 128x128, "
+            "1x128)"
+        )
+    return StatSpec(s, fmt.name, (int(m.group(1)), int(m.group(2))))
+
+
+def spec_name(spec: Any) -> str:
+    """Printable name of a spec (the string it was parsed from, or its repr)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, StatSpec):
+        return spec.name
+    return str(spec)
+
+
+def _blocks(x2d: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """[R, C] -> zero-padded [nr, nc, m*k] block view and the resolved block shape."""
+    from fp8lab.scaling.granularity import pad_to_blocks, resolve_block
+
+    m, k = resolve_block(block, tuple(x2d.shape))
+    xp = pad_to_blocks(x2d, (m, k))
+    nr, nc = xp.shape[0] // m, xp.shape[1] // k
+    return xp.reshape(nr, m, nc, k).permute(0, 2, 1, 3).reshape(nr, nc, m * k), (m, k)
+
+
+def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Quantize-dequantize ``x`` under ``spec``.
+
+    Returns ``(xq, values, format_name)``: ``xq`` float64 like ``x``; ``values`` the on-grid
+    values in the scaled domain (same shape; used for the saturation count).
+    """
+    from fp8lab.formats import cast
+
+    spec = parse_spec(spec)
+    if not isinstance(spec, StatSpec):
+        return _fake_quant_quantspec(x, spec)
+    fmt = get_format(spec.format)
+    a = _f64(x)
+    if spec.granularity is None:
+        v = cast(a, fmt).to(torch.float64)  # float64 in: rounded once, exactly
+        return v, v, fmt.name
+    from fp8lab.scaling.granularity import as_2d, expand_blocks, normalize_granularity
+
+    block = normalize_granularity(spec.granularity)
+    a2 = as_2d(a)
+    blk, (m, k) = _blocks(a2.abs().nan_to_num(nan=0.0), block)
+    bmax = blk.amax(dim=2) if blk.numel() else torch.zeros(blk.shape[:2], dtype=a.dtype)
+    if spec.scale_rule == "mx":
+        # OCP MX: X = 2^(floor(log2 amax) - emax_elem); blocks of zeros use X = 1
+        e = torch.floor(torch.log2(torch.where(bmax > 0, bmax, torch.ones_like(bmax))))
+        deq = torch.exp2(e - fmt.emax)
+    else:
+        deq = torch.where(bmax > 0, bmax / fmt.max, torch.ones_like(bmax))
+    deq_full = expand_blocks(deq, (m, k), tuple(a2.shape))
+    v = cast((a2 / deq_full).contiguous(), fmt).to(torch.float64)
+    xq = (v * deq_full).reshape(a.shape)
+    return xq, v.reshape(a.shape), fmt.name
+
+
+def _fake_quant_quantspec(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A `fp8lab.QuantSpec` (from fp8lab.quantize / a recipe role)."""
+    from fp8lab.quantize import quantize
+
+    q = quantize(x.detach().float(), spec)
+    xq = q.dequantize().to(torch.float64).reshape(x.shape)
+    values = q.values.to(torch.float64)
+    if values.shape != x.shape:
+        values = values.reshape(-1)[: x.numel()].reshape(x.shape)
+    fmt = spec.format if isinstance(spec.format, str) else spec.format.name
+    return xq, values, get_format(fmt).name
+
+
+# ------------------------------------------------------------------------- tensor-level APIs
+def tensor_stats(x: torch.Tensor, spec: Any = "e4m3:tensor") -> dict[str, float]:
+    """Every statistic of `STAT_KEYS` for ``x`` quantized under ``spec`` (see the docstring)."""
+    xq, values, fmt = fake_quant(x, spec)
+    return error_stats(x, xq, fmt, values)
+
+
+def block_stats(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    block: str | tuple[int, int] | Sequence[int] = (128, 128),
+) -> dict[str, torch.Tensor]:
+    """Per-block statistics over the ``[R, C]`` view of a pair, each a float64 ``[nr, nc]``
+    tensor: ``amax``, ``sqnr_db`` (+inf exact), ``rel_error``, ``underflow_pct`` (NaN-free: 0
+    for a block without nonzeros) and ``dynamic_range`` (NaN for an all-zero block)."""
+    from fp8lab.scaling.granularity import as_2d, normalize_granularity
+
+    a, b = _pair(x, xq)
+    blk = normalize_granularity(block)
+    ab, _ = _blocks(as_2d(a), blk)
+    bb, _ = _blocks(as_2d(b), blk)
+    sig = (ab * ab).sum(dim=2)
+    noise = ((ab - bb) ** 2).sum(dim=2)
+    with torch.no_grad():
+        sq = 10.0 * torch.log10(sig / noise)
+    sq = torch.where(noise == 0, torch.full_like(sq, math.inf), sq)
+    rel = torch.where(noise == 0, torch.zeros_like(sig), torch.sqrt(noise / sig))
+    nz = ab != 0
+    n_nz = nz.sum(dim=2)
+    uf = 100.0 * (nz & (bb == 0)).sum(dim=2) / n_nz.clamp(min=1)
+    mag = ab.abs()
+    bmax = mag.amax(dim=2) if mag.numel() else torch.zeros(sig.shape, dtype=sig.dtype)
+    bmin = torch.where(nz, mag, torch.full_like(mag, math.inf)).amin(dim=2)
+    dr = torch.where(n_nz > 0, torch.log2(bmax / bmin), torch.full_like(bmax, math.nan))
+    return {
+        "amax": bmax,
+        "sqnr_db": sq,
+        "rel_error": rel,
+        "underflow_pct": uf.to(torch.float64),
+        "dynamic_range": dr,
+    }
+
+
+def block_summary(per_block: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Worst / median of `block_stats` output: ``min_block_sqnr_db``, ``median_block_sqnr_db``,
+    ``max_block_underflow_pct``, ``max_block_dynamic_range``."""
+    sq = per_block["sqnr_db"].flatten()
+    uf = per_block["underflow_pct"].flatten()
+    dr = per_block["dynamic_range"].flatten()
+    dr = dr[~torch.isnan(dr)]
+    return {
+        "min_block_sqnr_db": float(sq.min()) if sq.numel() else math.nan,
+        "median_block_sqnr_db": float(sq.median()) if sq.numel() else math.nan,
+        "max_block_underflow_pct": float(uf.max()) if uf.numel() else math.nan,
+        "max_block_dynamic_range": float(dr.max()) if dr.numel() else math.nan,
+    }
+
+
+def what_if(x: torch.Tensor, specs: Iterable[Any]) -> list[dict[str, Any]]:
+    """One row per spec: ``{"spec": name, **tensor_stats(x, spec)}``, in the order given."""
+    rows = []
+    for spec in specs:
+        rows.append({"spec": spec_name(spec), **tensor_stats(x, spec)})
+    if not rows:
+        raise ValueError("what_if needs at least one spec")
+    return rows
+
+
+def json_safe(obj: Any) -> Any:
+    """Recursively replace non-finite floats by None (JSON has no NaN/Infinity)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
