@@ -1,0 +1,172 @@
+"""A small GPT for the training lab, written to be read in one sitting (after nanoGPT's model.py).
+
+Pre-norm transformer: token embedding ``tok_emb`` -> ``n_layer`` blocks of (RMSNorm -> causal
+self-attention -> residual add, RMSNorm -> SwiGLU MLP -> residual add) -> final RMSNorm -> untied
+output head ``lm_head``. Positions use learned embeddings ``pos_emb``. Byte-level tokens: the
+vocabulary is the 256 byte values. Every projection is a bias-free ``torch.nn.Linear`` so that
+``fp8lab.nn.convert`` can swap it for a quantized one; the names are
+
+    blocks.{i}.attn.qkv    [3*d_model, d_model]   fused query/key/value projection
+    blocks.{i}.attn.proj   [d_model, d_model]     attention output projection
+    blocks.{i}.mlp.gate    [d_ff, d_model]        SwiGLU gate   (silu branch)
+    blocks.{i}.mlp.up      [d_ff, d_model]        SwiGLU linear branch
+    blocks.{i}.mlp.down    [d_model, d_ff]        SwiGLU down projection
+    lm_head                [vocab_size, d_model]  output head (kept high precision by convert())
+
+Default sizes (d_model 256, d_ff 768, 4 layers) make every GEMM dimension a multiple of 128 and
+larger than 128, so 128x128 weight blocks and 1x128 activation tiles hold several blocks per
+tensor and really differ from one per-tensor scale; ``d_model`` must be a multiple of 128 for that
+(a smaller model still trains, it just has one 128-block per dimension).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model sizes. ``vocab_size`` 256 = byte-level tokens."""
+
+    vocab_size: int = 256
+    block_size: int = 128  # context length in tokens
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    d_ff: int = (
+        768  # SwiGLU hidden width (3 * d_model keeps params ~ a 4x GELU MLP... close enough)
+    )
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("norm_eps", "init_std"):
+                if not (isinstance(value, int | float) and value > 0):
+                    raise ValueError(f"GPTConfig.{f.name} must be > 0, got {value!r}")
+            elif not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"GPTConfig.{f.name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig: d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # [B, T, C] -> [B, n_head, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std) everywhere, residual output projections scaled by
+        1/sqrt(2 * n_layer); RMSNorm weights 1. Uses the global torch RNG (seed it first)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                p.normal_(0.0, std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx: [B, T] int64 token ids -> (logits [B, T, vocab], mean cross-entropy or None)."""
+        seq_len = idx.shape[1]
+        if seq_len > self.cfg.block_size:
+            raise ValueError(f"sequence length {seq_len} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(seq_len, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, generator=None
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` bytes after ``idx`` [B, T]."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size :])
+            probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

@@ -1,0 +1,114 @@
+"""Outlier and spike injection: make scaling failures visible on a small model in minutes.
+
+Real outliers (SwiGLU weight alignment, massive activations) appear only after hundreds of
+billions of tokens (Fishman et al. 2024), so the lab injects them:
+
+- **activation outliers**: from ``outlier_from_step`` on, a few input channels of the selected
+  Linear layers (default the SwiGLU output feeding ``mlp.down``, where Fishman's outliers live)
+  are multiplied by ``outlier_scale`` inside the forward pass. Every recipe gets the same
+  injection, so the baseline sees the same function; what differs is how each recipe's scaling
+  copes: one per-tensor scale is set by the outlier channels and the other channels lose
+  precision, while 1x128 tiles / MX blocks isolate them.
+- **gradient spike**: at step ``grad_spike_step`` the loss is multiplied by ``grad_spike_scale``
+  (rounded to a power of two) before backward and the parameter gradients are divided by it
+  again afterwards. In exact fp32 arithmetic the update is unchanged, but every quantized
+  grad_output operand sees a one-step spike: current scaling absorbs it, while a delayed scale
+  saturates at the spike and then keeps the spiked amax in its history, underflowing the normal
+  gradients for up to ``amax_history_len`` steps (stale scales).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """What to inject. The defaults inject nothing."""
+
+    outlier_channels: int = 0  # number of input channels scaled up per selected layer (0 = off)
+    outlier_scale: float = 100.0
+    outlier_layers: str = "blocks.*.mlp.down"  # glob over module names of Linear layers
+    outlier_from_step: int = 0
+    grad_spike_step: int = -1  # step index of the one-step gradient spike (-1 = off)
+    grad_spike_scale: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.outlier_channels, int) and self.outlier_channels >= 0):
+            raise ValueError(f"outlier_channels must be an int >= 0, got {self.outlier_channels!r}")
+        for name in ("outlier_scale", "grad_spike_scale"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+        if not (isinstance(self.outlier_from_step, int) and self.outlier_from_step >= 0):
+            raise ValueError(
+                f"outlier_from_step must be an int >= 0, got {self.outlier_from_step!r}"
+            )
+        if not (isinstance(self.grad_spike_step, int) and self.grad_spike_step >= -1):
+            raise ValueError(f"grad_spike_step must be an int >= -1, got {self.grad_spike_step!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.outlier_channels > 0 or self.grad_spike_step >= 0
+
+    @property
+    def spike_multiplier(self) -> float:
+        """``grad_spike_scale`` rounded to a power of two, so dividing it out again is exact."""
+        return 2.0 ** round(math.log2(self.grad_spike_scale))
+
+
+def outlier_channel_index(in_features: int, n: int, layer_name: str) -> torch.Tensor:
+    """The ``n`` channels of one layer that get scaled: spread evenly, offset per layer name."""
+    if n > in_features:
+        raise ValueError(f"outlier_channels={n} exceeds the {in_features} inputs of {layer_name}")
+    offset = sum(layer_name.encode()) % max(1, in_features // n)
+    return (torch.arange(n) * (in_features // n) + offset) % in_features
+
+
+class Injector:
+    """Installs the injection of ``cfg`` on ``model``; call :meth:`set_step` before each forward."""
+
+    def __init__(self, model: nn.Module, cfg: InjectConfig) -> None:
+        self.cfg = cfg
+        self._step = 0
+        self._handles = []
+        self.layers: dict[str, torch.Tensor] = {}
+        if cfg.outlier_channels == 0:
+            return
+        for name, mod in model.named_modules():
+            if not fnmatch.fnmatchcase(name, cfg.outlier_layers):
+                continue
+            in_features = getattr(mod, "in_features", None)
+            if in_features is None:
+                raise ValueError(f"outlier_layers matches {name!r}, which is not a Linear layer")
+            gain = torch.ones(in_features)
+            gain[outlier_channel_index(in_features, cfg.outlier_channels, name)] = cfg.outlier_scale
+            self.layers[name] = gain
+            self._handles.append(mod.register_forward_pre_hook(self._hook(gain)))
+        if not self.layers:
+            raise ValueError(f"outlier_layers={cfg.outlier_layers!r} matches no layer of the model")
+
+    def _hook(self, gain: torch.Tensor):
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            if self._step < self.cfg.outlier_from_step:
+                return None
+            return (args[0] * gain, *args[1:])
+
+        return hook
+
+    def set_step(self, step: int) -> None:
+        self._step = step
+
+    def grad_multiplier(self, step: int) -> float:
+        """Factor for the loss before backward at ``step`` (1.0 except at the spike step)."""
+        return self.cfg.spike_multiplier if step == self.cfg.grad_spike_step else 1.0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,581 @@
+"""The training loop of the lab: one recipe, one model, fp32 master weights, resumable.
+
+``train_run(recipe, cfg, corpus, run_dir, callback)`` trains a :class:`~fp8lab.lab.gpt.GPT` under
+a recipe (``None`` = plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
+
+- ``metrics.jsonl``: one record per step -- ``step`` (steps done), ``lr``, ``train_loss``,
+  ``grad_norm`` (before clipping), ``skipped`` / ``skipped_steps``, ``loss_scale``, ``spike``,
+  ``tokens``, ``step_time_s``, and ``val_loss`` on evaluation steps; non-finite numbers are null.
+- ``stats.jsonl``: every ``stats_every`` steps, per layer and role (input / weight / grad_output)
+  of each quantized GEMM operand: amax, underflow %, saturation %, SQNR (``fp8lab.stats``).
+- ``checkpoint.pt``: model (incl. scaling state), optimizer, loss scaler, RNG and loop state.
+
+Guarantees: the initial weights depend on ``train.seed`` only (the model is built and
+initialised before the recipe converts it), batch ``i`` is the same for every recipe, and
+rerunning with the same ``run_dir`` continues from the checkpoint with bit-identical results;
+a checkpoint written under another configuration is refused. A step whose loss or gradients are
+not finite is skipped (weights untouched) and counted; ``max_nonfinite_steps`` such steps in a
+row end the run as diverged. The library never prints: progress goes to ``callback``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8lab.lab.data import Corpus, DataConfig, get_batch, val_batches
+from fp8lab.lab.gpt import GPT, GPTConfig
+from fp8lab.lab.inject import InjectConfig, Injector
+
+Callback = Callable[[dict[str, Any]], None]
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+STATS = "stats.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and logging settings (the same for every recipe of a comparison)."""
+
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 2e-3  # peak learning rate
+    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    seed: int = 1337  # initial weights and batch order
+    eval_every: int = 25  # validation loss every k steps (and at the end)
+    eval_batches: int = 4
+    stats_every: int = 50  # operand statistics every k steps (0 = off)
+    checkpoint_every: int = 50  # and at the end
+    spike_threshold: float = 0.2  # a spike: loss > (1 + t) * EMA of the previous losses
+    max_nonfinite_steps: int = 10  # that many non-finite losses in a row = diverged
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "max_nonfinite_steps",
+        ):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"train.{name} must be a positive integer, got {v!r}")
+        for name in ("warmup_steps", "stats_every", "seed"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"train.{name} must be an integer >= 0, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"train.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        for name in ("weight_decay", "grad_clip", "spike_threshold"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warmup, cosine to the floor."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """Everything that defines a run except the recipe: model, data, training, injection."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    inject: InjectConfig = field(default_factory=InjectConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["data"]["paths"] = list(self.data.paths)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LabConfig:
+        parts = {
+            "model": GPTConfig,
+            "data": DataConfig,
+            "train": TrainConfig,
+            "inject": InjectConfig,
+        }
+        unknown = set(d) - set(parts)
+        if unknown:
+            raise ValueError(f"unknown config section(s) {sorted(unknown)}; valid: {sorted(parts)}")
+        kwargs = {}
+        for name, klass in parts.items():
+            section = dict(d.get(name, {}))
+            valid = {f.name for f in fields(klass)}
+            bad = set(section) - valid
+            if bad:
+                raise ValueError(
+                    f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}"
+                )
+            if name == "data" and "paths" in section:
+                section["paths"] = tuple(section["paths"])
+            kwargs[name] = klass(**section)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> tuple[LabConfig, dict[str, Any]]:
+        """Read a TOML file: sections [model] [data] [train] [inject] -> LabConfig; any other
+        top-level table (e.g. [compare]) is returned untouched as the second value."""
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+        lab_keys = {"model", "data", "train", "inject"}
+        rest = {k: v for k, v in d.items() if k not in lab_keys}
+        return cls.from_dict({k: v for k, v in d.items() if k in lab_keys}), rest
+
+    def replace_train(self, **kw: Any) -> LabConfig:
+        return replace(self, train=replace(self.train, **kw))
+
+
+# ----------------------------------------------------------------------------- recipes
+def recipe_settings(recipe: Any) -> dict[str, Any]:
+    """The recipe's full settings as plain data (for the report and the config check)."""
+    if recipe is None:
+        return {"name": "fp32-torch", "description": "plain torch.nn.Linear in fp32"}
+    for attr in ("to_dict", "asdict"):
+        if hasattr(recipe, attr):
+            return json.loads(json.dumps(getattr(recipe, attr)(), default=str))
+    if hasattr(recipe, "to_json"):
+        return json.loads(recipe.to_json())
+    return json.loads(json.dumps(asdict(recipe), default=str))
+
+
+def recipe_name(recipe: Any) -> str:
+    return "fp32-torch" if recipe is None else str(getattr(recipe, "name", repr(recipe)))
+
+
+def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> GPT:
+    """Same initial weights for every recipe: init under ``seed`` first, then convert."""
+    torch.manual_seed(seed)
+    model = GPT(model_cfg)
+    if recipe is not None:
+        from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
+
+        convert(model, recipe)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
+    """fp8lab AdamW with fp32 master weights and the recipe's optimizer-state precision.
+
+    Weight decay applies to matrices only (not to norms), as in nanoGPT."""
+    from fp8lab.optim import AdamW
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    state_precision = _recipe_attr(recipe, "optimizer_state", "fp32")
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), state_precision=state_precision)
+
+
+def make_loss_scaler(recipe: Any):
+    """The recipe's loss scaler, or None when the recipe does not scale the loss."""
+    from fp8lab.optim import LossScaler
+
+    ls = _recipe_attr(recipe, "loss_scaling", None)
+    if ls in (None, "none", False):
+        return None
+    if isinstance(ls, LossScaler):
+        return ls
+    if hasattr(ls, "make"):
+        return ls.make()
+    if ls in ("dynamic", True):
+        return LossScaler()
+    if isinstance(ls, int | float):
+        return LossScaler(float(ls), dynamic=False)
+    raise ValueError(f"recipe {recipe_name(recipe)!r}: unsupported loss_scaling {ls!r}")
+
+
+def _recipe_attr(recipe: Any, name: str, default: Any) -> Any:
+    return default if recipe is None else getattr(recipe, name, default)
+
+
+def is_quantized_linear(mod: torch.nn.Module) -> bool:
+    """True for the Linear layers that ``fp8lab.nn.convert`` swapped in."""
+    return type(mod).__module__.startswith("fp8lab.nn") and hasattr(mod, "weight")
+
+
+def role_specs(recipe: Any) -> dict[str, Any]:
+    """role name (input / weight / grad_output) -> the recipe's quantization spec for it."""
+    if recipe is None:
+        return {}
+    return dict(getattr(recipe, "roles", {}) or {})
+
+
+# ----------------------------------------------------------------------------- helpers
+def _num(x: float | None) -> float | None:
+    """JSON-safe number: non-finite -> None."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+@contextlib.contextmanager
+def frozen_scaling_state(model: torch.nn.Module):
+    """Run a block (evaluation) without letting it touch buffers such as delayed-scaling amax
+    histories: snapshot them and restore them afterwards, so evaluating never changes training."""
+    saved = _buffers(model)
+    was_training = model.training
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(saved[k])
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy (nats/byte) over fixed validation batches; never changes the model."""
+    with frozen_scaling_state(model):
+        model.eval()
+        losses = [float(model(x, y)[1]) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep only records with step <= max_step (work done after the last checkpoint is redone)."""
+    records = [r for r in _read_jsonl(path) if r["step"] <= max_step]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    return _read_jsonl(Path(run_dir) / METRICS)
+
+
+def read_stats(run_dir: str | Path) -> list[dict[str, Any]]:
+    return _read_jsonl(Path(run_dir) / STATS)
+
+
+class ConfigMismatchError(ValueError):
+    """A checkpoint or output directory was written under a different configuration."""
+
+
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += config_diff(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+
+
+# ----------------------------------------------------------------------------- stats
+class OperandStats:
+    """Collects the quantized GEMM operands of converted layers during one training step and
+    summarises each with ``fp8lab.stats.tensor_stats`` under the recipe's spec for that role."""
+
+    def __init__(self, model: torch.nn.Module, recipe: Any) -> None:
+        self.specs = role_specs(recipe)
+        self.captured: dict[tuple[str, str], torch.Tensor] = {}
+        self._handles = []
+        for name, mod in model.named_modules():
+            if not is_quantized_linear(mod):
+                continue
+            self._handles.append(mod.register_forward_pre_hook(self._fwd(name)))
+            self._handles.append(mod.register_full_backward_pre_hook(self._bwd(name)))
+            self.captured[(name, "weight")] = mod.weight
+
+    def _fwd(self, name: str):
+        def hook(mod, args):
+            self.captured[(name, "input")] = args[0].detach()
+
+        return hook
+
+    def _bwd(self, name: str):
+        def hook(mod, grad_output):
+            self.captured[(name, "grad_output")] = grad_output[0].detach()
+
+        return hook
+
+    def close(self) -> list[dict[str, Any]]:
+        from fp8lab.stats import tensor_stats
+
+        for h in self._handles:
+            h.remove()
+        rows = []
+        for (layer, role), t in sorted(self.captured.items()):
+            spec = self.specs.get(role)
+            if spec is None:
+                continue
+            s = tensor_stats(t.detach().reshape(-1, t.shape[-1]).float(), spec)
+            rows.append(
+                {
+                    "layer": layer,
+                    "role": role,
+                    **{k: _num(float(s[k])) for k in STAT_KEYS if k in s},
+                }
+            )
+        return rows
+
+
+STAT_KEYS = ("amax", "underflow_pct", "saturation_pct", "sqnr_db")
+
+
+# ----------------------------------------------------------------------------- the loop
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    model: GPT
+    records: list[dict[str, Any]]
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # steps done
+    ema: float | None = None  # EMA of finite train losses (spike detector)
+    skipped_steps: int = 0
+    nonfinite_run: int = 0
+    diverged: bool = False
+
+
+def checkpoint_config(cfg: LabConfig, recipe: Any) -> dict[str, Any]:
+    return {"lab": cfg.to_dict(), "recipe": recipe_settings(recipe)}
+
+
+def train_run(
+    recipe: Any,
+    cfg: LabConfig,
+    corpus: Corpus,
+    run_dir: str | Path | None = None,
+    callback: Callback | None = None,
+    stop_after: int | None = None,
+) -> RunResult:
+    """Train one recipe; return its summary (see :func:`summarize`), model and records.
+
+    ``run_dir`` None keeps everything in memory (no checkpoint). ``stop_after`` stops after that
+    many steps in total (for tests of resume; the run is then incomplete).
+    """
+    tc = cfg.train
+    name = recipe_name(recipe)
+    emit = callback or (lambda event: None)
+    model = build_model(cfg.model, recipe, tc.seed)
+    opt = make_optimizer(model, recipe, tc)
+    scaler = make_loss_scaler(recipe)
+    injector = Injector(model, cfg.inject)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    st = LoopState()
+    records: list[dict[str, Any]] = []
+    run_path = None if run_dir is None else Path(run_dir)
+    ckpt_cfg = checkpoint_config(cfg, recipe)
+    if run_path is not None:
+        run_path.mkdir(parents=True, exist_ok=True)
+        if (run_path / CHECKPOINT).exists():
+            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler)
+            _truncate_jsonl(run_path / METRICS, st.step)
+            _truncate_jsonl(run_path / STATS, st.step)
+        else:  # a fresh run: drop partial logs of a run that never checkpointed
+            for f in (METRICS, STATS):
+                (run_path / f).unlink(missing_ok=True)
+    records = read_metrics(run_path) if run_path is not None else []
+    val = val_batches(corpus.val, tc.batch_size, cfg.model.block_size, tc.seed, tc.eval_batches)
+    tokens_per_step = tc.batch_size * cfg.model.block_size
+    emit({"event": "start", "recipe": name, "step": st.step, "steps": tc.steps})
+    metrics_f = open(run_path / METRICS, "a") if run_path else None  # noqa: SIM115
+    stats_f = open(run_path / STATS, "a") if run_path else None  # noqa: SIM115
+    try:
+        end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+        while st.step < end and not st.diverged:
+            rec, stat_rows = _train_step(
+                model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step
+            )
+            done = st.step
+            if done % tc.eval_every == 0 or done == tc.steps:
+                rec["val_loss"] = _num(evaluate(model, val))
+            records.append(rec)
+            if metrics_f:
+                metrics_f.write(json.dumps(rec) + "\n")
+            if stats_f:
+                for row in stat_rows:
+                    stats_f.write(json.dumps({"step": done, **row}) + "\n")
+            last = done == tc.steps or st.diverged or done == end
+            if run_path and (done % tc.checkpoint_every == 0 or last):
+                metrics_f.flush()
+                stats_f.flush()
+                _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st)
+            emit({"event": "step", "recipe": name, **rec, "steps": tc.steps})
+    finally:
+        injector.remove()
+        for f in (metrics_f, stats_f):
+            if f:
+                f.close()
+    summary = summarize(records, tc.steps, st)
+    summary["recipe"] = name
+    emit({"event": "end", "recipe": name, **summary})
+    if run_path:
+        with open(run_path / "run.json", "w") as f:
+            json.dump({"summary": summary, **ckpt_cfg}, f, indent=2)
+    return RunResult(summary=summary, model=model, records=records)
+
+
+def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step):
+    tc = cfg.train
+    step = st.step  # 0-based index of this step
+    lr = tc.lr_at(step)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    x, y = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, step)
+    collect = tc.stats_every > 0 and (step + 1) % tc.stats_every == 0 and recipe is not None
+    t0 = time.perf_counter()
+    injector.set_step(step)
+    stats = OperandStats(model, recipe) if collect else None
+    _, loss = model(x, y)
+    mult = injector.grad_multiplier(step)
+    loss_scale = scaler.get_scale() if scaler is not None else 1.0
+    (loss * (loss_scale * mult)).backward()
+    if mult != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(mult)
+    found_inf = scaler.unscale_(opt) if scaler is not None else False
+    from fp8lab.optim import clip_grad_norm_, grad_norm
+
+    gnorm = float(grad_norm(params)) if found_inf else float("nan")
+    skipped = True
+    if not found_inf:
+        gnorm = (
+            float(clip_grad_norm_(params, tc.grad_clip))
+            if tc.grad_clip > 0
+            else float(grad_norm(params))
+        )
+        if math.isfinite(gnorm):
+            opt.step()
+            skipped = opt.last_step_skipped
+    if scaler is not None:
+        scaler.update()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    stat_rows = stats.close() if stats is not None else []
+
+    loss_v = float(loss.detach())
+    st.step += 1
+    st.skipped_steps += int(skipped)
+    spike = False
+    if math.isfinite(loss_v):
+        st.nonfinite_run = 0
+        if st.ema is not None and loss_v > (1 + tc.spike_threshold) * st.ema:
+            spike = True
+        st.ema = loss_v if st.ema is None else 0.9 * st.ema + 0.1 * loss_v
+    else:
+        st.nonfinite_run += 1
+        if st.nonfinite_run >= tc.max_nonfinite_steps:
+            st.diverged = True
+    rec = {
+        "step": st.step,
+        "lr": lr,
+        "train_loss": _num(loss_v),
+        "grad_norm": _num(gnorm),
+        "skipped": bool(skipped),
+        "skipped_steps": st.skipped_steps,
+        "loss_scale": loss_scale,
+        "spike": spike,
+        "tokens": tokens_per_step,
+        "step_time_s": dt,
+    }
+    return rec, stat_rows
+
+
+def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) -> None:
+    state = {
+        "config": ckpt_cfg,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "loop": asdict(st),
+        "torch_rng": torch.get_rng_state(),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: an interrupted save never leaves a half checkpoint
+
+
+def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler) -> LoopState:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    diff = config_diff(state["config"], ckpt_cfg)
+    if diff:
+        raise ConfigMismatchError(
+            f"{path} was written under a different configuration; refusing to resume "
+            f"(use a new output directory). Differences: {'; '.join(diff[:8])}"
+        )
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["torch_rng"])
+    return LoopState(**state["loop"])
+
+
+def summarize(records: list[dict[str, Any]], steps: int, st: LoopState) -> dict[str, Any]:
+    """Run summary from the per-step records.
+
+    final_train_loss: mean train loss of the last ``min(10, steps)`` steps (one batch is noisy);
+    final_val_loss: the last validation loss; tokens_per_s: tokens / time in training steps
+    (evaluation excluded). Non-finite values are None and mark the run diverged.
+    """
+    tail = [r["train_loss"] for r in records[-min(10, len(records)) :]] if records else []
+    finite_tail = [v for v in tail if v is not None]
+    final_train = (
+        sum(finite_tail) / len(finite_tail) if tail and len(finite_tail) == len(tail) else None
+    )
+    vals = [r for r in records if "val_loss" in r]
+    final_val = vals[-1]["val_loss"] if vals else None
+    time_s = sum(r["step_time_s"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    complete = bool(records) and records[-1]["step"] == steps
+    diverged = st.diverged or (complete and (final_val is None or final_train is None))
+    return {
+        "steps_done": records[-1]["step"] if records else 0,
+        "complete": complete,
+        "final_train_loss": final_train,
+        "final_val_loss": final_val,
+        "skipped_steps": records[-1]["skipped_steps"] if records else 0,
+        "spikes": sum(bool(r["spike"]) for r in records),
+        "tokens_per_s": tokens / time_s if time_s > 0 else None,
+        "step_time_ms": 1000 * time_s / len(records) if records else None,
+        "diverged": bool(diverged),
+    }

@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+
+from fp8lab.lab.gpt import GPT, GPTConfig
+
+TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, d_ff=64)
+
+
+def test_default_sizes_make_128_blocks_differ_from_per_tensor():
+    cfg = GPTConfig()
+    # every GEMM dimension is a multiple of 128 and spans more than one 128-block
+    for dim in (cfg.d_model, cfg.d_ff, 3 * cfg.d_model):
+        assert dim % 128 == 0 and dim > 128
+
+
+def test_forward_shapes_and_initial_loss_near_uniform():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    idx = torch.randint(0, 256, (3, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 16, 256)
+    # small init -> near-uniform prediction over 256 bytes
+    assert abs(float(loss.detach()) - math.log(256)) < 0.1
+
+
+def test_names_expected_by_convert():
+    names = {n for n, _ in GPT(TINY).named_modules()}
+    for n in (
+        "tok_emb",
+        "lm_head",
+        "blocks.0.attn.qkv",
+        "blocks.0.attn.proj",
+        "blocks.1.mlp.gate",
+        "blocks.1.mlp.up",
+        "blocks.1.mlp.down",
+    ):
+        assert n in names
+    model = GPT(TINY)
+    assert model.lm_head.weight.data_ptr() != model.tok_emb.weight.data_ptr()  # untied
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    a = torch.randint(0, 256, (1, 16))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 256
+    la, _ = model(a)
+    lb, _ = model(b)
+    assert torch.equal(la[0, :10], lb[0, :10])
+    assert not torch.equal(la[0, 10:], lb[0, 10:])
+
+
+def test_same_seed_same_init():
+    torch.manual_seed(5)
+    a = GPT(TINY).state_dict()
+    torch.manual_seed(5)
+    b = GPT(TINY).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_learns_a_repeating_pattern():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.tensor(list(b"abcdefgh" * 8))[:17]
+    x, y = data[:-1][None], data[1:][None]
+    for _ in range(60):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 0.5
+
+
+def test_too_long_sequence_is_an_error():
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(TINY)(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kw", [{"d_model": 30, "n_head": 4}, {"n_layer": 0}, {"d_ff": -1}, {"init_std": 0.0}]
+)
+def test_bad_config(kw):
+    with pytest.raises(ValueError):
+        GPTConfig(**kw)
