@@ -191,6 +191,9 @@ class SnrResult:
     snr_db: np.ndarray
     reference: np.ndarray
     result: np.ndarray
+    #: fraction of samples with at least one product clamped at the accumulator's max (or
+    #: overflowed): a sign that the scale target is too high for the accumulator format
+    acc_overflow_fraction: float = 0.0
 
     @property
     def median_db(self) -> float:
@@ -478,7 +481,8 @@ def _run_many(configs: list[SnrConfig], progress: Callable[[int], None] | None) 
         nblk_max = max(length // c.block if c.block else 1 for c in group)
         sa_all = np.ones((n * len(group), nblk_max))
         sb_all = np.ones_like(sa_all)
-        refs = []
+        refs: list[np.ndarray] = []
+        overflow: list[float] = []
         for i, c in enumerate(group):
             key = (
                 c.seed,
@@ -498,12 +502,19 @@ def _run_many(configs: list[SnrConfig], progress: Callable[[int], None] | None) 
             sb_all[rows, : sb.shape[1]] = sb
             # E4M3 x E4M3 products are exact in float64; round each to the accumulator once
             p = _quantise(a, sa, c) * _quantise(b, sb, c)
-            prods[:, rows] = cast_array(p, acc, acc_rnd, c.saturate).T
+            pq = cast_array(p, acc, acc_rnd, c.saturate)
+            prods[:, rows] = pq.T
             refs.append(np.einsum("ij,ij->i", a, b))
+            if acc != EXACT_ACCUMULATOR:
+                amax_acc = get_format(acc).max
+                over = ~np.isfinite(pq) | ((np.abs(pq) >= amax_acc) & (np.abs(p) > amax_acc))
+                overflow.append(float(np.mean(over.any(axis=1))))
+            else:
+                overflow.append(0.0)
         res = _accumulate(prods, sa_all, sb_all, group)
         for i, c in enumerate(group):
             out = res[i * n : (i + 1) * n].copy()
-            done[c] = SnrResult(c, snr_db(refs[i], out), refs[i], out)
+            done[c] = SnrResult(c, snr_db(refs[i], out), refs[i], out, overflow[i])
         if progress is not None:
             progress(len(group))
     return [done[c] for c in configs]

@@ -1,0 +1,299 @@
+"""``fp8lab snr``: the dot-product SNR study (seed 000) from the command line.
+
+Every axis takes a comma list and the runs are the cartesian product; ``--preset seed000``
+reproduces all of seed 000's figures (PNGs + a Markdown table + JSON in ``--out``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
+
+a, b ~ N(0, sigma); per sample SNR = 10*log10(ref^2 / (ref - result)^2) dB. Axes given as comma
+lists are swept (cartesian product). With --block every block of a and b gets its own scale
+(amax -> --scale-target) and each block's partial sum is de-scaled and promoted into float64
+(--promote-every defaults to the block; a larger multiple keeps adding de-scaled block partials in
+the accumulator format). Exact results (infinite SNR) are null in --json.
+"""
+
+
+def _split(value: str, name: str) -> list[str]:
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"--{name}: empty value")
+    return items
+
+
+def _ints(value: str, name: str, allow_none: bool = False) -> list[int | None]:
+    out: list[int | None] = []
+    for item in _split(value, name):
+        if allow_none and item.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise ValueError(
+                f"--{name}: {item!r} is not an integer" + (" or 'none'" if allow_none else "")
+            ) from None
+    return out
+
+
+def _floats(value: str, name: str) -> list[float]:
+    try:
+        return [float(v) for v in _split(value, name)]
+    except ValueError:
+        raise ValueError(f"--{name}: expected numbers, got {value!r}") from None
+
+
+def _scalings(value: str) -> list[float | str]:
+    out: list[float | str] = []
+    for item in _split(value, "scaling"):
+        if item.lower() == "auto":
+            out.append("auto")
+            continue
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise ValueError(f"--scaling: {item!r} is neither 'auto' nor a number") from None
+    return out
+
+
+def build_configs(**opts: Any) -> list[Any]:
+    """The `SnrConfig` list of a command line (cartesian product of the comma lists)."""
+    from fp8lab.formats import ROUNDING_MODES
+    from fp8lab.lab.snr import SnrConfig, sweep
+
+    for name in ("rounding", "acc_rounding"):
+        for mode in _split(opts[name], name) if opts[name] else []:
+            if mode not in ROUNDING_MODES:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: unknown rounding {mode!r}; "
+                    f"valid: {', '.join(ROUNDING_MODES)}"
+                )
+    base = SnrConfig(
+        samples=opts["samples"],
+        seed=opts["seed"],
+        sigma=opts["sigma"],
+        correlation_model=opts["correlation_model"],
+        saturate=opts["saturate"],
+    )
+    axes: dict[str, list[Any]] = {
+        "length": _ints(opts["length"], "length"),
+        "rho": _floats(opts["rho"], "rho"),
+        "format": _split(opts["format"], "format"),
+        "rounding": _split(opts["rounding"], "rounding"),
+        "scaling": _scalings(opts["scaling"]),
+        "block": _ints(opts["block"], "block", allow_none=True),
+        "promote_every": _ints(opts["promote_every"], "promote-every", allow_none=True),
+    }
+    if opts["accumulator"]:
+        axes["accumulator"] = _split(opts["accumulator"], "accumulator")
+    if opts["acc_rounding"]:
+        axes["acc_rounding"] = _split(opts["acc_rounding"], "acc-rounding")
+    if opts["scale_target"] is not None:
+        axes["scale_target"] = [opts["scale_target"]]
+    return sweep(base, **axes)
+
+
+def _label(cfg: Any, varying: list[str]) -> str:
+    parts = []
+    for k in varying:
+        v = getattr(cfg, k)
+        parts.append(f"{k}={'none' if v is None else v}")
+    return ", ".join(parts) if parts else "run"
+
+
+def _varying(configs: list[Any], exclude: tuple[str, ...] = ()) -> list[str]:
+    from dataclasses import fields
+
+    return [
+        f.name
+        for f in fields(configs[0])
+        if f.name not in exclude and len({getattr(c, f.name) for c in configs}) > 1
+    ]
+
+
+def _print_table(results: list[Any], pooled: bool, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fp8lab.report.snr import fmt_db
+
+    table = Table(title=title)
+    for col in ("length", "rho", "format", "scaling", "block", "accumulator", "promote"):
+        table.add_column(col)
+    for col in ("median dB", "p10 dB", "p90 dB", "< 0 dB", "exact"):
+        table.add_column(col, justify="right")
+    if pooled:
+        table.add_column("pooled dB", justify="right")
+    for r in results:
+        c = r.config
+        row = [
+            str(c.length),
+            f"{c.rho:g}",
+            c.format,
+            str(c.scaling) if c.scaling == "auto" else f"{c.scaling:g}",
+            str(c.block or "none"),
+            c.accumulator_name,
+            str(c.promote_every or "none"),
+            fmt_db(r.median_db),
+            fmt_db(r.p10_db),
+            fmt_db(r.p90_db),
+            f"{100 * r.below_0db_fraction:.1f}%",
+            f"{100 * r.exact_fraction:.1f}%",
+        ]
+        if pooled:
+            row.append(fmt_db(r.pooled_db))
+        table.add_row(*row)
+    # a pipe gets a wide table instead of rich's 80-column truncation
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _run_with_progress(configs: list[Any], quiet: bool) -> list[Any]:
+    from fp8lab.lab.snr import run_many
+
+    if quiet or not sys.stderr.isatty():
+        return run_many(configs)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("SNR runs", total=len(set(configs)))
+        return run_many(configs, progress=lambda n: progress.advance(task, n))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("snr", help=HELP)
+    def snr_command(
+        length: str = typer.Option(
+            "1024", "--length", help="Vector length(s), e.g. 128,1024,4096."
+        ),
+        samples: int = typer.Option(200, "--samples", help="Vector pairs per run."),
+        seed: int = typer.Option(0, "--seed", help="RNG seed (runs of one length share vectors)."),
+        sigma: float = typer.Option(0.01, "--sigma", help="Std of the vector elements."),
+        rho: str = typer.Option("0", "--rho", help="Correlation(s) in [0, 1)."),
+        correlation_model: str = typer.Option(
+            "exact",
+            "--correlation-model",
+            help="exact: b = rho*z1 + sqrt(1-rho^2)*z2 (corr = rho); "
+            "simple: the seed's b = rho*z1 + (1-rho)*z2.",
+        ),
+        fmt: str = typer.Option("e4m3", "--format", help="Element format(s)."),
+        rounding: str = typer.Option("nearest_even", "--rounding", help="Element rounding."),
+        scaling: str = typer.Option(
+            "auto", "--scaling", help="Fixed factor(s) (1, 64, 128) or auto (amax -> target)."
+        ),
+        block: str = typer.Option(
+            "none", "--block", help="Per-block dynamic scaling: none, 512, 128, 64."
+        ),
+        scale_target: float | None = typer.Option(
+            None, "--scale-target", help="Value amax maps to (default: the format's max)."
+        ),
+        accumulator: str | None = typer.Option(
+            None,
+            "--accumulator",
+            help="Format of products and running sum (default: the element format; e.g. "
+            "e8m8, fp32; fp64 = exact).",
+        ),
+        acc_rounding: str | None = typer.Option(
+            None, "--acc-rounding", help="Accumulator rounding (default: --rounding)."
+        ),
+        promote_every: str = typer.Option(
+            "none",
+            "--promote-every",
+            help="Promote the partial sum to float64 every N: none, 512, 128.",
+        ),
+        saturate: bool = typer.Option(
+            True, "--saturate/--no-saturate", help="Clamp overflow to +-max."
+        ),
+        pooled: bool = typer.Option(
+            False, "--pooled", help="Also report seed 000's pooled SNR (sum ref^2 / sum err^2)."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
+        plot: Path | None = typer.Option(None, "--plot", help="Write histograms to this PNG."),
+        preset: str | None = typer.Option(
+            None, "--preset", help="A named study: seed000 (writes figures + table to --out)."
+        ),
+        out: Path = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset."),
+    ) -> None:
+        try:
+            if preset is not None:
+                _run_preset(preset, samples, seed, out, json_out, pooled)
+                return
+            configs = build_configs(
+                length=length, samples=samples, seed=seed, sigma=sigma, rho=rho,
+                correlation_model=correlation_model, format=fmt, rounding=rounding,
+                scaling=scaling, block=block, scale_target=scale_target,
+                accumulator=accumulator, acc_rounding=acc_rounding,
+                promote_every=promote_every, saturate=saturate,
+            )  # fmt: skip
+            results = _run_with_progress(configs, json_out)
+        except (ValueError, TypeError) as exc:
+            typer.echo(f"Error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        _warn_overflow(results)
+        if plot is not None:
+            _plot_sweep(results, plot)
+        if json_out:
+            typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
+        else:
+            _print_table(results, pooled, "fp8lab snr")
+            if plot is not None:
+                typer.echo(f"wrote {plot}")
+
+
+def _warn_overflow(results: list[Any]) -> None:
+    for r in results:
+        if r.acc_overflow_fraction > 0:
+            c = r.config
+            typer.echo(
+                f"warning: in {100 * r.acc_overflow_fraction:.0f}% of the samples of the run "
+                f"(length={c.length}, scaling={c.scaling}, block={c.block}) products overflowed "
+                f"the {c.accumulator_name} accumulator (max {get_max(c.accumulator_name):g}): "
+                "lower --scale-target / --scaling or use a wider --accumulator (e.g. e8m8, fp32)",
+                err=True,
+            )
+
+
+def get_max(fmt: str) -> float:
+    from fp8lab.formats import get_format
+
+    return float(get_format(fmt).max)
+
+
+def _plot_sweep(results: list[Any], path: Path) -> None:
+    """Histograms of a sweep: one panel per length, one series per other varying axis."""
+    from fp8lab.report.snr import plot_panels
+
+    configs = [r.config for r in results]
+    varying = _varying(configs, exclude=("length",))
+    panels: dict[int, list[tuple[str, Any]]] = {}
+    for r in results:
+        panels.setdefault(r.config.length, []).append((_label(r.config, varying), r))
+    plot_panels([(f"size={n}", s) for n, s in panels.items()], path, "fp8lab snr")
+
+
+def _run_preset(
+    name: str, samples: int, seed: int, out: Path, json_out: bool, pooled: bool
+) -> None:
+    from fp8lab.lab import snr as lab
+    from fp8lab.report.snr import markdown_table, table_rows, write_preset_report
+
+    p = lab.preset(name, samples=samples, seed=seed)
+    configs = p.configs()
+    results = dict(zip(configs, _run_with_progress(configs, json_out), strict=True))
+    written = write_preset_report(p, results, out)
+    runs = {"runs": [results[c].to_json(pooled) for c in configs]}
+    (out / f"{p.name}.json").write_text(json.dumps(runs))
+    if json_out:
+        typer.echo(json.dumps(runs))
+        return
+    typer.echo(markdown_table(table_rows(p, results)))
+    for path in [*written, out / f"{p.name}.json"]:
+        typer.echo(f"wrote {path}")
