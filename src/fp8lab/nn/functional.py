@@ -1,0 +1,269 @@
+"""The autograd Function of a linear layer under a recipe: the three GEMMs of seed 001.
+
+::
+
+    fprop  y  = Q(x) · Q(W)ᵀ      x [T, I] reduced over I,  W [O, I] reduced over I
+    dgrad  dx = Q(dy) · Q(W)      dy [T, O] reduced over O, W reduced over O (first axis)
+    wgrad  dW = Q(dy)ᵀ · Q(x)     dy and x reduced over T (first axis)
+
+Each operand is prepared by :func:`operand` from its (GEMM, role) spec: the GEMM's
+high-precision override (operands rounded to fp32/bf16/fp16), else the role spec (or its
+per-GEMM override), with the block shape transposed when the GEMM reduces the operand along its
+first axis (re-tiling). With an fp32 accumulator the GEMM is one fp32 ``addmm`` of the dequantized
+operands, exactly `fp8lab.qmatmul`'s fp32 path; a limited accumulator calls `fp8lab.qmatmul`.
+
+Reuse: one quantization serves two GEMMs when their specs coincide (per-tensor scaling: x for
+fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad). When the blocks differ, the
+recipe's ``save_for_backward`` decides: ``"quantized"`` re-tiles the forward's quantized tensor
+(DeepSeek-V3: dequantize, re-quantize into the new tiles, `fp8lab.retile`); ``"high_precision"``
+keeps the fp32 tensor and quantizes it again in backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8lab.gemm import Accumulator, qmatmul
+from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
+from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
+
+__all__ = ["LinearPlan", "build_plan", "linear", "operand", "round_high_precision"]
+
+_HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_HP_MAX = {"fp16": 65504.0}
+
+
+def round_high_precision(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """``x`` rounded to ``precision`` (``fp32``: returned as is), as a float32 tensor.
+
+    Round-to-nearest-even through torch's dtype conversion (exact, and much faster here than a
+    general cast); bf16 keeps inf/NaN, fp16 overflows to inf like real fp16 arithmetic.
+    """
+    if precision == "fp32":
+        return x
+    return x.to(_HP_DTYPES[precision]).to(torch.float32)
+
+
+@dataclass
+class LinearPlan:
+    """Resolved, per-call view of a recipe for one module: bound specs per (GEMM, role)."""
+
+    recipe: Recipe
+    specs: dict[tuple[str, str], QuantSpec | None]
+    high_precision: dict[str, str | None]
+    accumulators: dict[str, Accumulator]
+    save_quantized: bool
+    name: str | None = None
+    after_backward: Callable[[], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_plan(
+    recipe: Recipe,
+    states: dict[str, Any],
+    name: str | None = None,
+    after_backward: Callable[[], None] | None = None,
+) -> LinearPlan:
+    """Bind ``recipe`` to a module's delayed-scaling ``states`` (see `state_key`)."""
+    specs: dict[tuple[str, str], QuantSpec | None] = {}
+    for g in GEMMS:
+        cfg = recipe.gemm(g)
+        for role, first_axis in GEMM_OPERANDS[g]:
+            s = None if cfg.high_precision else recipe.spec(g, role)
+            if s is not None:
+                if s.is_delayed:
+                    s = s.replace(scaling=states[state_key(recipe, g, role)])
+                if first_axis:
+                    s = s.transposed()
+            specs[(g, role)] = s
+    return LinearPlan(
+        recipe=recipe,
+        specs=specs,
+        high_precision={g: recipe.gemm(g).high_precision for g in GEMMS},
+        accumulators={g: recipe.gemm(g).accumulator for g in GEMMS},
+        save_quantized=recipe.save_for_backward == "quantized",
+        name=name,
+        after_backward=after_backward,
+    )
+
+
+def state_key(recipe: Recipe, gemm: str, role: str) -> str:
+    """Name of the delayed-scaling state serving (gemm, role): the role, or ``gemm_role`` for an
+    override with its own delayed scaling."""
+    return role if recipe.gemm(gemm).override(role) is None else f"{gemm}_{role}"
+
+
+# --------------------------------------------------------------------------- collection hook
+class _Collectors(threading.local):
+    def __init__(self) -> None:
+        self.active: list[Callable[[str, str, str, torch.Tensor, torch.Tensor | None], None]] = []
+
+
+COLLECTORS = _Collectors()
+
+
+def _record(
+    name: str | None, gemm: str, role: str, hp: torch.Tensor, used: torch.Tensor | None
+) -> None:
+    for c in COLLECTORS.active:
+        c(name or "?", gemm, role, hp, used)
+
+
+# --------------------------------------------------------------------------- operands
+def operand(
+    x: torch.Tensor, plan: LinearPlan, gemm: str, role: str
+) -> tuple[torch.Tensor, QTensor | None]:
+    """``(tensor used by the GEMM, QTensor or None)`` for ``x`` in its natural layout."""
+    hp = plan.high_precision[gemm]
+    if hp is not None:
+        a, q = round_high_precision(x, hp), None
+    else:
+        spec = plan.specs[(gemm, role)]
+        if spec is None:
+            a, q = x, None
+        else:
+            q = quantize(x, spec)
+            a = q.dequantize()
+    if COLLECTORS.active:
+        _record(plan.name, gemm, role, x, a)
+    return a, q
+
+
+def _from_saved(
+    saved: tuple[torch.Tensor, QTensor | None, torch.Tensor | None],
+    plan: LinearPlan,
+    src_gemm: str,
+    gemm: str,
+    role: str,
+) -> tuple[torch.Tensor, QTensor | None]:
+    """The operand of ``gemm`` rebuilt from what forward saved for ``role``."""
+    a, q, hp_x = saved
+    if hp_x is None:  # forward's operand is reused as is
+        if COLLECTORS.active:
+            _record(plan.name, gemm, role, a, a)
+        return a, q
+    spec = plan.specs[(gemm, role)]
+    if plan.high_precision[gemm] is None and spec is not None and q is not None and hp_x is a:
+        # save_for_backward="quantized" with other blocks: re-tile the quantized tensor
+        q2 = quantize(a, spec) if spec.is_delayed else retile(q, spec=spec)
+        a2 = q2.dequantize()
+        if COLLECTORS.active:
+            _record(plan.name, gemm, role, a, a2)
+        return a2, q2
+    return operand(hp_x, plan, gemm, role)
+
+
+def _plan_save(
+    plan: LinearPlan,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    q: QTensor | None,
+    src_gemm: str,
+    gemm: str,
+    role: str,
+) -> tuple[torch.Tensor, QTensor | None, torch.Tensor | None]:
+    """What to keep for the backward use of ``role`` in ``gemm``: ``(a, q, source)``.
+
+    ``source is None``: reuse ``(a, q)`` unchanged. ``source is a``: re-tile ``q`` from its
+    quantized values. Otherwise ``source`` is the fp32 tensor to prepare afresh.
+    """
+    hp_src, hp_dst = plan.high_precision[src_gemm], plan.high_precision[gemm]
+    s_src, s_dst = plan.specs[(src_gemm, role)], plan.specs[(gemm, role)]
+    if hp_dst is not None:
+        if hp_src == hp_dst:
+            return a, None, None
+        return a, None, x
+    if s_dst is None:
+        return (x, None, None) if hp_src is None and s_src is None else (a, None, x)
+    if hp_src is None and s_src is not None and s_src == s_dst:
+        return a, q, None
+    if plan.save_quantized and q is not None:
+        return a, q, a
+    return a, None, x
+
+
+def _gemm(
+    acc: Accumulator,
+    a: torch.Tensor,
+    qa: QTensor | None,
+    b: torch.Tensor,
+    qb: QTensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``a @ b (+ bias)``; a: [M, K], b: [K, N]."""
+    if acc.kind != "fp32" and qa is not None and qb is not None:
+        out = qmatmul(qa, qb, acc)
+        return out if bias is None else out + bias
+    if bias is not None:
+        return torch.addmm(bias, a, b)
+    return a @ b
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan):  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        ax, qx = operand(x2, plan, "fprop", "input")
+        aw, qw = operand(weight, plan, "fprop", "weight")
+        y = _gemm(plan.accumulators["fprop"], ax, qx, aw.t(), None if qw is None else qw.t(), bias)
+        ctx.plan = plan
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        # the backward's operands (not via save_for_backward: QTensors are not tensors)
+        ctx.saved_w = _plan_save(plan, weight, aw, qw, "fprop", "dgrad", "weight")
+        ctx.saved_x = _plan_save(plan, x2, ax, qx, "fprop", "wgrad", "input")
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        plan: LinearPlan = ctx.plan
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.dtype != torch.float32:
+            dy2 = dy2.float()
+        dx = dw = db = None
+        dgrad_dy = None
+        if ctx.needs_input_grad[0]:
+            ady, qdy = operand(dy2, plan, "dgrad", "grad_output")
+            dgrad_dy = (ady, qdy)
+            aw, qw = _from_saved(ctx.saved_w, plan, "fprop", "dgrad", "weight")
+            dx = _gemm(plan.accumulators["dgrad"], ady, qdy, aw, qw).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if dgrad_dy is not None:
+                ady_w, qdy_w = _from_saved(
+                    _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output"),
+                    plan,
+                    "dgrad",
+                    "wgrad",
+                    "grad_output",
+                )
+            else:
+                ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output")
+            ax, qx = _from_saved(ctx.saved_x, plan, "fprop", "wgrad", "input")
+            # (xᵀ · dy)ᵀ: the same product and layout as torch's own linear backward
+            dw = _gemm(
+                plan.accumulators["wgrad"],
+                ax.t(),
+                None if qx is None else qx.t(),
+                ady_w,
+                qdy_w,
+            ).t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        ctx.saved_w = ctx.saved_x = None
+        if plan.after_backward is not None:
+            plan.after_backward()
+        return dx, dw, db, None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan
+) -> torch.Tensor:
+    """``y = x Wᵀ + b`` under ``plan`` (from `build_plan`); x ``[..., in]`` -> ``[..., out]``."""
+    return _LinearFunction.apply(x, weight, bias, plan)
