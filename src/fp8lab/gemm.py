@@ -1,6 +1,49 @@
 """Emulated low-precision GEMMs: `Accumulator` models and `qmatmul`.
 
-``qmatmul(a, b)`` computes ``a @ b`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]`` quantized operands.
+``qmatmul(a, b)`` computes ``a @ b`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]`` quantized operands
+(`fp8lab.QTensor`; float tensors are quantized first under ``spec``). Element values are exact on
+their grids, so every product of two FP8 values is exact; what differs between the models is how
+the products are summed and where the scales are applied.
+
+Accumulator models
+------------------
+``fp32`` (`Accumulator(kind="fp32")`): products exact, sums in FP32 (a BLAS sgemm over the
+    element values). Scales that are constant along K (per tensor, per row of ``a``, per column
+    of ``b``) are applied once to the output, as cuBLAS applies ``scale_a * scale_b``: the
+    output is ``(A @ B) * (sa * sb)`` with ``sa * sb`` rounded to FP32 first. Scales that vary
+    along K (1x128 x 128x128, MX, NVFP4) are applied by dequantizing both operands and then
+    multiplying: mathematically the same as promoting every K group into FP32 with that group's
+    scales, equal up to FP32 summation order.
+
+``limited`` (`Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=None)`): the
+    Hopper FP8 tensor-core model. For each output element, per MMA group of ``group`` consecutive
+    products (the WGMMA K = 32 for FP8) the group sum is added to the running accumulator and the
+    result is cut to ``mantissa_bits`` fraction bits (``rounding="toward_zero"``: truncation, as
+    measured on H100 by huweim/emulation_sys: 13 bits RZ; DeepSeek-V3 §3.3 "around 14 bits",
+    counting the leading one; "FP22 = e8m13" per PyTorch). The group sum itself is computed
+    exactly (a float64 GEMM over the group: exact for E4M3 operands, whose products span < 2^45;
+    for E5M2 exact unless the group's products span more than 2^53). Every ``promote_every``
+    K elements (DeepSeek's N_C = 128, four WGMMAs) the accumulator is added into an FP32
+    accumulator with the K group's scales, ``total += (scale_a * scale_b) * acc`` (DeepGEMM's
+    ``final_accum += scale * accum``), and restarts at 0. ``promote_every=None`` never promotes
+    (TE's fprop "fast accumulation", cuBLASLt FAST_ACCUM): the scales are applied to the
+    output, so they must be constant along K.
+    ``per_product=True`` follows DeepSeek §3.5.2's wording instead: "after aligning 32 mantissa
+    products by right-shifting based on the maximum exponent, the Tensor Core only uses the
+    highest 14 bits of each mantissa product": each product of the group is truncated (toward
+    zero) to the quantum ``2**(e_max - mantissa_bits)`` of the group's largest product, the
+    truncated products are summed exactly and the accumulator update is truncated as above. It is
+    a per-element numba loop, much slower.
+    Not modelled: accumulator exponent range (it is taken as unbounded; FP32's range in practice),
+    the exact alignment point of the accumulator against the products, and extra alignment bits
+    (Khattak & Mikaitis, arXiv 2512.07004, describe bit-exact models with those parameters).
+
+Native path: ``native=True`` calls ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, FP32
+accumulator). On CPU (torch 2.13) it dequantizes the operands and runs an FP32 matmul; see
+``tests/test_gemm.py`` for how it compares with the emulation.
+
+Output: FP32, or rounded to ``out_format`` ``"bf16"`` / ``"fp16"`` (round to nearest even, as
+the epilogue's conversion; overflow to inf as IEEE).
 """
 
 from __future__ import annotations
@@ -9,15 +52,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from llvmlite import ir
+from numba import njit, prange
+from numba import types as nbt
+from numba.extending import intrinsic
 
 from fp8lab.quantize import QTensor, QuantSpec, quantize
+from fp8lab.scaling.granularity import resolve_block
 
 __all__ = ["ACCUMULATOR_KINDS", "Accumulator", "qmatmul"]
 
 ACCUMULATOR_KINDS = ("fp32", "limited")
 ACC_ROUNDINGS = ("toward_zero", "nearest_even")
 OUT_FORMATS = ("fp32", "bf16", "fp16")
+_NATIVE_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_ROW_CHUNK = 64  # rows of the output per pass of the limited model: acc + group buffer in L2
 
 
 @dataclass(frozen=True)
@@ -108,39 +159,29 @@ def qmatmul(
 ) -> torch.Tensor:
     """Emulated ``a @ b``: ``a`` ``[M, K]``, ``b`` ``[K, N]`` -> float32 ``[M, N]``.
 
-    Float operands are first quantized with ``spec`` (``a``) and ``spec_b`` (``b``; default
-    ``spec`` with its block transposed). ``out_format`` rounds the output (``bf16``/``fp16``/
-    ``fp32``; None = fp32). ``native=True`` uses ``torch._scaled_mm`` (per-tensor e4m3/e5m2, fp32
-    accumulator only).
+    Args:
+        a, b: `QTensor` operands, or float tensors quantized here with ``spec`` (``a``) and
+            ``spec_b`` (``b``; default: ``spec`` with its block transposed, so that a (1, 128)
+            activation spec gives (128, 1) for ``b``).
+        accumulator: an `Accumulator`, its kind as a string (``"fp32"``, ``"limited"``) or a dict.
+        out_format: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"``: the output's rounding.
+        native: use ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, fp32 accumulator).
+
+    Raises:
+        ValueError: non-2-D operands, mismatched K, scale blocks along K that do not line up
+            (e.g. ``b`` tiled along N instead of K: retile it), a limited accumulator without
+            promotion over K-varying scales, or ``native`` where it does not apply.
     """
     acc = Accumulator.parse(accumulator)
     qa, qb = _operands(a, b, spec, spec_b)
-    _check_pair(qa, qb)
-    if acc.kind == "fp32":
-        out = qa.dequantize() @ qb.dequantize()
+    kb = _check_pair(qa, qb)
+    if native:
+        out = _native(qa, qb, acc)
+    elif acc.kind == "fp32":
+        out = _fp32(qa, qb, kb)
     else:
-        raise NotImplementedError("limited accumulator: in progress")
+        out = _limited(qa, qb, acc, kb)
     return _round_out(out, out_format)
-
-
-def _check_pair(a: QTensor, b: QTensor) -> None:
-    if a.values.dim() != 2 or b.values.dim() != 2:
-        raise ValueError(f"qmatmul needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"qmatmul: mismatched K: a is {tuple(a.shape)} (K={a.shape[1]}), "
-            f"b is {tuple(b.shape)} (K={b.shape[0]})"
-        )
-
-
-def _round_out(out: torch.Tensor, out_format: str | None) -> torch.Tensor:
-    if out_format is None or out_format in ("fp32", "float32"):
-        return out
-    if out_format in ("bf16", "bfloat16"):
-        return out.to(torch.bfloat16).to(torch.float32)
-    if out_format in ("fp16", "float16", "half"):
-        return out.to(torch.float16).to(torch.float32)
-    raise ValueError(f"out_format must be one of {OUT_FORMATS} or None, got {out_format!r}")
 
 
 def _operands(
@@ -159,5 +200,268 @@ def _operands(
             raise ValueError("qmatmul: float operand b needs spec_b= or spec= to be quantized")
         b = quantize(b, sb)
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
-        raise TypeError("qmatmul operands must be QTensors or float tensors")
+        raise TypeError(
+            f"qmatmul operands must be QTensors or float tensors, got {type(a).__name__} and "
+            f"{type(b).__name__}"
+        )
     return a, b
+
+
+def _blocks(q: QTensor) -> tuple[int, int]:
+    return resolve_block(q.spec.block, (q.shape[0], q.shape[1]))
+
+
+def _check_pair(a: QTensor, b: QTensor) -> int:
+    """Validate shapes and scale geometry; return the K extent over which scales are constant."""
+    if a.values.dim() != 2 or b.values.dim() != 2:
+        raise ValueError(f"qmatmul needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    k = a.shape[1]
+    if k != b.shape[0]:
+        raise ValueError(
+            f"qmatmul: mismatched K: a is {tuple(a.shape)} (K={k}), "
+            f"b is {tuple(b.shape)} (K={b.shape[0]})"
+        )
+    ka = min(_blocks(a)[1], k)
+    kb = min(_blocks(b)[0], k)
+    if k in (ka, kb) or ka == kb:
+        return min(ka, kb)
+    raise ValueError(
+        f"qmatmul: incompatible scale granularities along K: a has blocks {a.spec.granularity!r} "
+        f"({ka} wide along K), b has blocks {b.spec.granularity!r} ({kb} tall along K). The scale "
+        "groups of both operands must line up along the reduction axis (equal, or one of them "
+        "spanning all of K); for b = x of shape [K, N] quantized row-wise, retile it to the "
+        "transposed blocks first (fp8lab.retile)."
+    )
+
+
+def _k_constant_scales(q: QTensor, side: str) -> torch.Tensor:
+    """Scales of an operand whose scales do not vary along K, broadcast to [M, 1] or [1, N]."""
+    sc = q.scales
+    if q.global_scale is not None:
+        sc = sc * q.global_scale
+    if side == "a":
+        bm = _blocks(q)[0]
+        return sc.repeat_interleave(bm, dim=0)[: q.shape[0]].reshape(-1, 1)
+    bn = _blocks(q)[1]
+    return sc.repeat_interleave(bn, dim=1)[:, : q.shape[1]].reshape(1, -1)
+
+
+def _fp32(a: QTensor, b: QTensor, kb: int) -> torch.Tensor:
+    k = a.shape[1]
+    if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
+        out = torch.mm(a.values.float(), b.values.float())
+        if (
+            a.scales.numel() == 1
+            and b.scales.numel() == 1
+            and a.global_scale is None
+            and (b.global_scale is None)
+        ):
+            return out.mul_(a.scales.reshape(()) * b.scales.reshape(()))
+        return out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
+    return torch.mm(a.dequantize(), b.dequantize())
+
+
+def _native(a: QTensor, b: QTensor, acc: Accumulator) -> torch.Tensor:
+    if acc.kind != "fp32":
+        raise ValueError("native=True runs torch._scaled_mm: it has no limited-accumulator model")
+    for name, q in (("a", a), ("b", b)):
+        if (
+            q.spec.format not in _NATIVE_FORMATS
+            or q.scales.numel() != 1
+            or q.global_scale is not None
+        ):
+            raise ValueError(
+                f"native=True needs per-tensor e4m3/e5m2 operands; {name} is "
+                f"{q.spec.format} with {q.scales.numel()} scales"
+            )
+    a8 = a.values.to(_NATIVE_FORMATS[a.spec.format])
+    b8 = b.values.to(_NATIVE_FORMATS[b.spec.format]).t().contiguous().t()  # column-major
+    return torch._scaled_mm(
+        a8,
+        b8,
+        scale_a=a.scales.reshape(()).float(),
+        scale_b=b.scales.reshape(()).float(),
+        out_dtype=torch.float32,
+    )
+
+
+def _round_out(out: torch.Tensor, out_format: str | None) -> torch.Tensor:
+    if out_format is None or out_format in ("fp32", "float32"):
+        return out
+    if out_format in ("bf16", "bfloat16"):
+        return out.to(torch.bfloat16).to(torch.float32)
+    if out_format in ("fp16", "float16", "half"):
+        return out.to(torch.float16).to(torch.float32)
+    raise ValueError(f"out_format must be one of {OUT_FORMATS} or None, got {out_format!r}")
+
+
+# ------------------------------------------------------------------------------ limited model
+@intrinsic
+def _f64_to_u64(typingctx, x):  # pragma: no cover - numba
+    if x != nbt.float64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return nbt.uint64(nbt.float64), codegen
+
+
+@intrinsic
+def _u64_to_f64(typingctx, x):  # pragma: no cover - numba
+    if x != nbt.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return nbt.float64(nbt.uint64), codegen
+
+
+@njit(cache=True, inline="always")
+def _cut(v, drop, half_m1, mask, rne):
+    """Keep ``52 - drop`` fraction bits of a float64: truncate (RZ) or round to nearest even."""
+    u = _f64_to_u64(v)
+    if rne:
+        u = u + half_m1 + ((u >> drop) & np.uint64(1))
+    return _u64_to_f64(np.uint64(u & mask))
+
+
+@njit(parallel=True, cache=True)
+def _acc_step(acc, buf, drop, rne, promote, out, sa, sb):  # pragma: no cover - numba
+    """acc = cut(acc + buf); if promote: out += f32(sa[r] * sb[n]) * f32(acc), acc = 0."""
+    rows, cols = acc.shape
+    dropu = np.uint64(drop)
+    half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
+    mask = ~((np.uint64(1) << dropu) - np.uint64(1))
+    for r in prange(rows):
+        if promote:
+            s_r = sa[r]
+            for n in range(cols):
+                v = _cut(acc[r, n] + buf[r, n], dropu, half_m1, mask, rne)
+                out[r, n] += (s_r * sb[n]) * np.float32(v)
+                acc[r, n] = 0.0
+        else:
+            for n in range(cols):
+                acc[r, n] = _cut(acc[r, n] + buf[r, n], dropu, half_m1, mask, rne)
+
+
+@njit(parallel=True, cache=True)
+def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover - numba
+    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product."""
+    rows, cols = acc.shape
+    dropu = np.uint64(drop)
+    half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
+    mask = ~((np.uint64(1) << dropu) - np.uint64(1))
+    keep = 52 - drop
+    tile = 64
+    ntiles = (cols + tile - 1) // tile
+    for job in prange(rows * ntiles):
+        r = job // ntiles
+        n0 = (job % ntiles) * tile
+        n1 = min(n0 + tile, cols)
+        emax = np.zeros(tile, dtype=np.uint64)
+        qinv = np.empty(tile, dtype=np.float64)
+        q = np.empty(tile, dtype=np.float64)
+        s = np.empty(tile, dtype=np.float64)
+        for g0 in range(k0, k1, group):
+            g1 = min(g0 + group, k1)
+            for j in range(n1 - n0):
+                emax[j] = np.uint64(0)
+                s[j] = 0.0
+            for k in range(g0, g1):
+                av = a[r, k]
+                for j in range(n1 - n0):
+                    e = (_f64_to_u64(av * b[k, n0 + j]) >> np.uint64(52)) & np.uint64(0x7FF)
+                    emax[j] = max(emax[j], e)
+            for j in range(n1 - n0):
+                # quantum 2**(e_max - keep) of the group's largest product (biased exponents)
+                eq = np.int64(emax[j]) - keep
+                eq = max(eq, np.int64(1))
+                q[j] = _u64_to_f64(np.uint64(eq) << np.uint64(52))
+                qinv[j] = _u64_to_f64(np.uint64(2046 - eq) << np.uint64(52))
+            for k in range(g0, g1):
+                av = a[r, k]
+                for j in range(n1 - n0):
+                    s[j] += np.trunc(av * b[k, n0 + j] * qinv[j]) * q[j]
+            for j in range(n1 - n0):
+                acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
+
+
+def _scale_vectors(a: QTensor, b: QTensor, k0: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scale of a per row and of b per column for the K group starting at k0."""
+    bma, bka = _blocks(a)
+    bkb, bnb = _blocks(b)
+    sa = a.scales[:, k0 // bka].repeat_interleave(bma)[: a.shape[0]]
+    sb = b.scales[k0 // bkb, :].repeat_interleave(bnb)[: b.shape[1]]
+    return (
+        np.ascontiguousarray(sa.float().numpy()),
+        np.ascontiguousarray(sb.float().numpy()),
+    )
+
+
+def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    pe = acc.promote_every
+    if pe is None and kb < k:
+        raise ValueError(
+            f"limited accumulation without promotion applies the scales to the output, but these "
+            f"operands' scales change every {kb} elements along K: set promote_every to a "
+            f"multiple of group={acc.group} dividing {kb} (DeepSeek: 128)"
+        )
+    if pe is not None and kb < k and kb % pe:
+        raise ValueError(
+            f"promote_every={pe} does not divide the operands' K scale block ({kb}): the "
+            "promoted partial sums would straddle two scale groups"
+        )
+    drop = 52 - acc.mantissa_bits
+    rne = acc.rounding == "nearest_even"
+    out = torch.zeros((m, n), dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    va = a.values.to(torch.float64).contiguous()
+    vb = b.values.to(torch.float64).contiguous()
+    span = pe if pe is not None else k  # K elements between promotions
+    ones_n = np.ones(n, dtype=np.float32)
+    o_np = out.numpy()
+    chunk = _ROW_CHUNK if not acc.per_product else m
+    accbuf = np.zeros((min(chunk, m), n), dtype=np.float64)
+    buf = torch.empty((min(chunk, m), n), dtype=torch.float64)
+    for r0 in range(0, m, chunk):
+        r1 = min(r0 + chunk, m)
+        rows = r1 - r0
+        acc_np = accbuf[:rows]
+        acc_np[:] = 0.0
+        b_t = buf[:rows]
+        b_np = b_t.numpy()
+        for p0 in range(0, k, span):
+            p1 = min(p0 + span, k)
+            if pe is not None:
+                sa, sb = _scale_vectors(a, b, p0)
+                sa = np.ascontiguousarray(sa[r0:r1])
+            else:
+                sa, sb = np.ones(rows, dtype=np.float32), ones_n
+            if acc.per_product:
+                _acc_per_product(
+                    va.numpy()[r0:r1], vb.numpy(), p0, p1, acc.group, drop, rne, acc_np
+                )
+                b_np[:] = 0.0
+                _acc_step(acc_np, b_np, drop, rne, pe is not None, o_np[r0:r1], sa, sb)
+                continue
+            for g0 in range(p0, p1, acc.group):
+                g1 = min(g0 + acc.group, p1)
+                torch.mm(va[r0:r1, g0:g1], vb[g0:g1], out=b_t)
+                last = g1 == p1 and pe is not None
+                _acc_step(acc_np, b_np, drop, rne, last, o_np[r0:r1], sa, sb)
+        if pe is None:
+            out[r0:r1] = torch.from_numpy(acc_np).to(torch.float32)
+    if pe is None:
+        out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
+    elif a.global_scale is not None or b.global_scale is not None:
+        g = torch.ones(())
+        for q in (a, b):
+            if q.global_scale is not None:
+                g = g * q.global_scale
+        out.mul_(g)
+    return out

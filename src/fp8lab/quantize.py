@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from llvmlite import ir
+from numba import njit, prange
+from numba import types as nbt
+from numba.extending import intrinsic
 
 from fp8lab.formats import FloatFormat, get_format
 from fp8lab.scaling import rules as _rules
@@ -26,13 +33,13 @@ from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import (
     GranularityLike,
     as_2d,
-    block_amax,
     canonical_granularity,
     check_fit,
     expand_blocks,
     granularity_to_plain,
     normalize_granularity,
     num_blocks,
+    resolve_block,
     shape_2d,
     transpose_granularity,
 )
@@ -324,56 +331,214 @@ class QTensor:
         )
 
 
-# ---------------------------------------------------------------------------------- cast
-def _cast(
-    x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None
+# ---------------------------------------------------------------------------------- kernels
+# Two passes over x, no full-size temporaries: (1) block amax, NaN ignored; (2) multiply by the
+# block's multiplier in float32 and round onto the grid (fast RNE+saturate path for ExMy formats
+# with subnormals; any other mode writes x*scale and then runs fp8lab.cast in place).
+_AMAX_CHUNK = 64
+
+
+@njit(parallel=True, cache=True)
+def _partial_amax(xu, rows, cols, bm, bk, chunk, out):  # pragma: no cover - numba
+    """out[t, cb] = bits of max |x| over rows [t*chunk, (t+1)*chunk) and column block cb.
+
+    Works on the uint32 bits: |x| orders like its bits, and NaN (bits > 0x7F800000) is mapped
+    to 0 so it is ignored, as TE's ``fmaxf`` does. Integer max reductions vectorise.
+    """
+    nt, nc = out.shape
+    for t in prange(nt):
+        r0 = t * chunk
+        r1 = min(r0 + chunk, rows)
+        for cb in range(nc):
+            c0 = cb * bk
+            c1 = min(c0 + bk, cols)
+            m = np.uint32(0)
+            for r in range(r0, r1):
+                base = r * cols
+                for c in range(c0, c1):
+                    a = xu[base + c] & np.uint32(0x7FFFFFFF)
+                    a = a if a <= np.uint32(0x7F800000) else np.uint32(0)
+                    m = max(m, a)
+            out[t, cb] = m
+
+
+@njit(parallel=True, cache=True)
+def _scale_mul(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
+    for r in prange(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            s = mult[br, cb]
+            c1 = min((cb + 1) * bk, cols)
+            for c in range(cb * bk, c1):
+                of[base + c] = x[base + c] * s
+
+
+@intrinsic
+def _f32_to_u32(typingctx, x):  # pragma: no cover - numba
+    """Bit pattern of a float32 (an LLVM bitcast; array views inside numba are unreliable)."""
+    if x != nbt.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return nbt.uint32(nbt.float32), codegen
+
+
+@intrinsic
+def _u32_to_f32(typingctx, x):  # pragma: no cover - numba
+    if x != nbt.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return nbt.float32(nbt.uint32), codegen
+
+
+@njit(cache=True, inline="always")
+def _rne_sat(y, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero):
+    """RNE + saturate of a float32 onto an ExMy grid with subnormals (see `_fast_params`).
+
+    Branch-free (selects only) so that the loop around it vectorises.
+    """
+    u = _f32_to_u32(y)
+    a = u & np.uint32(0x7FFFFFFF)
+    sign = u ^ a
+    # normal binades: round the fp32 significand to mbits bits (carry may bump the exponent);
+    # +inf lands on 0x7F800000 and saturates with everything else above max
+    an = min((a + half_m1 + ((a >> shift) & np.uint32(1))) & lowmask, maxbits)
+    # below the smallest normal the quantum is fixed: RNE by the magic-number add
+    asub = _f32_to_u32((abs(y) + magic) - magic)
+    r = an if a >= emin_bits else asub
+    r = a if a > np.uint32(0x7F800000) else r  # NaN stays NaN
+    keep_sign = signed_zero or r != np.uint32(0)
+    sign = sign if keep_sign else np.uint32(0)
+    return _u32_to_f32(np.uint32(sign | r))
+
+
+@njit(parallel=True, cache=True)
+def _scale_cast_rne(
+    x, rows, cols, bm, bk, mult, of, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """of = RNE_saturate(x * mult[block]) onto an ExMy grid with subnormals."""
+    shift = np.uint32(23 - mbits)
+    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
+    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    for r in prange(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            s = mult[br, cb]
+            c1 = min((cb + 1) * bk, cols)
+            for c in range(cb * bk, c1):
+                of[base + c] = _rne_sat(
+                    x[base + c] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic,
+                    signed_zero,
+                )  # fmt: skip
+
+
+def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
+    """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
+    f = spec.fmt
+    if (
+        spec.rounding != "nearest_even"
+        or not spec.saturate
+        or f.kind != "exmy"
+        or not f.subnormals
+        or not f.signed
+        or not f.has_zero
+        or f.mbits >= 23
+        or f.emin < -126
+        or f.emin - f.mbits < -149
+    ):
+        return None
+    maxbits = int(np.array(f.max, dtype=np.float32).view(np.uint32))
+    magic = np.float32(2.0 ** (f.emin - f.mbits + 23))
+    return f.mbits, f.emin + 127, maxbits, magic, f.signed_zero
+
+
+def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per-block NaN-ignoring amax of a contiguous float32 [R, C] tensor (numba)."""
+    rows, cols = x2.shape
+    m, k = resolve_block(block, (rows, cols))
+    nr, nc = num_blocks((rows, cols), (m, k))
+    if x2.numel() == 0:
+        return torch.zeros((nr, nc), dtype=torch.float32)
+    chunk = m if m <= _AMAX_CHUNK else math.gcd(m, _AMAX_CHUNK)
+    nt = -(-rows // chunk)
+    part = np.empty((nt, nc), dtype=np.uint32)
+    _partial_amax(x2.view(-1).numpy().view(np.uint32), rows, cols, m, k, chunk, part)
+    pt = torch.from_numpy(part.view(np.float32))
+    per = m // chunk
+    if per == 1:
+        return pt
+    if nt != nr * per:
+        pt = torch.cat([pt, pt.new_zeros((nr * per - nt, nc))])
+    return pt.reshape(nr, per, nc).amax(dim=1)
+
+
+def _scale_cast(
+    x2: torch.Tensor,
+    mult: torch.Tensor,
+    block: tuple[int, int],
+    spec: QuantSpec,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
+    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C]."""
+    rows, cols = x2.shape
+    m, k = resolve_block(block, (rows, cols))
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    if x2.numel() == 0:
+        return out
+    mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
+    xf = x2.view(-1).numpy()
+    of = out.view(-1).numpy()
+    fp = _fast_params(spec)
+    if fp is not None:
+        mbits, emin_b, maxbits, magic, signed_zero = fp
+        _scale_cast_rne(
+            xf, rows, cols, m, k, mult_np, of, mbits, np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+        )  # fmt: skip
+        return out
+    _scale_mul(xf, rows, cols, m, k, mult_np, of)
     from fp8lab.formats import cast
 
-    return cast(x, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator)
-
-
-def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32)
-    a = x.detach().float().abs()
-    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype), a)
-    return a.amax()
+    return cast(
+        out, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator, out=out
+    )
 
 
 def _scales_for(
-    x: torch.Tensor, spec: QuantSpec
+    x2: torch.Tensor, spec: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-block quantization multiplier, per-block scale_inv, global dequant scale)."""
     sc = spec.scaling
     block = spec.block
-    s2 = shape_2d(x.shape)
-    nb = num_blocks(s2, block)
+    nb = num_blocks(tuple(x2.shape), block)
     if isinstance(sc, float):
         s = torch.full(nb, sc, dtype=torch.float32)
         return s, torch.reciprocal(s), None
     if isinstance(sc, DelayedScaling):
-        amax = _tensor_amax(x)
+        amax = _block_amax_fast(x2, (-1, -1)).reshape(())
         s = sc.scale_for(amax, spec.fmt)
         sc.observe(amax)
         s = s.reshape(1, 1)
         return s, torch.reciprocal(s), None
-    amax = block_amax(x, block, pad=spec.pad)
+    amax = _block_amax_fast(x2, block)
     if sc == "nvfp4":
-        tensor_amax = amax.amax() if spec.two_level else None
-        if tensor_amax is not None and tensor_amax.numel() == 0:
+        tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
+        if spec.two_level and tensor_amax is None:
             tensor_amax = torch.zeros(())
         s_blk, s_dec, enc = _rules.nvfp4_scales(
             amax, tensor_amax, spec.fmt, scale_format=spec.scale_format
         )
         return enc, s_blk, (s_dec if spec.two_level else None)
     if sc in _MX_RULES:
-        s = _rules.get_rule(sc)(amax, spec.fmt)
-        return (
-            s,
-            _rules.e8m0_to_scale_inv(_rules.mx_exponent(amax, spec.fmt, sc.removeprefix("mx_"))),
-            None,
-        )
+        code = _rules.mx_exponent(amax, spec.fmt, sc.removeprefix("mx_"))
+        return _rules.e8m0_to_scale(code), _rules.e8m0_to_scale_inv(code), None
     s = _rules.get_rule(sc)(amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon)
     return s, torch.reciprocal(s), None
 
@@ -397,22 +562,24 @@ def quantize(
     `QuantSpec` (then non-None arguments override its fields). Returns a `QTensor` whose
     ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
     the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
-    step). ``generator`` feeds stochastic rounding.
+    step). ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
+    converted to float32 (float64 rounds once there; TE multiplies in FP32 as well).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"fp8lab quantizes on the CPU; got a tensor on {x.device}")
     spec = _spec_from_args(
         fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
     )
     x = x.detach()
-    check_fit(shape_2d(x.shape), spec.block, spec.pad)
-    s, s_inv, g = _scales_for(x, spec)
-    x2 = as_2d(x).float()
-    s2 = tuple(x2.shape)
-    mult = s.reshape(()) if s.numel() == 1 else expand_blocks(s, spec.block, s2)
-    values = _cast(x2 * mult, spec, generator).reshape(x.shape)
+    s2 = shape_2d(x.shape)
+    check_fit(s2, spec.block, spec.pad)
+    x2 = x.reshape(s2).to(torch.float32).contiguous()
+    s, s_inv, g = _scales_for(x2, spec)
+    values = _scale_cast(x2, s, spec.block, spec, generator).reshape(x.shape)
     return QTensor(
         values=values, scales=s_inv.reshape(num_blocks(s2, spec.block)), spec=spec, global_scale=g
     )
@@ -490,3 +657,14 @@ def retile(
         )
     out.retiled = q.retiled + 1
     return out
+
+
+class _CallableModule(types.ModuleType):
+    """``fp8lab.quantize`` is both this module and the function: importing the submodule binds
+    the package attribute to the module, so the module itself forwards calls to `quantize`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> QTensor:
+        return quantize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
