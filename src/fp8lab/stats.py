@@ -14,11 +14,15 @@ The one call most users need::
         nonzero_pct     % of nonzero elements of x
         numel           number of elements
 
-``x`` is any floating tensor (computed in float64). ``spec`` is a spec string (`parse_spec`), a
-`fp8lab.QuantSpec`, or a format name (a plain cast, scale 1). SQNR can look fine while most small
-values underflow (the large values carry the energy): read ``sqnr_db`` and ``underflow_pct``
-together. Values are plain Python floats and may be ``inf``/``nan`` (use `json_safe` before
-writing JSON: non-finite numbers become None).
+``x`` is any floating tensor (statistics computed in float64). ``spec`` is a spec string
+(`parse_spec`), a `fp8lab.QuantSpec` (e.g. a recipe role: ``recipe.weight``) or a format name (a
+plain cast, scale 1). SQNR can look fine while most small values underflow (the large values
+carry the energy): read ``sqnr_db`` and ``underflow_pct`` together. Values are plain Python
+floats and may be ``inf``/``nan`` (`json_safe` turns them into None for JSON).
+
+``tensor_stats`` never touches `DelayedScaling` state: a delayed spec is measured at its steady
+state (current scaling with its margin, `steady_spec`). To measure what a live delayed scale
+did, quantize yourself and pass the pair: ``error_stats(x, q.dequantize(), fmt, q.values)``.
 
 Spec strings (`parse_spec` -> `fp8lab.QuantSpec`; quantization itself is `fp8lab.quantize`):
 ``FORMAT`` (a plain cast, scale 1), ``FORMAT:GRAN`` with GRAN ``tensor``, ``row``, ``col``,
@@ -33,6 +37,7 @@ Also here: the pair functions on ``(x, xq)`` (`sqnr_db`, `cosine`, `rel_error`, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -245,15 +250,28 @@ def _blocks(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return xp.reshape(nr, m, nc, k).permute(0, 2, 1, 3).reshape(nr, nc, m * k)
 
 
+def steady_spec(spec: Any) -> Any:
+    """A spec usable for one-off statistics: a `DelayedScaling` spec becomes current scaling
+    (``"max"``) with the same margin -- delayed scaling's steady state on a tensor that does not
+    change -- so that statistics never touch (or depend on) live delayed-scaling state."""
+    from fp8lab.scaling.delayed import DelayedScaling
+
+    spec = parse_spec(spec)
+    if isinstance(spec.scaling, DelayedScaling):
+        return dataclasses.replace(spec, scaling="max", margin=spec.scaling.margin)
+    return spec
+
+
 def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Quantize-dequantize ``x`` under ``spec`` with `fp8lab.quantize`.
+    """Quantize-dequantize ``x`` under ``spec`` with `fp8lab.quantize` (delayed specs as
+    `steady_spec`).
 
     Returns ``(xq, values, format_name)``: ``xq`` the dequantized tensor (x's shape), ``values``
     the on-grid values in the scaled domain (same shape; used for the saturation count).
     """
     from fp8lab.quantize import quantize
 
-    spec = parse_spec(spec)
+    spec = steady_spec(spec)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError("fake_quant expects a floating torch.Tensor")
     q = quantize(x.detach(), spec)

@@ -1,0 +1,155 @@
+"""Tensor error statistics on constructed tensors with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fp8lab import get_format, stats
+from fp8lab.quantize import QuantSpec
+from fp8lab.scaling.delayed import DelayedScaling
+
+E4M3 = get_format("e4m3")
+
+
+def test_all_values_below_min_subnormal_underflow_completely() -> None:
+    # half the smallest e4m3 subnormal (2^-9) rounds to 0 (a tie to even), smaller values too
+    x = torch.tensor([2.0**-10, -(2.0**-11), 2.0**-12, 1e-6])
+    s = stats.tensor_stats(x, "e4m3")  # plain cast, no scaling
+    assert s["underflow_pct"] == 100.0
+    assert s["sqnr_db"] == 0.0  # all noise: error energy == signal energy
+    assert s["cosine"] == 0.0
+    assert s["rel_error"] == 1.0
+    assert s["saturation_pct"] == 0.0
+    # with per-tensor scaling the same tensor survives
+    assert stats.tensor_stats(x, "e4m3:tensor")["underflow_pct"] == 0.0
+
+
+def test_tensor_on_the_grid_has_infinite_sqnr() -> None:
+    x = torch.tensor([[1.0, -0.5, 448.0, 0.0], [2.0**-9, 3.5, -240.0, 0.125]])
+    s = stats.tensor_stats(x, "e4m3")
+    assert s["sqnr_db"] == math.inf  # reported as infinite, not a large number
+    assert s["rel_error"] == 0.0 and s["cosine"] == pytest.approx(1.0)
+    assert s["underflow_pct"] == 0.0 and s["saturation_pct"] == 0.0
+    assert s["nonzero_pct"] == pytest.approx(100 * 7 / 8)
+    assert json.loads(json.dumps(stats.json_safe(s), allow_nan=False))["sqnr_db"] is None
+
+
+def test_saturation_counts_clamped_values() -> None:
+    x = torch.tensor([1.0, 500.0, -1000.0, 448.0, 2.0, 3.0, 4.0, 5.0])
+    s = stats.tensor_stats(x, "e4m3")  # scale 1: 500 and -1000 clamp to +-448
+    assert s["saturation_pct"] == pytest.approx(25.0)
+    assert s["amax"] == 1000.0
+    # dynamic per-tensor scaling maps amax onto 448: nothing clamps
+    assert stats.tensor_stats(x, "e4m3:tensor")["saturation_pct"] == 0.0
+    # non-saturating cast: overflow becomes NaN and still counts
+    spec = QuantSpec(format="e4m3", granularity="tensor", scaling=1.0, saturate=False)
+    assert stats.tensor_stats(x, spec)["saturation_pct"] == pytest.approx(25.0)
+
+
+def test_mx_floor_scale_saturates_some_blocks() -> None:
+    # OCP MX floor: a block whose amax mantissa is above 1.75 maps above 448 and clamps
+    x = torch.ones(32)
+    x[0] = 1.9
+    s = stats.tensor_stats(x, "mxfp8")
+    assert s["saturation_pct"] == pytest.approx(100 / 32)
+
+
+def test_dynamic_range_and_amax() -> None:
+    x = torch.tensor([0.0, 2.0**-10, -4.0, float("nan"), 1.0])
+    assert stats.amax(x) == 4.0
+    assert stats.dynamic_range(x) == pytest.approx(12.0)
+    assert math.isnan(stats.dynamic_range(torch.zeros(3)))
+
+
+def test_pair_functions_known_values() -> None:
+    x = torch.tensor([3.0, 4.0])
+    xq = torch.tensor([3.0, 3.0])
+    assert stats.sqnr_db(x, xq) == pytest.approx(10 * math.log10(25.0))
+    assert stats.rel_error(x, xq) == pytest.approx(0.2)
+    assert stats.cosine(x, xq) == pytest.approx(21 / (5 * math.sqrt(18)))
+    assert stats.underflow_pct(torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, 2.0, 0.0])) == 50.0
+    z = torch.zeros(3)
+    assert stats.sqnr_db(z, z) == math.inf and stats.cosine(z, z) == 1.0
+    assert stats.sqnr_db(z, torch.ones(3)) == -math.inf
+    assert stats.rel_error(z, torch.ones(3)) == math.inf
+    with pytest.raises(ValueError, match="shapes differ"):
+        stats.sqnr_db(x, torch.zeros(3))
+    with pytest.raises(TypeError, match="floating"):
+        stats.amax(torch.arange(3))
+
+
+def test_sqnr_fine_while_small_values_underflow() -> None:
+    # the docstring's warning, made concrete: one big value carries the energy
+    x = torch.cat([torch.tensor([448.0]), torch.full((99,), 1e-4)])
+    s = stats.tensor_stats(x, "e4m3:tensor")
+    assert s["sqnr_db"] > 60
+    assert s["underflow_pct"] == pytest.approx(99.0)
+
+
+def test_block_granularity_helps_an_outlier_tensor() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(256, 256) * 1e-3
+    x[0, 0] = 1000.0  # one outlier in the first 128x128 block
+    rows = stats.what_if(x, ["e4m3:tensor", "e4m3:128x128", "e4m3:1x128"])
+    assert [r["spec"] for r in rows] == ["e4m3:tensor", "e4m3:128x128", "e4m3:1x128"]
+    by = {r["spec"]: r for r in rows}
+    assert by["e4m3:tensor"]["underflow_pct"] > 50
+    assert by["e4m3:128x128"]["underflow_pct"] < by["e4m3:tensor"]["underflow_pct"] / 2
+    assert by["e4m3:1x128"]["underflow_pct"] < 1
+    with pytest.raises(ValueError, match="at least one spec"):
+        stats.what_if(x, [])
+
+
+def test_block_stats_per_block() -> None:
+    x = torch.ones(4, 6)
+    x[:2, :3] = 2.0**-12  # block (0, 0) underflows under a plain e4m3 cast
+    xq, _, _ = stats.fake_quant(x, "e4m3")
+    pb = stats.block_stats(x, xq, (2, 3))
+    assert pb["underflow_pct"].shape == (2, 2)
+    assert pb["underflow_pct"][0, 0] == 100.0 and pb["underflow_pct"][1, 1] == 0.0
+    assert pb["sqnr_db"][1, 1] == math.inf and pb["sqnr_db"][0, 0] == pytest.approx(0.0)
+    summary = stats.block_summary(pb)
+    assert summary["max_block_underflow_pct"] == 100.0
+    assert summary["min_block_sqnr_db"] == pytest.approx(0.0)
+
+
+def test_parse_spec_and_names() -> None:
+    assert stats.parse_spec("e4m3:128x128").granularity == (128, 128)
+    assert stats.parse_spec("E4M3:1x128").block == (1, 128)
+    mx = stats.parse_spec("mxfp8")
+    assert mx.format == "e4m3" and mx.granularity == "mx"
+    assert stats.parse_spec("e5m2").scaling == 1.0  # bare format = plain cast
+    for bad in ("e4m3:0x128", "e4m3:blocky", "e9m9:tensor"):
+        with pytest.raises(ValueError, match="bad spec"):
+            stats.parse_spec(bad)
+    with pytest.raises(TypeError):
+        stats.parse_spec(3)
+
+
+def test_delayed_spec_measured_at_steady_state_without_touching_state() -> None:
+    ds = DelayedScaling()
+    spec = QuantSpec(format="e4m3", granularity="tensor", scaling=ds)
+    x = torch.randn(64, 64) * 1e-3
+    s = stats.tensor_stats(x, spec)
+    assert s == stats.tensor_stats(x, "e4m3:tensor")
+    assert ds.step == 0  # no amax recorded in the caller's state
+
+
+def test_error_stats_keys_for_the_training_lab() -> None:
+    x = torch.randn(8, 16)
+    s = stats.tensor_stats(x, "e4m3:tensor")
+    for key in (
+        "amax",
+        "underflow_pct",
+        "saturation_pct",
+        "sqnr_db",
+        "cosine",
+        "rel_error",
+        "dynamic_range",
+    ):
+        assert isinstance(s[key], float), key
+    assert set(s) == set(stats.STAT_KEYS)
