@@ -32,7 +32,7 @@ from fp8lab.gemm import Accumulator, qmatmul
 from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 
-__all__ = ["LinearPlan", "build_plan", "linear", "operand", "round_high_precision"]
+__all__ = ["LinearPlan", "build_plan", "dense", "linear", "operand", "round_high_precision"]
 
 _HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _HP_MAX = {"fp16": 65504.0}
@@ -117,91 +117,93 @@ def _record(
 # --------------------------------------------------------------------------- operands
 def operand(
     x: torch.Tensor, plan: LinearPlan, gemm: str, role: str
-) -> tuple[torch.Tensor, QTensor | None]:
-    """``(tensor used by the GEMM, QTensor or None)`` for ``x`` in its natural layout."""
+) -> tuple[torch.Tensor | None, QTensor | None]:
+    """``(tensor, None)`` for an unquantized operand (fp32 or rounded to the high precision), or
+    ``(None, QTensor)`` for a quantized one; ``x`` in its natural layout."""
     hp = plan.high_precision[gemm]
     if hp is not None:
         a, q = round_high_precision(x, hp), None
     else:
         spec = plan.specs[(gemm, role)]
-        if spec is None:
-            a, q = x, None
-        else:
-            q = quantize(x, spec)
-            a = q.dequantize()
+        a, q = (x, None) if spec is None else (None, quantize(x, spec))
     if COLLECTORS.active:
-        _record(plan.name, gemm, role, x, a)
+        _record(plan.name, gemm, role, x, dense(a, q))
     return a, q
 
 
-def _from_saved(
-    saved: tuple[torch.Tensor, QTensor | None, torch.Tensor | None],
-    plan: LinearPlan,
-    src_gemm: str,
-    gemm: str,
-    role: str,
-) -> tuple[torch.Tensor, QTensor | None]:
+def dense(a: torch.Tensor | None, q: QTensor | None) -> torch.Tensor:
+    """The float32 tensor an operand stands for (dequantized if quantized)."""
+    return a if q is None else q.dequantize()
+
+
+Saved = tuple[torch.Tensor | None, QTensor | None, torch.Tensor | None, bool]
+
+
+def _from_saved(saved: Saved, plan: LinearPlan, gemm: str, role: str):
     """The operand of ``gemm`` rebuilt from what forward saved for ``role``."""
-    a, q, hp_x = saved
-    if hp_x is None:  # forward's operand is reused as is
+    a, q, src, retile_q = saved
+    if retile_q:  # save_for_backward="quantized" with other blocks: re-tile the quantized tensor
+        spec = plan.specs[(gemm, role)]
+        q2 = quantize(q.dequantize(), spec) if spec.is_delayed else retile(q, spec=spec)
         if COLLECTORS.active:
-            _record(plan.name, gemm, role, a, a)
+            _record(plan.name, gemm, role, q.dequantize(), q2.dequantize())
+        return None, q2
+    if src is None:  # the forward's operand is reused as is
+        if COLLECTORS.active:
+            d = dense(a, q)
+            _record(plan.name, gemm, role, d, d)
         return a, q
-    spec = plan.specs[(gemm, role)]
-    if plan.high_precision[gemm] is None and spec is not None and q is not None and hp_x is a:
-        # save_for_backward="quantized" with other blocks: re-tile the quantized tensor
-        q2 = quantize(a, spec) if spec.is_delayed else retile(q, spec=spec)
-        a2 = q2.dequantize()
-        if COLLECTORS.active:
-            _record(plan.name, gemm, role, a, a2)
-        return a2, q2
-    return operand(hp_x, plan, gemm, role)
+    return operand(src, plan, gemm, role)
 
 
 def _plan_save(
-    plan: LinearPlan,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    q: QTensor | None,
-    src_gemm: str,
-    gemm: str,
-    role: str,
-) -> tuple[torch.Tensor, QTensor | None, torch.Tensor | None]:
-    """What to keep for the backward use of ``role`` in ``gemm``: ``(a, q, source)``.
+    plan: LinearPlan, x: torch.Tensor, a, q, src_gemm: str, gemm: str, role: str
+) -> Saved:
+    """What to keep for the backward use of ``role`` in ``gemm``: ``(a, q, source, retile)``.
 
-    ``source is None``: reuse ``(a, q)`` unchanged. ``source is a``: re-tile ``q`` from its
-    quantized values. Otherwise ``source`` is the fp32 tensor to prepare afresh.
+    Reuse ``(a, q)`` when both GEMMs see the same operand; re-tile ``q`` when
+    ``save_for_backward="quantized"`` and only the blocks differ; else keep the fp32 ``source``
+    to prepare afresh.
     """
     hp_src, hp_dst = plan.high_precision[src_gemm], plan.high_precision[gemm]
     s_src, s_dst = plan.specs[(src_gemm, role)], plan.specs[(gemm, role)]
     if hp_dst is not None:
         if hp_src == hp_dst:
-            return a, None, None
-        return a, None, x
+            return a, None, None, False
+        return None, None, x, False
     if s_dst is None:
-        return (x, None, None) if hp_src is None and s_src is None else (a, None, x)
+        if hp_src is None and s_src is None:
+            return x, None, None, False
+        return None, None, x, False
     if hp_src is None and s_src is not None and s_src == s_dst:
-        return a, q, None
+        return None, q, None, False
     if plan.save_quantized and q is not None:
-        return a, q, a
-    return a, None, x
+        return None, q, None, True
+    return None, None, x, False
 
 
 def _gemm(
     acc: Accumulator,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     qa: QTensor | None,
-    b: torch.Tensor,
+    b: torch.Tensor | None,
     qb: QTensor | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``a @ b (+ bias)``; a: [M, K], b: [K, N]."""
-    if acc.kind != "fp32" and qa is not None and qb is not None:
+    """``a @ b (+ bias)``; a: [M, K], b: [K, N]. Two quantized operands go through
+    `fp8lab.qmatmul` (its fp32 path multiplies K-constant scales onto the product of the grid
+    values, as the hardware does); otherwise one fp32 ``addmm``/``mm``."""
+    if qa is not None and qb is not None:
         out = qmatmul(qa, qb, acc)
-        return out if bias is None else out + bias
+        return out if bias is None else out.add_(bias)
+    a, b = dense(a, qa), dense(b, qb)
     if bias is not None:
         return torch.addmm(bias, a, b)
     return a @ b
+
+
+def _t(a: torch.Tensor | None, q: QTensor | None):
+    return (None if a is None else a.t()), (None if q is None else q.t())
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -212,7 +214,7 @@ class _LinearFunction(torch.autograd.Function):
             x2 = x2.float()
         ax, qx = operand(x2, plan, "fprop", "input")
         aw, qw = operand(weight, plan, "fprop", "weight")
-        y = _gemm(plan.accumulators["fprop"], ax, qx, aw.t(), None if qw is None else qw.t(), bias)
+        y = _gemm(plan.accumulators["fprop"], ax, qx, *_t(aw, qw), bias)
         ctx.plan = plan
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
@@ -232,28 +234,17 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ady, qdy = operand(dy2, plan, "dgrad", "grad_output")
             dgrad_dy = (ady, qdy)
-            aw, qw = _from_saved(ctx.saved_w, plan, "fprop", "dgrad", "weight")
+            aw, qw = _from_saved(ctx.saved_w, plan, "dgrad", "weight")
             dx = _gemm(plan.accumulators["dgrad"], ady, qdy, aw, qw).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if dgrad_dy is not None:
-                ady_w, qdy_w = _from_saved(
-                    _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output"),
-                    plan,
-                    "dgrad",
-                    "wgrad",
-                    "grad_output",
-                )
+                saved = _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output")
+                ady_w, qdy_w = _from_saved(saved, plan, "wgrad", "grad_output")
             else:
                 ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output")
-            ax, qx = _from_saved(ctx.saved_x, plan, "fprop", "wgrad", "input")
+            ax, qx = _from_saved(ctx.saved_x, plan, "wgrad", "input")
             # (xᵀ · dy)ᵀ: the same product and layout as torch's own linear backward
-            dw = _gemm(
-                plan.accumulators["wgrad"],
-                ax.t(),
-                None if qx is None else qx.t(),
-                ady_w,
-                qdy_w,
-            ).t()
+            dw = _gemm(plan.accumulators["wgrad"], *_t(ax, qx), ady_w, qdy_w).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         ctx.saved_w = ctx.saved_x = None
