@@ -78,6 +78,13 @@ class _Params:
     flags: int
     inf: bool
     has_nan: bool
+    # fast float32 kernel: shift of the rounding position in the float32 bits, per exponent field
+    fast: bool = False
+    is_hif8: int = 0
+    s_norm: int = 0  # shift for binades >= emin
+    emin_field: int = 0  # float32 exponent field of the format's smallest normal binade
+    lowq: int = 0  # exponent of the grid spacing below emin
+    s_e0: int = 0  # shift for float32 subnormal inputs
 
 
 def default_rounding(fmt: str | FloatFormat) -> str:
@@ -91,7 +98,7 @@ def _params(fmt: FloatFormat) -> _Params:
     if fmt.kind == "hif8":
         q = np.array([_hif8.quantum_exponent(int(e)) for e in ebs], dtype=np.int64)
         flags = _F_HAS_ZERO | _F_SIGNED
-        return _Params(q, np.ldexp(1.0, q), _hif8.MAX, 0.0, flags, True, True)
+        return _Params(q, np.ldexp(1.0, q), _hif8.MAX, 0.0, flags, True, True, fast=True, is_hif8=1)
     emin, mb = fmt.emin, fmt.mbits
     lowest = emin - mb if fmt.subnormals else emin
     if lowest < -149 or fmt.emax > 127:
@@ -106,7 +113,23 @@ def _params(fmt: FloatFormat) -> _Params:
         | (_F_SIGNED if fmt.signed else 0)
     )
     tiny = 0.0 if fmt.has_zero else fmt.min_subnormal
-    return _Params(q, np.ldexp(1.0, q), float(fmt.max), tiny, flags, fmt.inf, fmt.has_nan)
+    # the fast kernel needs one spacing for all float32 subnormal inputs (binades <= -127)
+    q_sub = q[ebs <= -127]
+    fast = bool((q_sub == q_sub[0]).all())
+    return _Params(
+        q,
+        np.ldexp(1.0, q),
+        float(fmt.max),
+        tiny,
+        flags,
+        fmt.inf,
+        fmt.has_nan,
+        fast=fast,
+        s_norm=23 - mb,
+        emin_field=emin + 127,
+        lowq=lowest,
+        s_e0=int(q_sub[0]) + 149,
+    )
 
 
 # ----------------------------------------------------------------------------------- kernels
@@ -270,6 +293,126 @@ def _cast_u64(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode
         dst[i] = r
 
 
+_HYB_OVF_BITS = 0x47200000  # 40960.0f
+_NAN_BITS = 0x7FC00000
+
+
+def _f32_bits(v: float) -> int:
+    return int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+
+
+@njit(parallel=True, cache=True)
+def _cast_fast(
+    src,
+    dst,
+    is_hif8,
+    s_norm,
+    emin_field,
+    lowq,
+    s_e0,
+    maxb,
+    ovfb,
+    infb,
+    tinyb,
+    flags,
+    mode,
+    seed,
+    hyb16,
+):
+    """float32 bits -> float32 bits, rounding in place in the float32 encoding.
+
+    For a rounding position ``s`` (bits of the float32 pattern below the grid spacing) in 1..23,
+    adding the rounding increment to the pattern and clearing the low ``s`` bits is exact rounding,
+    carries into the exponent included. ``s >= 24`` (|x| below half a spacing) gives 0 or one
+    spacing; ``s <= 0`` is already on the grid.
+    """
+    for i in prange(src.shape[0]):
+        u = np.int64(src[i])
+        a = u & 0x7FFFFFFF
+        neg = u > 0x7FFFFFFF
+        ex = a >> 23
+        eb = ex - 127
+        if is_hif8 != 0:
+            ab = -eb if eb < 0 else eb
+            s = 20 + (ab >= 4) + (ab >= 8)
+            if eb < -15:
+                s = 23 if eb >= -22 else 1 - eb
+        elif ex == 0:
+            s = s_e0
+        elif ex >= emin_field:
+            s = s_norm
+        else:
+            s = lowq + 150 - ex
+        if s <= 0:
+            r = a
+        elif s <= 23:
+            low = (np.int64(1) << s) - 1
+            if mode == 0:
+                odd = 1 if (s == 23 and ex != 0) else (a >> s) & 1
+                add = (low >> 1) + odd
+            elif mode == 1:
+                add = np.int64(1) << (s - 1)
+            elif mode == 2:
+                add = 0
+            elif mode == 3:
+                add = _rand32(seed, i) & low
+            else:
+                if -3 <= eb <= 3:
+                    add = np.int64(1) << (s - 1)
+                else:
+                    rem = a & low
+                    add = 0
+                    if rem != 0:
+                        if hyb16 == 0:
+                            up = (rem >> (s - 14)) >= (a & 0x3FFF)
+                        else:
+                            lsb = 13 if eb >= -14 else -1 - eb
+                            up = (rem >> (s - 2)) >= ((a >> lsb) & 1) * 2 + 1
+                        if up:
+                            add = low + 1
+            r = (a + add) & ~low
+        else:
+            sig = a if ex == 0 else (a & 0x7FFFFF) | 0x800000
+            up = False
+            if mode == 0:
+                up = s == 24 and ex != 0 and (a & 0x7FFFFF) != 0
+            elif mode == 1:
+                up = s == 24 and ex != 0
+            elif mode == 3:
+                if s <= 32:
+                    thresh = sig << (32 - s)
+                elif s < 56:
+                    thresh = sig >> (s - 32)
+                else:
+                    thresh = 0
+                up = _rand32(seed, i) < thresh
+            elif mode == 4:
+                up = eb == -23 and (sig >> 10) >= (a & 0x3FFF)
+            if up:
+                q = s + (1 if ex == 0 else ex) - 150
+                r = (q + 127) << 23 if q >= -126 else np.int64(1) << (q + 149)
+            else:
+                r = 0
+        if mode == 4 and a >= _HYB_OVF_BITS:
+            r = 0x7F800000
+        if a >= 0x7F800000:
+            o = infb if a == 0x7F800000 else _NAN_BITS
+        elif r > maxb:
+            o = ovfb
+        elif r == 0 and (flags & _F_HAS_ZERO) == 0:
+            o = _NAN_BITS if a == 0 else tinyb
+        else:
+            o = r
+        if o > 0x7F800000:
+            o = _NAN_BITS
+        elif neg:
+            if (flags & _F_SIGNED) == 0:
+                o = _NAN_BITS
+            elif o != 0 or (flags & _F_SIGNED_ZERO) != 0:
+                o = o | 0x80000000
+        dst[i] = np.uint32(o)
+
+
 # ----------------------------------------------------------------------------------- public
 def _check_tensor(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
@@ -300,6 +443,9 @@ def _seed(generator: torch.Generator | None) -> int:
     return int(
         torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator).item()
     )
+
+
+_force_generic = False  # tests flip this to cross-check the fast kernel against the generic one
 
 
 def cast(
@@ -346,6 +492,25 @@ def cast(
     hyb16 = 1 if x.dtype == torch.float16 else 0
     n = src.numel()
     if n == 0:
+        return dst
+    if p.fast and src.dtype == torch.float32 and not _force_generic:
+        _cast_fast(
+            src.view(-1).numpy().view(np.uint32),
+            dst.view(-1).numpy().view(np.uint32),
+            p.is_hif8,
+            p.s_norm,
+            p.emin_field,
+            p.lowq,
+            p.s_e0,
+            _f32_bits(p.max),
+            _f32_bits(ovf),
+            _f32_bits(infval),
+            _f32_bits(p.tiny),
+            p.flags,
+            mode,
+            seed,
+            hyb16,
+        )
         return dst
     d = dst.view(-1).numpy()
     if src.dtype == torch.float64:
