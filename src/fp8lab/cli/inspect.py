@@ -1,0 +1,245 @@
+"""``fp8lab inspect FILE``: error statistics of a checkpoint's tensors under quantization specs.
+
+Reads safetensors files, or PyTorch checkpoints through ``torch.load(weights_only=True)`` only
+(arbitrary pickles are never executed). Every floating tensor found (nested dicts/lists are
+walked, names joined with dots) is quantized under each ``--spec`` / ``--recipe`` and reported
+with `fp8lab.stats` (SQNR, cosine, relative error, underflow %, saturation %, amax, range).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+DEFAULT_SPECS = ("e4m3:tensor", "e4m3:128x128", "mxfp8")
+
+HELP = """Quantization error statistics of the tensors in a checkpoint.
+
+FILE: a .safetensors file or a PyTorch checkpoint loadable with torch.load(weights_only=True).
+--spec takes spec strings: FORMAT (plain cast), FORMAT:tensor|row|col|mx|nvfp4|MxK (e.g.
+e4m3:128x128, e4m3:1x128) or mxfp8, mxfp8_e5m2, mxfp6, mxfp4, nvfp4. --recipe takes a recipe name
+(fp8lab.recipe) and uses its weight spec (delayed scaling measured at its steady state).
+Default specs: e4m3:tensor, e4m3:128x128, mxfp8. SQNR "inf" means the quantized tensor is exact.
+"""
+
+
+class CheckpointError(ValueError):
+    """The file cannot be read as a checkpoint."""
+
+
+def _is_safetensors(path: Path) -> bool:
+    """safetensors layout: u64 little-endian header length, then a JSON object."""
+    with path.open("rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 0 < n <= path.stat().st_size - 8
+
+
+def load_tensors(path: str | Path) -> dict[str, Any]:
+    """Name -> tensor for every tensor in the checkpoint (any dtype; nesting flattened).
+
+    Raises `CheckpointError` (a ValueError) with the reason for a missing, unreadable or
+    corrupt file, or one that needs full unpickling.
+    """
+    import torch
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, expected a checkpoint file")
+    if path.suffix == ".safetensors" or _is_safetensors(path):
+        from safetensors.torch import load_file
+
+        try:
+            return dict(load_file(str(path)))
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(
+                f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})"
+            ) from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError (bad zip), EOFError, ...
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
+        raise CheckpointError(
+            f"{path}: cannot read as safetensors or as a torch checkpoint with "
+            f"weights_only=True (fp8lab never unpickles arbitrary objects): {reason}"
+        ) from None
+    out: dict[str, Any] = {}
+    _walk(obj, "", out)
+    return out
+
+
+def _walk(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out[prefix or "tensor"] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _walk(v, f"{prefix}.{i}" if prefix else str(i), out)
+
+
+def resolve_specs(specs: list[str], recipes: list[str]) -> list[tuple[str, Any]]:
+    """``(display name, QuantSpec)`` for the --spec strings and --recipe names."""
+    from fp8lab import stats
+
+    out: list[tuple[str, Any]] = []
+    for s in specs:
+        out.append((s, stats.parse_spec(s)))
+    for name in recipes:
+        try:
+            from fp8lab.recipe import get_recipe
+        except ImportError as exc:  # pragma: no cover - recipes are part of the package
+            raise ValueError(f"recipes are not available: {exc}") from None
+        r = get_recipe(name)
+        if r.weight is None:
+            raise ValueError(f"recipe {r.name!r} keeps weights unquantized: nothing to measure")
+        out.append((f"recipe:{r.name}", stats.steady_spec(r.weight)))
+    if not out:
+        out = [(s, stats.parse_spec(s)) for s in DEFAULT_SPECS]
+    return out
+
+
+def inspect_file(
+    path: str | Path,
+    specs: list[tuple[str, Any]],
+    pattern: str | None = None,
+    per_block: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """The report of `fp8lab inspect` as data (JSON-safe: non-finite numbers are None)."""
+    from fp8lab import stats
+
+    tensors = load_tensors(path)
+    report: dict[str, Any] = {"file": str(path), "specs": [n for n, _ in specs], "tensors": []}
+    skipped = []
+    for name, t in tensors.items():
+        if pattern and not fnmatch.fnmatch(name, pattern):
+            continue
+        if not t.is_floating_point() or t.numel() == 0:
+            skipped.append(name)
+            continue
+        t = t.detach().to("cpu")
+        entry: dict[str, Any] = {
+            "name": name,
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).replace("torch.", ""),
+            "numel": t.numel(),
+            "amax": stats.amax(t),
+            "dynamic_range": stats.dynamic_range(t),
+            "nonzero_pct": 100.0 * int((t != 0).sum()) / t.numel(),
+            "specs": {},
+        }
+        for sname, spec in specs:
+            xq, values, fmt = stats.fake_quant(t, spec)
+            s = stats.error_stats(t, xq, fmt, values)
+            row = {
+                k: s[k]
+                for k in ("sqnr_db", "cosine", "rel_error", "underflow_pct", "saturation_pct")
+            }
+            row["exact"] = s["sqnr_db"] == float("inf")
+            if per_block is not None:
+                row.update(stats.block_summary(stats.block_stats(t, xq, per_block)))
+            entry["specs"][sname] = row
+        report["tensors"].append(entry)
+    report["skipped_non_float"] = skipped
+    if not report["tensors"]:
+        what = f" matching {pattern!r}" if pattern else ""
+        raise ValueError(f"{path}: no floating-point tensors{what} to inspect")
+    return stats.json_safe(report)
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _print_report(report: dict[str, Any], per_block: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fp8lab inspect {report['file']}")
+    for col in ("tensor", "shape", "dtype", "amax", "range", "spec"):
+        table.add_column(col)
+    for col in ("SQNR dB", "cosine", "rel err", "underflow %", "sat %"):
+        table.add_column(col, justify="right")
+    if per_block:
+        table.add_column("min blk SQNR", justify="right")
+    for t in report["tensors"]:
+        first = True
+        for sname, s in t["specs"].items():
+            sq = "inf (exact)" if s["exact"] else _num(s["sqnr_db"], ".2f")
+            row = [
+                t["name"] if first else "",
+                "x".join(map(str, t["shape"])) if first else "",
+                t["dtype"] if first else "",
+                _num(t["amax"], ".4g") if first else "",
+                _num(t["dynamic_range"], ".1f") if first else "",
+                sname,
+                sq,
+                _num(s["cosine"], ".6f"),
+                _num(s["rel_error"], ".3g"),
+                _num(s["underflow_pct"], ".2f"),
+                _num(s["saturation_pct"], ".2f"),
+            ]
+            if per_block:
+                v = s.get("min_block_sqnr_db")
+                row.append("inf" if v is None and s["exact"] else _num(v, ".2f"))
+            table.add_row(*row)
+            first = False
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if report["skipped_non_float"]:
+        typer.echo(f"skipped {len(report['skipped_non_float'])} non-floating tensors")
+
+
+def _parse_block(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        m, k = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--per-block: expected MxK such as 128x128, got {value!r}") from None
+    if m <= 0 or k <= 0:
+        raise ValueError(f"--per-block: block sizes must be positive, got {value!r}")
+    return (m, k)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect", help=HELP)
+    def inspect_command(
+        file: Path = typer.Argument(..., help="Checkpoint (.safetensors or torch.save file)."),
+        spec: list[str] = typer.Option(
+            [], "--spec", help="Spec string (repeatable), e.g. e4m3:128x128, mxfp8."
+        ),
+        recipe: list[str] = typer.Option(
+            [], "--recipe", help="Recipe name (repeatable); its weight spec is used."
+        ),
+        tensors: str | None = typer.Option(
+            None, "--tensors", help="Only tensors whose name matches this glob."
+        ),
+        per_block: str | None = typer.Option(
+            None, "--per-block", help="Add per-block worst SQNR over MxK blocks, e.g. 128x128."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    ) -> None:
+        try:
+            specs = resolve_specs(list(spec), list(recipe))
+            report = inspect_file(file, specs, tensors, _parse_block(per_block))
+        except (ValueError, TypeError, KeyError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            typer.echo(f"Error: {msg}", err=True)
+            raise typer.Exit(2) from None
+        if json_out:
+            typer.echo(json.dumps(report, allow_nan=False))
+        else:
+            _print_report(report, per_block is not None)

@@ -1,0 +1,109 @@
+"""``fp8lab inspect``: safetensors / weights-only torch checkpoints, specs, recipes, JSON, and
+clear errors for unreadable or unsafe files."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from fp8lab.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(128, 256, generator=g) * 0.02,
+        "grid": torch.tensor([[1.0, -0.5, 448.0, 0.0]]),  # exactly on the e4m3 grid
+        "tiny": torch.full((4, 4), 2.0**-12),  # below e4m3's smallest subnormal
+        "step": torch.tensor([7]),  # not floating: skipped
+    }
+
+
+def _inspect(*args: str):
+    return runner.invoke(app, ["inspect", *args])
+
+
+def test_safetensors_json_report(tmp_path, tensors) -> None:
+    f = tmp_path / "m.safetensors"
+    save_file(tensors, str(f))
+    res = _inspect(str(f), "--spec", "e4m3", "--spec", "e4m3:1x128", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["specs"] == ["e4m3", "e4m3:1x128"]
+    by = {t["name"]: t for t in rep["tensors"]}
+    assert set(by) == {"w", "grid", "tiny"} and rep["skipped_non_float"] == ["step"]
+    grid = by["grid"]["specs"]["e4m3"]
+    assert grid["exact"] is True and grid["sqnr_db"] is None  # infinite SQNR, reported as exact
+    assert by["tiny"]["specs"]["e4m3"]["underflow_pct"] == 100.0
+    assert by["tiny"]["specs"]["e4m3:1x128"]["underflow_pct"] == 0.0
+    w = by["w"]["specs"]["e4m3:1x128"]
+    assert 25 < w["sqnr_db"] < 40 and w["cosine"] > 0.99
+    assert by["w"]["shape"] == [128, 256] and by["w"]["dtype"] == "float32"
+
+
+def test_torch_checkpoint_nested_with_recipe_and_table(tmp_path, tensors) -> None:
+    f = tmp_path / "ckpt.pt"
+    torch.save({"model": tensors, "meta": {"epoch": 3}}, f)
+    res = _inspect(
+        str(f), "--recipe", "deepseek-v3", "--tensors", "model.w", "--per-block", "64x64"
+    )
+    assert res.exit_code == 0, res.output
+    assert "model.w" in res.stdout and "recipe:deepseek-v3" in res.stdout
+    assert "model.grid" not in res.stdout  # filtered by --tensors
+    res = _inspect(str(f), "--tensors", "model.grid")
+    assert "inf (exact)" in res.stdout
+
+
+class _Payload:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_arbitrary_pickle_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "evil.pt"
+    torch.save({"x": _Payload()}, f)
+    res = _inspect(str(f))
+    assert res.exit_code == 2
+    assert "weights_only=True" in res.stderr
+    assert not (tmp_path / "PWNED").exists()
+    g = tmp_path / "evil.pkl"
+    g.write_bytes(pickle.dumps(_Payload()))
+    assert _inspect(str(g)).exit_code == 2
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "match"),
+    [
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{ not json at all", "c.safetensors", "safetensors"),
+        (b"just some bytes" * 5, "junk.bin", "cannot read"),
+        (b"", "empty.pt", "cannot read"),
+    ],
+)
+def test_corrupt_files_give_clear_errors(tmp_path, content, name, match) -> None:
+    f = tmp_path / name
+    f.write_bytes(content)
+    res = _inspect(str(f))
+    assert res.exit_code == 2
+    assert match in res.stderr and "Traceback" not in res.output
+
+
+def test_other_bad_input(tmp_path, tensors) -> None:
+    assert "no such file" in _inspect(str(tmp_path / "missing.pt")).stderr
+    f = tmp_path / "m.safetensors"
+    save_file(tensors, str(f))
+    assert "bad spec" in _inspect(str(f), "--spec", "e4m3:7y").stderr
+    assert "unknown recipe" in _inspect(str(f), "--recipe", "nope").stderr
+    assert "unquantized" in _inspect(str(f), "--recipe", "bf16").stderr
+    assert "no floating-point tensors" in _inspect(str(f), "--tensors", "zzz*").stderr
+    assert "MxK" in _inspect(str(f), "--per-block", "big").stderr
