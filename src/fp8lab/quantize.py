@@ -255,6 +255,9 @@ class QTensor:
         spec: the `QuantSpec` used.
         global_scale: NVFP4's FP32 tensor-level dequantization scale (``None`` otherwise).
         retiled: how many re-tilings led to this tensor (0 for a direct quantization).
+        meta: free-form notes (re-tiling source and added error).
+        scale_multipliers: the per-block *quantization* multipliers actually used
+            (``values = cast(x * scale_multipliers)``; TE's ``scale``), same layout as ``scales``.
     """
 
     values: torch.Tensor
@@ -263,6 +266,7 @@ class QTensor:
     global_scale: torch.Tensor | None = None
     retiled: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    scale_multipliers: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -317,6 +321,9 @@ class QTensor:
             global_scale=self.global_scale,
             retiled=self.retiled,
             meta=dict(self.meta),
+            scale_multipliers=None
+            if self.scale_multipliers is None
+            else self.scale_multipliers.t(),
         )
 
     @property
@@ -580,8 +587,13 @@ def quantize(
     x2 = x.reshape(s2).to(torch.float32).contiguous()
     s, s_inv, g = _scales_for(x2, spec)
     values = _scale_cast(x2, s, spec.block, spec, generator).reshape(x.shape)
+    nb = num_blocks(s2, spec.block)
     return QTensor(
-        values=values, scales=s_inv.reshape(num_blocks(s2, spec.block)), spec=spec, global_scale=g
+        values=values,
+        scales=s_inv.reshape(nb),
+        spec=spec,
+        global_scale=g,
+        scale_multipliers=s.reshape(nb),
     )
 
 
