@@ -145,15 +145,27 @@ class SnrConfig:
                 )
         elif self.block is not None:
             object.__setattr__(self, "promote_every", self.block)
+        from fp8lab.formats import ROUNDING_MODES
+
         for name in ("rounding", "acc_rounding"):
             mode = getattr(self, name)
-            if mode is not None and not isinstance(mode, str):
-                raise TypeError(f"{name} must be a rounding-mode name, got {mode!r}")
+            if mode is not None and mode not in ROUNDING_MODES:
+                raise ValueError(f"unknown {name} {mode!r}; valid: {', '.join(ROUNDING_MODES)}")
 
     # resolved views -------------------------------------------------------------------------
     @property
     def accumulator_name(self) -> str:
         return self.accumulator if self.accumulator is not None else get_format(self.format).name
+
+    @property
+    def accumulator_rounding(self) -> str:
+        """``acc_rounding``, else the element rounding (HiF8's ``hybrid`` only on HiF8, else
+        ``nearest_even``)."""
+        if self.acc_rounding is not None:
+            return self.acc_rounding
+        if self.rounding == "hybrid" and self.accumulator_name != "hif8":
+            return "nearest_even"
+        return self.rounding
 
     @property
     def target(self) -> float:
@@ -166,7 +178,7 @@ class SnrConfig:
         d = asdict(self)
         d["accumulator"] = self.accumulator_name
         d["scale_target"] = self.target
-        d["acc_rounding"] = self.acc_rounding or self.rounding
+        d["acc_rounding"] = self.accumulator_rounding
         d["format"] = get_format(self.format).name
         return d
 
@@ -277,12 +289,17 @@ def snr_db(reference: np.ndarray, result: np.ndarray, pooled: bool = False) -> n
 Rounder = Callable[[np.ndarray], np.ndarray]
 
 
-def make_rounder(fmt: str, rounding: str, saturate: bool, size: int) -> Rounder:
+def _generator(seed: int) -> torch.Generator:
+    # stochastic rounding draws from a generator seeded by the run, so runs are reproducible
+    return torch.Generator().manual_seed(seed)
+
+
+def make_rounder(fmt: str, rounding: str, saturate: bool, size: int, seed: int = 0) -> Rounder:
     """In-place rounding of a float64 [size] numpy array onto ``fmt`` (``"fp64"``: identity).
 
-    Uses `fp8lab.cast` with a preallocated float32 ``out=`` buffer; float32 holds every value of
-    the formats studied here exactly, and the float64 input is rounded directly (no double rounding
-    through float32).
+    Uses `fp8lab.cast` with a preallocated float32 ``out=`` buffer: float32 holds every value of
+    the formats used here exactly, and the float64 input is rounded directly (no double rounding
+    through float32). ``hybrid`` (HiF8) rounding follows its input dtype and gets float32.
     """
     if fmt == EXACT_ACCUMULATOR:
         return lambda x: x
@@ -291,28 +308,32 @@ def make_rounder(fmt: str, rounding: str, saturate: bool, size: int) -> Rounder:
     f = get_format(fmt)
     buf = torch.empty(size, dtype=torch.float32)
     buf_np = buf.numpy()
+    gen = _generator(seed) if rounding == "stochastic" else None
+    f32 = rounding == "hybrid"
 
     def rnd(x: np.ndarray) -> np.ndarray:
-        cast(torch.from_numpy(x), f, rounding=rounding, saturate=saturate, out=buf)
+        t = torch.from_numpy(x)
+        if f32:
+            t = t.float()
+        cast(t, f, rounding=rounding, saturate=saturate, generator=gen, out=buf)
         np.copyto(x, buf_np)
         return x
 
     return rnd
 
 
-def cast_array(x: np.ndarray, fmt: str, rounding: str, saturate: bool) -> np.ndarray:
+def cast_array(x: np.ndarray, fmt: str, rounding: str, saturate: bool, seed: int = 0) -> np.ndarray:
     """Round a float64 array of any shape onto ``fmt``; returns float64."""
     if fmt == EXACT_ACCUMULATOR:
         return x.copy()
     from fp8lab.formats import cast
 
-    t = cast(
-        torch.from_numpy(np.ascontiguousarray(x)),
-        get_format(fmt),
-        rounding=rounding,
-        saturate=saturate,
-    )
-    return t.numpy().astype(np.float64)
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if rounding == "hybrid":
+        t = t.float()
+    gen = _generator(seed) if rounding == "stochastic" else None
+    out = cast(t, get_format(fmt), rounding=rounding, saturate=saturate, generator=gen)
+    return out.numpy().astype(np.float64)
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -348,7 +369,7 @@ def _quantise(x: np.ndarray, s: np.ndarray, config: SnrConfig) -> np.ndarray:
     samples, length = x.shape
     nblk = s.shape[1]
     scaled = (x.reshape(samples, nblk, -1) * s[:, :, None]).reshape(samples, length)
-    return cast_array(scaled, config.format, config.rounding, config.saturate)
+    return cast_array(scaled, config.format, config.rounding, config.saturate, config.seed)
 
 
 def _accumulate(
@@ -368,7 +389,11 @@ def _accumulate(
     length, rows = prods.shape
     samples = first.samples
     rnd = make_rounder(
-        first.accumulator_name, first.acc_rounding or first.rounding, first.saturate, rows
+        first.accumulator_name,
+        first.accumulator_rounding,
+        first.saturate,
+        rows,
+        first.seed + 2,
     )
 
     # per row: block size (0 = unblocked) and promotion interval (0 = only at the end)
@@ -433,7 +458,7 @@ def _accumulate(
 
 
 def _stack_key(c: SnrConfig) -> tuple:
-    return (c.length, c.samples, c.accumulator_name, c.acc_rounding or c.rounding, c.saturate)
+    return (c.length, c.samples, c.accumulator_name, c.accumulator_rounding, c.saturate)
 
 
 @contextlib.contextmanager
@@ -475,7 +500,7 @@ def _run_many(configs: list[SnrConfig], progress: Callable[[int], None] | None) 
         first = group[0]
         n, length = first.samples, first.length
         acc = first.accumulator_name
-        acc_rnd = first.acc_rounding or first.rounding
+        acc_rnd = first.accumulator_rounding
         dtype = np.float64 if acc == EXACT_ACCUMULATOR else np.float32
         prods = np.empty((length, n * len(group)), dtype=dtype)
         nblk_max = max(length // c.block if c.block else 1 for c in group)
@@ -502,7 +527,7 @@ def _run_many(configs: list[SnrConfig], progress: Callable[[int], None] | None) 
             sb_all[rows, : sb.shape[1]] = sb
             # E4M3 x E4M3 products are exact in float64; round each to the accumulator once
             p = _quantise(a, sa, c) * _quantise(b, sb, c)
-            pq = cast_array(p, acc, acc_rnd, c.saturate)
+            pq = cast_array(p, acc, acc_rnd, c.saturate, c.seed + 1)
             prods[:, rows] = pq.T
             refs.append(np.einsum("ij,ij->i", a, b))
             if acc != EXACT_ACCUMULATOR:
