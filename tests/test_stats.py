@@ -153,3 +153,24 @@ def test_error_stats_keys_for_the_training_lab() -> None:
     ):
         assert isinstance(s[key], float), key
     assert set(s) == set(stats.STAT_KEYS)
+
+
+def test_fused_error_stats_agree_with_the_pair_functions() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=g) * 10.0 ** torch.randint(-6, 3, (64, 96), generator=g)
+    x[0, :5] = 0.0
+    x[1, 0] = float("nan")
+    for spec in ("e4m3", "e4m3:1x32", "mxfp4"):
+        xq, values, fmt = stats.fake_quant(x, spec)
+        fused = stats.error_stats(x, xq, fmt, values)
+        # the NaN poisons the sums: compare the rows without it too
+        xs, qs, vs = (torch.cat([t[:1], t[2:]]) for t in (x, xq, values))
+        finite = stats.error_stats(xs, qs, fmt, vs)
+        assert fused["underflow_pct"] == pytest.approx(stats.underflow_pct(x, xq))
+        assert fused["saturation_pct"] == pytest.approx(stats.saturation_pct(x, xq, fmt, values))
+        assert fused["amax"] == stats.amax(x)
+        assert fused["dynamic_range"] == pytest.approx(stats.dynamic_range(x))
+        assert math.isnan(fused["sqnr_db"])  # NaN in, NaN out (not silently dropped)
+        assert finite["sqnr_db"] == pytest.approx(stats.sqnr_db(xs, qs), rel=1e-9)
+        assert finite["cosine"] == pytest.approx(stats.cosine(xs, qs), rel=1e-9)
+        assert finite["rel_error"] == pytest.approx(stats.rel_error(xs, qs), rel=1e-9)
