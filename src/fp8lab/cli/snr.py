@@ -218,7 +218,10 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
         plot: Path | None = typer.Option(None, "--plot", help="Write histograms to this PNG."),
         preset: str | None = typer.Option(
-            None, "--preset", help="A named study: seed000 (writes figures + table to --out)."
+            None,
+            "--preset",
+            help="A named study (writes figures + table + JSON to --out): seed000, or "
+            "seed000-asrun (as the seed's notebook ran it, bugs included).",
         ),
         out: Path = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset."),
     ) -> None:

@@ -595,14 +595,25 @@ class Preset:
         return list(dict.fromkeys(c for f in self.figures for c in f.configs()))
 
 
-PRESETS = ("seed000",)
+PRESETS = ("seed000", "seed000-asrun")
 
 
 def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
-    """A named study. ``"seed000"``: every figure of seed 000 (see the README's numerics-lab
-    section for the mapping and the seed's bugs that are *not* reproduced)."""
-    if name != "seed000":
+    """A named study. ``"seed000"``: every figure of seed 000 at its stated lengths and
+    semantics. ``"seed000-asrun"``: the same figures as the seed's v2 notebook actually ran them,
+    bugs included: its "4096" (and "2048") vectors have length 1024 (a separate draw), and its
+    block-scaling "chunk=none" used chunk 128 (blocks longer than the vector become one block).
+    See the README's numerics-lab section."""
+    if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    as_run = name == "seed000-asrun"
+
+    def at(c: SnrConfig, n: int) -> SnrConfig:
+        """``c`` at the stated length ``n`` (as run: 4096 -> a separate draw of length 1024)."""
+        if as_run and n in (2048, 4096):
+            return replace(c, length=1024, seed=c.seed + n)
+        return replace(c, length=n)
+
     # The seed's experiment: IEEE-style E4M3 (max 240), ties away from zero, an E4M3 accumulator
     # for the scaling/promotion studies, an E8M8 accumulator and target 224 for block scaling.
     base = SnrConfig(
@@ -619,8 +630,13 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
     rhos = (0.0, 0.01, 0.1, 0.2)
 
     def blocks_for(n: int) -> list[tuple[str, SnrConfig]]:
-        out = [("chunk=none", replace(ds, length=n))]
-        out += [(f"chunk={b}", replace(ds, length=n, block=b)) for b in (512, 128, 64) if b <= n]
+        c = at(ds, n)
+        if as_run:  # chunksize=None meant 128; a chunk longer than the vector is the vector
+            return [("chunk=none", replace(c, block=min(128, c.length)))] + [
+                (f"chunk={b}", replace(c, block=min(b, c.length))) for b in (512, 128, 64)
+            ]
+        out = [("chunk=none", c)]
+        out += [(f"chunk={b}", replace(c, block=b)) for b in (512, 128, 64) if b <= n]
         return out
 
     figs = [
@@ -631,7 +647,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
                 Panel(
                     f"size={n}",
                     tuple(
-                        (f"scaling={s:g}", replace(base, length=n, scaling=s))
+                        (f"scaling={s:g}", replace(at(base, n), scaling=s))
                         for s in (1.0, 64.0, 128.0)
                     ),
                 )
@@ -647,7 +663,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
                     tuple(
                         (
                             f"chunk={'none' if p is None else p}",
-                            replace(te, length=n, promote_every=p),
+                            replace(at(te, n), promote_every=p),
                         )
                         for p in (None, 512, 128)
                     ),
@@ -667,10 +683,10 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
                 Panel(
                     f"size={n}",
                     (
-                        ("scaling=1", replace(base, length=n, scaling=1.0)),
-                        ("scaling=64", replace(te, length=n)),
-                        ("+promote 128", replace(te, length=n, promote_every=128)),
-                        ("+block 128 (E8M8)", replace(ds, length=n, block=128)),
+                        ("scaling=1", replace(at(base, n), scaling=1.0)),
+                        ("scaling=64", at(te, n)),
+                        ("+promote 128", replace(at(te, n), promote_every=128)),
+                        ("+block 128 (E8M8)", replace(at(ds, n), block=128)),
                     ),
                 )
                 for n in (1024, 4096)
@@ -680,9 +696,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
             "fig5_correlation",
             "Vector correlation rho (scaling 64, E4M3 products and sum)",
             tuple(
-                Panel(
-                    f"size={n}", tuple((f"rho={r:g}", replace(te, length=n, rho=r)) for r in rhos)
-                )
+                Panel(f"size={n}", tuple((f"rho={r:g}", replace(at(te, n), rho=r)) for r in rhos))
                 for n in lengths
             ),
         ),
@@ -695,7 +709,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
                     tuple(
                         (
                             f"chunk={'none' if p is None else p}",
-                            replace(te, length=4096, rho=r, promote_every=p),
+                            replace(at(te, 4096), rho=r, promote_every=p),
                         )
                         for p in (None, 512, 128)
                     ),
@@ -719,8 +733,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
             ),
         ),
     ]
-    return Preset(
-        "seed000",
-        "Seed 000: FP8 dot-product SNR vs length, scaling, promotion, block scaling, correlation",
-        tuple(figs),
-    )
+    desc = "Seed 000: FP8 dot-product SNR vs length, scaling, promotion, block scaling, correlation"
+    if as_run:
+        desc += " (as the v2 notebook ran it: 'size=4096' is length 1024, chunk=none is 128)"
+    return Preset(name, desc, tuple(figs))
