@@ -25,14 +25,17 @@ Correlated vectors: ``correlation_model="exact"`` draws ``b = rho*z1 + sqrt(1-rh
 ``corr(a, b) = rho`` and ``b`` has the same law as ``a``); ``"simple"`` is the seed's generator
 ``b = rho*z1 + (1-rho)*z2`` whose realised correlation is ``rho / sqrt(rho**2 + (1-rho)**2)``.
 
-Vectorised across samples: the only Python loop is the sequential sum over the vector length, on
-``[samples]``-sized vectors with preallocated buffers. Configurations of one `run_many` call that
-share the vectors, the length and the accumulator are stacked into one such loop.
+Vectorised across samples: products do not depend on the running sum, so they are rounded to
+the accumulator in one cast; the only Python loop is the sequential sum over the vector length,
+one `fp8lab.cast` per element on ``[configs*samples]``-sized vectors with a preallocated ``out=``
+buffer. Configurations of one `run_many` call sharing the length, sample count and accumulator are
+stacked into one such loop; vectors are drawn once per ``(seed, length, sigma, rho, model)``.
 
 Infinite SNR: a result equal to the reference gives ``+inf`` (kept as such in `SnrResult.snr_db`;
 `SnrResult.to_json` writes ``null`` for it, and plots draw it at `PLOT_CAP_DB`).
 
-``preset("seed000")`` lists every figure of seed 000 as `Figure` objects; see `report.snr`.
+``preset("seed000")`` lists every figure of seed 000 as `Figure` objects (``"seed000-asrun"``:
+as the seed's notebook actually ran them, bugs included); `fp8lab.report.snr` draws them.
 """
 
 from __future__ import annotations
