@@ -259,3 +259,23 @@ def test_bad_inputs():
         Linear(4, 4, recipe="fp7")
     with pytest.raises(TypeError):
         Linear(4, 4, recipe=42)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "te-delayed-hopper"])
+def test_block_and_limited_accumulator_recipes_match_qmatmul(name):
+    torch.manual_seed(5)
+    rec = get_recipe(name)
+    mod = Linear(256, 128, bias=False, recipe=rec)
+    x, dy = torch.randn(128, 256), torch.randn(128, 128)
+    y, dx, _, _ = _run(mod, x, dy)
+    w = mod.weight.detach()
+    if name == "deepseek-v3":
+        sx, sw, sg = (QuantSpec("e4m3", g) for g in ((1, 128), (128, 128), (1, 128)))
+    else:
+        sx, sw = QuantSpec("e4m3", scaling=1.0), QuantSpec("e4m3", scaling=1.0)
+        sg = QuantSpec("e5m2", scaling=1.0)  # delayed scaling's first step: scale 1
+    qx, qw, qg = quantize(x, sx), quantize(w, sw), quantize(dy, sg)
+    assert torch.equal(y, fp8lab.qmatmul(qx, qw.t(), rec.fprop.accumulator))
+    assert torch.equal(dx, fp8lab.qmatmul(qg, qw, rec.dgrad.accumulator))
+    # the limited accumulator really differs from fp32 accumulation
+    assert not torch.equal(y, fp8lab.qmatmul(qx, qw.t(), "fp32"))

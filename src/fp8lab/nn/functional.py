@@ -29,23 +29,25 @@ from typing import Any
 import torch
 
 from fp8lab.gemm import Accumulator, qmatmul
+from fp8lab.nn._kernels import round_bf16
 from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 
 __all__ = ["LinearPlan", "build_plan", "dense", "linear", "operand", "round_high_precision"]
 
 _HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_HP_MAX = {"fp16": 65504.0}
 
 
 def round_high_precision(x: torch.Tensor, precision: str) -> torch.Tensor:
     """``x`` rounded to ``precision`` (``fp32``: returned as is), as a float32 tensor.
 
-    Round-to-nearest-even through torch's dtype conversion (exact, and much faster here than a
-    general cast); bf16 keeps inf/NaN, fp16 overflows to inf like real fp16 arithmetic.
+    Round-to-nearest-even, overflowing to inf like real bf16/fp16 arithmetic, NaN kept: bf16 by a
+    one-pass bit kernel (`fp8lab.nn._kernels.round_bf16`), fp16 through torch's conversion.
     """
     if precision == "fp32":
         return x
+    if precision == "bf16" and x.dtype == torch.float32:
+        return round_bf16(x)
     return x.to(_HP_DTYPES[precision]).to(torch.float32)
 
 
@@ -131,9 +133,29 @@ def operand(
     return a, q
 
 
+def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def dense(a: torch.Tensor | None, q: QTensor | None) -> torch.Tensor:
-    """The float32 tensor an operand stands for (dequantized if quantized)."""
-    return a if q is None else q.dequantize()
+    """The float32 tensor an operand stands for (dequantized if quantized).
+
+    The dequantized tensor is memoised on the QTensor (and found again through ``QTensor.t()``,
+    which copies ``meta``), so an operand shared by two GEMMs is dequantized once.
+    """
+    if q is None:
+        return a
+    memo = q.meta.get("_nn_dense")
+    if memo is not None:
+        key, d = memo
+        v = q.values
+        if key == _layout(v):
+            return d
+        if v.dim() == 2 and key == _layout(v.t()):
+            return d.t()
+    d = q.dequantize()
+    q.meta["_nn_dense"] = (_layout(q.values), d)
+    return d
 
 
 Saved = tuple[torch.Tensor | None, QTensor | None, torch.Tensor | None, bool]
@@ -194,7 +216,12 @@ def _gemm(
     `fp8lab.qmatmul` (its fp32 path multiplies K-constant scales onto the product of the grid
     values, as the hardware does); otherwise one fp32 ``addmm``/``mm``."""
     if qa is not None and qb is not None:
-        out = qmatmul(qa, qb, acc)
+        if acc.kind == "fp32" and qa.scales.shape[1] > 1 and qb.scales.shape[0] > 1:
+            # scales vary along K: qmatmul's fp32 path is mm(dequantized, dequantized); do it
+            # here with the memoised dequantized operands
+            out = torch.mm(dense(None, qa), dense(None, qb))
+        else:
+            out = qmatmul(qa, qb, acc)
         return out if bias is None else out.add_(bias)
     a, b = dense(a, qa), dense(b, qb)
     if bias is not None:
