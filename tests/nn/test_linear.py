@@ -279,3 +279,21 @@ def test_block_and_limited_accumulator_recipes_match_qmatmul(name):
     assert torch.equal(dx, fp8lab.qmatmul(qg, qw, rec.dgrad.accumulator))
     # the limited accumulator really differs from fp32 accumulation
     assert not torch.equal(y, fp8lab.qmatmul(qx, qw.t(), "fp32"))
+
+
+def test_attention_matmul_only_when_the_recipe_asks():
+    torch.manual_seed(6)
+    q, k = torch.randn(2, 4, 8, 16, requires_grad=True), torch.randn(2, 4, 16, 8)
+    plain = torch.matmul(q, k)
+    assert torch.equal(fp8lab.nn.attention_matmul(q, k), plain)  # no autocast
+    with autocast("te-current"):  # attention=False by default
+        assert torch.equal(fp8lab.nn.attention_matmul(q, k), plain)
+    rec = get_recipe("te-current").replace(attention=True)
+    with autocast(rec):
+        out = fp8lab.nn.attention_matmul(q, k)
+    e4 = QuantSpec("e4m3")
+    assert torch.equal(out, torch.matmul(fake_quant(q.detach(), e4), fake_quant(k, e4)))
+    g = torch.randn_like(out)
+    out.backward(g)
+    gq = fake_quant(g, QuantSpec("e5m2"))
+    assert torch.equal(q.grad, torch.matmul(gq, fake_quant(k, e4).transpose(-1, -2)))

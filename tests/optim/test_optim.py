@@ -263,3 +263,13 @@ def test_scaler_state_dict_and_bad_args():
     for kw in ({"init_scale": 0.0}, {"backoff_factor": 1.5}, {"hysteresis": 0}):
         with pytest.raises(ValueError):
             LossScaler(**kw)
+
+
+def test_from_recipe():
+    opt = AdamW.from_recipe(_model().parameters(), "deepseek-v3", lr=1e-3)
+    assert opt.state_formats == ("bf16", "bf16") and opt.param_format is None
+    assert LossScaler.from_recipe("te-current") is None
+    s = LossScaler.from_recipe("fp16-amp")
+    assert s.dynamic and s.get_scale() == 2.0**16
+    with pytest.raises(ValueError, match="unknown recipe"):
+        AdamW.from_recipe(_model().parameters(), "nope")

@@ -14,6 +14,8 @@ Two lines, as with Transformer Engine or torchao::
   lists converted layers.
 * :func:`autocast` — ``with autocast(recipe):`` overrides the recipe of converted modules in the
   block (a different recipe keeps its own delayed-scaling state, not saved in the state_dict).
+* :func:`attention_matmul` — ``q @ kᵀ`` and ``p @ v`` for a model's attention: quantized when the
+  recipe sets ``attention=True`` (off by default, like TE's fp8_dpa), plain matmul otherwise.
 
 Operand collection (for per-layer, per-GEMM, per-role statistics every k steps)::
 
@@ -45,7 +47,7 @@ from fp8lab.nn.convert import (
     converted,
     select_linears,
 )
-from fp8lab.nn.functional import COLLECTORS
+from fp8lab.nn.functional import COLLECTORS, attention_matmul
 from fp8lab.nn.modules import Linear
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "Linear",
     "OperandRecord",
     "active_recipe",
+    "attention_matmul",
     "autocast",
     "collect_operands",
     "convert",

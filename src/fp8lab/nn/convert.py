@@ -165,8 +165,11 @@ _STATE = _AutocastState()
 
 
 def active_recipe() -> Recipe | None:
-    """Recipe of the innermost active :func:`autocast`, or None."""
-    return _STATE.stack[-1] if _STATE.stack else None
+    """Recipe of the innermost active :func:`autocast` that names one, or None."""
+    for r in reversed(_STATE.stack):
+        if r is not _NO_OVERRIDE:
+            return r  # type: ignore[return-value]
+    return None
 
 
 def in_autocast() -> bool:

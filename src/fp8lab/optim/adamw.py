@@ -10,6 +10,7 @@ it bit for bit, and each step's new moments are rounded when written back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -88,6 +89,19 @@ class AdamW(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
+
+    @classmethod
+    def from_recipe(cls, params: Iterable, recipe: Any, **kwargs: Any) -> AdamW:
+        """AdamW with ``recipe.optimizer_state`` moments and ``recipe.master_weights`` params
+        (``"fp32"``: parameters are their own masters; ``"bf16"``/``"fp16"``: parameters hold
+        the rounded master). ``recipe`` is a `fp8lab.Recipe` or a preset name."""
+        from fp8lab.recipe import get_recipe
+
+        rec = get_recipe(recipe)
+        kwargs.setdefault("state_precision", rec.optimizer_state)
+        if rec.master_weights != "fp32":
+            kwargs.setdefault("param_format", rec.master_weights)
+        return cls(params, **kwargs)
 
     # ------------------------------------------------------------------ helpers
     def _needs_master(self, p: torch.Tensor) -> bool:

@@ -71,6 +71,17 @@ class LossScaler:
         self.skipped_steps = 0
         self.steps = 0
 
+    @classmethod
+    def from_recipe(cls, recipe: Any, **kwargs: Any) -> LossScaler | None:
+        """The recipe's loss scaler (``loss_scaling`` "static"/"dynamic" from ``loss_scale``),
+        or None for ``"none"``. ``recipe`` is a `fp8lab.Recipe` or a preset name."""
+        from fp8lab.recipe import get_recipe
+
+        rec = get_recipe(recipe)
+        if rec.loss_scaling == "none":
+            return None
+        return cls(rec.loss_scale, dynamic=rec.loss_scaling == "dynamic", **kwargs)
+
     # ------------------------------------------------------------------ public API
     def get_scale(self) -> float:
         """Current loss scale ``S``."""
