@@ -312,11 +312,17 @@ class Recipe:
         raise ValueError(f"recipe files end in .toml or .json, got {p.name!r}")
 
     def fingerprint(self) -> str:
-        """Canonical JSON of the numerics (name and prose excluded): equal iff same numerics."""
-        d = self.to_dict()
-        for k in ("name", "description", "source"):
-            d.pop(k)
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+        """Canonical JSON of the numerics (name and prose excluded): equal iff same numerics.
+
+        Computed once per (immutable) recipe: modules look it up on every forward."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            d = self.to_dict()
+            for k in ("name", "description", "source"):
+                d.pop(k)
+            cached = json.dumps(d, sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Recipe):

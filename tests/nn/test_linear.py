@@ -255,6 +255,10 @@ def test_collect_operands_records_every_gemm_and_role():
 
 
 def test_bad_inputs():
+    with pytest.raises(ValueError, match="in_features=4"):
+        Linear(4, 2)(torch.ones(3, 5))
+    with pytest.raises(TypeError, match="floating point"):
+        Linear(4, 2)(torch.ones(3, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="unknown recipe"):
         Linear(4, 4, recipe="fp7")
     with pytest.raises(TypeError):

@@ -134,6 +134,13 @@ class Linear(torch.nn.Linear):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{self.name or 'Linear'}: input must be floating point, got {x.dtype}")
         recipe = effective_recipe(self.recipe)
         plan = self._plan(recipe)
         y = linear(x, self.weight, self.bias, plan)
