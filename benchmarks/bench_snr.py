@@ -4,7 +4,7 @@ One run: ``python benchmarks/bench_snr.py [--samples 200] [--repeats 3] [--figur
 Prints the median time of the SNR engine over the preset's configurations (one warm-up run first,
 so numba's cache load is excluded), the ratio to the 60 s budget, and the ratio to a plain float64
 ``np.dot`` baseline computing the same reference dot products in the same process. ``--figures``
-also times writing the 7 PNGs and the table.
+also times writing the 9 PNGs and the table.
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ def test_preset_writes_figures_table_and_json(tmp_path) -> None:
     res = _run("--preset", "seed000", "--samples", "8", "--out", str(out))
     assert res.exit_code == 0, res.output
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert len(pngs) == 7 and pngs[0] == "fig1_scaling.png"
+    assert len(pngs) == 9 and pngs[0] == "fig1_error_scaling.png"
     table = (out / "seed000.md").read_text()
-    assert "| fig3_block_scaling | size=1024 | chunk=128 |" in table
+    assert "| fig4_block_scaling | size=1024 | chunk=128 |" in table
     runs = json.loads((out / "seed000.json").read_text())["runs"]
     assert len(runs) == len({json.dumps(r["config"], sort_keys=True) for r in runs})

@@ -247,7 +247,8 @@ def test_finding_correlation_narrows_and_fixes_help_more(seed000) -> None:
 def test_preset_figures_are_complete() -> None:
     p = snr.preset("seed000", samples=10)
     names = [f.name for f in p.figures]
-    assert len(names) == 7 and len(set(names)) == 7
+    assert len(names) == 9 and len(set(names)) == 9
+    assert [f.metric for f in p.figures].count("abs_error") == 2
     assert {c.length for c in p.configs()} == {128, 1024, 4096}
     for f in p.figures:
         for panel in f.panels:
@@ -258,11 +259,11 @@ def test_preset_figures_are_complete() -> None:
 
 def test_asrun_preset_keeps_the_notebooks_bugs() -> None:
     p = snr.preset("seed000-asrun", samples=10, seed=0)
-    fig1 = p.figures[0]
+    fig1 = p.figures[1]
     (_, c1024), (_, c4096) = fig1.panels[1].series[1], fig1.panels[2].series[1]
     assert c1024.length == c4096.length == 1024  # "size=4096" ran with length 1024 ...
     assert c1024.seed != c4096.seed  # ... as a separate draw
-    fig3 = p.figures[2]
+    fig3 = p.figures[3]
     series = dict(fig3.panels[1].series)
     assert series["chunk=none"] == series["chunk=128"]  # chunksize=None meant 128
     assert all(c.length <= 1024 for c in p.configs())

@@ -583,6 +583,8 @@ class Figure:
     title: str
     panels: tuple[Panel, ...]
     notes: str = ""
+    #: what the histograms show: ``"snr_db"`` or ``"abs_error"`` (|reference - result|)
+    metric: str = "snr_db"
 
     def configs(self) -> list[SnrConfig]:
         return [c for p in self.panels for _, c in p.series]
@@ -642,23 +644,31 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
         out += [(f"chunk={b}", replace(c, block=b)) for b in (512, 128, 64) if b <= n]
         return out
 
+    scaling_panels = tuple(
+        Panel(
+            f"size={n}",
+            tuple((f"scaling={s:g}", replace(at(base, n), scaling=s)) for s in (1.0, 64.0, 128.0)),
+        )
+        for n in lengths
+    )
+    correlation_panels = tuple(
+        Panel(f"size={n}", tuple((f"rho={r:g}", replace(at(te, n), rho=r)) for r in rhos))
+        for n in lengths
+    )
     figs = [
         Figure(
-            "fig1_scaling",
-            "Tensor-wise scaling factor (E4M3 products and sum)",
-            tuple(
-                Panel(
-                    f"size={n}",
-                    tuple(
-                        (f"scaling={s:g}", replace(at(base, n), scaling=s))
-                        for s in (1.0, 64.0, 128.0)
-                    ),
-                )
-                for n in lengths
-            ),
+            "fig1_error_scaling",
+            "|error| vs tensor-wise scaling factor (E4M3 products and sum)",
+            scaling_panels,
+            metric="abs_error",
         ),
         Figure(
-            "fig2_promotion",
+            "fig2_scaling",
+            "Tensor-wise scaling factor (E4M3 products and sum)",
+            scaling_panels,
+        ),
+        Figure(
+            "fig3_promotion",
             "Chunked high-precision accumulation (scaling 64)",
             tuple(
                 Panel(
@@ -675,12 +685,12 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
             ),
         ),
         Figure(
-            "fig3_block_scaling",
+            "fig4_block_scaling",
             "Block-wise dynamic scaling (E8M8 accumulator, target 224)",
             tuple(Panel(f"size={n}", tuple(blocks_for(n))) for n in lengths),
         ),
         Figure(
-            "fig4_steps",
+            "fig5_steps",
             "From tensor-wise scaling to the DeepSeek-V3 recipe",
             tuple(
                 Panel(
@@ -696,15 +706,18 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
             ),
         ),
         Figure(
-            "fig5_correlation",
-            "Vector correlation rho (scaling 64, E4M3 products and sum)",
-            tuple(
-                Panel(f"size={n}", tuple((f"rho={r:g}", replace(at(te, n), rho=r)) for r in rhos))
-                for n in lengths
-            ),
+            "fig6_error_correlation",
+            "|error| vs vector correlation rho (scaling 64, E4M3 products and sum)",
+            correlation_panels,
+            metric="abs_error",
         ),
         Figure(
-            "fig6_correlation_promotion",
+            "fig7_correlation",
+            "Vector correlation rho (scaling 64, E4M3 products and sum)",
+            correlation_panels,
+        ),
+        Figure(
+            "fig8_correlation_promotion",
             "Correlation x chunked accumulation (size 4096, scaling 64)",
             tuple(
                 Panel(
@@ -721,7 +734,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
             ),
         ),
         Figure(
-            "fig7_correlation_block_scaling",
+            "fig9_correlation_block_scaling",
             "Correlation x block-wise scaling (size 4096, E8M8 accumulator)",
             tuple(
                 Panel(

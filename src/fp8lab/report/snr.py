@@ -27,7 +27,11 @@ def fmt_db(v: float) -> str:
     return f"{v:.2f}"
 
 
-def _plot_values(r: SnrResult) -> np.ndarray:
+def _plot_values(r: SnrResult, metric: str = "snr_db") -> np.ndarray:
+    if metric == "abs_error":
+        return np.abs(r.reference - r.result)
+    if metric != "snr_db":
+        raise ValueError(f"unknown metric {metric!r}; valid: snr_db, abs_error")
     v = np.array(r.snr_db, dtype=np.float64)
     v[np.isposinf(v)] = PLOT_CAP_DB
     v[np.isneginf(v)] = -PLOT_CAP_DB
@@ -39,8 +43,12 @@ def plot_panels(
     path: str | Path,
     title: str = "",
     bins: int = 20,
+    metric: str = "snr_db",
 ) -> Path:
-    """Write a row of histogram panels ``[(panel title, [(label, result), ...]), ...]`` as PNG."""
+    """Write a row of histogram panels ``[(panel title, [(label, result), ...]), ...]`` as PNG.
+
+    ``metric``: ``"snr_db"`` (per-sample SNR) or ``"abs_error"`` (``|reference - result|``, as
+    in seed 000's first figures)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -53,15 +61,22 @@ def plot_panels(
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.6), squeeze=False)
     for ax, (ptitle, series) in zip(axes[0], panels, strict=True):
-        data = [_plot_values(r) for _, r in series]
-        labels = [f"{lab} (med {fmt_db(r.median_db)})" for lab, r in series]
+        data = [_plot_values(r, metric) for _, r in series]
+        if metric == "snr_db":
+            labels = [f"{lab} (med {fmt_db(r.median_db)})" for lab, r in series]
+            n_exact = sum(int(np.isposinf(r.snr_db).sum()) for _, r in series)
+            note = f"  [{n_exact} exact at {PLOT_CAP_DB:g} dB]" if n_exact else ""
+        else:
+            labels = [
+                f"{lab} (med {np.median(d):.2e})" for (lab, _), d in zip(series, data, strict=True)
+            ]
+            note = ""
         ax.hist(data, bins=bins, label=labels)
-        n_exact = sum(int(np.isposinf(r.snr_db).sum()) for _, r in series)
-        note = f"  [{n_exact} exact at {PLOT_CAP_DB:g} dB]" if n_exact else ""
         ax.set_title(ptitle + note, fontsize=10)
-        ax.set_xlabel("SNR (dB)")
+        ax.set_xlabel("SNR (dB)" if metric == "snr_db" else "|error| of the dot product")
         ax.set_ylabel("samples")
-        ax.axvline(0.0, color="k", lw=0.6, ls=":")
+        if metric == "snr_db":
+            ax.axvline(0.0, color="k", lw=0.6, ls=":")
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=11)
@@ -74,13 +89,16 @@ def plot_panels(
 def plot_figure(figure: Figure, results: Mapping[SnrConfig, SnrResult], path: str | Path) -> Path:
     """Draw one preset `Figure` from its results."""
     panels = [(p.title, [(lab, results[c]) for lab, c in p.series]) for p in figure.panels]
-    return plot_panels(panels, path, figure.title)
+    return plot_panels(panels, path, figure.title, metric=figure.metric)
 
 
 def table_rows(preset: Preset, results: Mapping[SnrConfig, SnrResult]) -> list[dict[str, object]]:
-    """One row per (figure, panel, series) with the summary numbers."""
+    """One row per (figure, panel, series) of the SNR figures with the summary numbers (the
+    |error| figures show the same runs)."""
     rows = []
     for f in preset.figures:
+        if f.metric != "snr_db":
+            continue
         for p in f.panels:
             for lab, c in p.series:
                 r = results[c]
