@@ -68,7 +68,8 @@ ACCUMULATOR_KINDS = ("fp32", "limited")
 ACC_ROUNDINGS = ("toward_zero", "nearest_even")
 OUT_FORMATS = ("fp32", "bf16", "fp16")
 _NATIVE_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_ROW_CHUNK = 64  # rows of the output per pass of the limited model: acc + group buffer in L2
+_ROW_CHUNK = 64  # output rows per pass of the limited model
+_BATCH_K = 512  # K elements per batched group-sum GEMM
 
 
 @dataclass(frozen=True)
@@ -327,23 +328,29 @@ def _cut(v, drop, half_m1, mask, rne):
     return _u64_to_f64(np.uint64(u & mask))
 
 
-@njit(parallel=True, cache=True)
-def _acc_step(acc, buf, drop, rne, promote, out, sa, sb):  # pragma: no cover - numba
-    """acc = cut(acc + buf); if promote: out += f32(sa[r] * sb[n]) * f32(acc), acc = 0."""
-    rows, cols = acc.shape
+@njit(cache=True)
+def _acc_step(acc, buf, drop, rne, gpp, out, sa, sb):  # pragma: no cover - numba
+    """For each group g of buf [G, rows, cols]: acc = cut(acc + buf[g]); after every ``gpp``
+    groups (0 = never) promote: out += f32(sa[r, t] * sb[t, n]) * f32(acc), acc = 0, where t
+    counts the promotions within this call.
+
+    Serial on purpose: it runs between torch GEMM calls, and alternating two thread pools on two
+    cores makes both spin.
+    """
+    ng, rows, cols = buf.shape
     dropu = np.uint64(drop)
     half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
     mask = ~((np.uint64(1) << dropu) - np.uint64(1))
-    for r in prange(rows):
-        if promote:
-            s_r = sa[r]
+    for r in range(rows):
+        for g in range(ng):
             for n in range(cols):
-                v = _cut(acc[r, n] + buf[r, n], dropu, half_m1, mask, rne)
-                out[r, n] += (s_r * sb[n]) * np.float32(v)
-                acc[r, n] = 0.0
-        else:
-            for n in range(cols):
-                acc[r, n] = _cut(acc[r, n] + buf[r, n], dropu, half_m1, mask, rne)
+                acc[r, n] = _cut(acc[r, n] + buf[g, r, n], dropu, half_m1, mask, rne)
+            if gpp > 0 and (g + 1) % gpp == 0:
+                t = g // gpp
+                s_r = sa[r, t]
+                for n in range(cols):
+                    out[r, n] += (s_r * sb[t, n]) * np.float32(acc[r, n])
+                    acc[r, n] = 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -388,12 +395,19 @@ def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover -
                 acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
 
 
-def _scale_vectors(a: QTensor, b: QTensor, k0: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 scale of a per row and of b per column for the K group starting at k0."""
+def _step_scales(
+    a: QTensor, b: QTensor, p0: int, span: int, nst: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scales of a per (row, interval) and of b per (interval, column) for the ``nst``
+    promotion intervals of ``span`` K elements starting at ``p0`` (padding reuses the last)."""
     bma, bka = _blocks(a)
     bkb, bnb = _blocks(b)
-    sa = a.scales[:, k0 // bka].repeat_interleave(bma)[: a.shape[0]]
-    sb = b.scales[k0 // bkb, :].repeat_interleave(bnb)[: b.shape[1]]
+    k = a.shape[1]
+    starts = [min(p0 + t * span, k - 1) for t in range(nst)]
+    ia = torch.tensor([s // bka for s in starts])
+    ib = torch.tensor([s // bkb for s in starts])
+    sa = a.scales[:, ia].repeat_interleave(bma, dim=0)[: a.shape[0]]
+    sb = b.scales[ib, :].repeat_interleave(bnb, dim=1)[:, : b.shape[1]]
     return (
         np.ascontiguousarray(sa.float().numpy()),
         np.ascontiguousarray(sb.float().numpy()),
@@ -420,40 +434,54 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
     out = torch.zeros((m, n), dtype=torch.float32)
     if m == 0 or n == 0:
         return out
-    va = a.values.to(torch.float64).contiguous()
-    vb = b.values.to(torch.float64).contiguous()
-    span = pe if pe is not None else k  # K elements between promotions
-    ones_n = np.ones(n, dtype=np.float32)
+    grp = acc.group
+    span = pe if pe is not None else grp  # K elements between promotions (or per group)
+    # K elements per batched group-sum GEMM: several promotion intervals at once (fewer, larger
+    # torch calls), but at least one interval
+    step = span * max(1, _BATCH_K // span)
+    kp = -(-k // step) * step
+    # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
+    # cutting an already cut accumulator is a no-op and promoting 0 adds +0
+    va = torch.zeros((m, kp), dtype=torch.float64)
+    va[:, :k] = a.values
+    vb = torch.zeros((kp, n), dtype=torch.float64)
+    vb[:k] = b.values
+    ng = step // grp
+    gpp = span // grp if pe is not None else 0
+    nst = step // span
     o_np = out.numpy()
-    chunk = _ROW_CHUNK if not acc.per_product else m
-    accbuf = np.zeros((min(chunk, m), n), dtype=np.float64)
-    buf = torch.empty((min(chunk, m), n), dtype=torch.float64)
+    chunk = min(_ROW_CHUNK, m) if not acc.per_product else m
+    accbuf = np.zeros((chunk, n), dtype=np.float64)
+    gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
+    zero = np.zeros((nst, chunk, n), dtype=np.float64)
+    unit_a = np.ones((m, nst), dtype=np.float32)
+    unit_b = np.ones((nst, n), dtype=np.float32)
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
         rows = r1 - r0
         acc_np = accbuf[:rows]
         acc_np[:] = 0.0
-        b_t = buf[:rows]
-        b_np = b_t.numpy()
-        for p0 in range(0, k, span):
-            p1 = min(p0 + span, k)
+        g_t = gbuf[:, :rows]
+        for p0 in range(0, kp, step):
             if pe is not None:
-                sa, sb = _scale_vectors(a, b, p0)
+                sa, sb = _step_scales(a, b, p0, span, nst)
                 sa = np.ascontiguousarray(sa[r0:r1])
             else:
-                sa, sb = np.ones(rows, dtype=np.float32), ones_n
+                sa, sb = unit_a[r0:r1], unit_b
             if acc.per_product:
-                _acc_per_product(
-                    va.numpy()[r0:r1], vb.numpy(), p0, p1, acc.group, drop, rne, acc_np
-                )
-                b_np[:] = 0.0
-                _acc_step(acc_np, b_np, drop, rne, pe is not None, o_np[r0:r1], sa, sb)
+                for t in range(nst):
+                    q0 = p0 + t * span
+                    _acc_per_product(
+                        va.numpy()[r0:r1], vb.numpy(), q0, q0 + span, grp, drop, rne, acc_np
+                    )
+                    _acc_step(acc_np, zero[:1, :rows], drop, rne, 1 if pe else 0, o_np[r0:r1],
+                              np.ascontiguousarray(sa[:, t : t + 1]), np.ascontiguousarray(sb[t : t + 1]))  # fmt: skip
                 continue
-            for g0 in range(p0, p1, acc.group):
-                g1 = min(g0 + acc.group, p1)
-                torch.mm(va[r0:r1, g0:g1], vb[g0:g1], out=b_t)
-                last = g1 == p1 and pe is not None
-                _acc_step(acc_np, b_np, drop, rne, last, o_np[r0:r1], sa, sb)
+            # all group sums of this step in one batched GEMM: [ng, rows, grp] @ [ng, grp, n]
+            a3 = va[r0:r1, p0 : p0 + step].reshape(rows, ng, grp).transpose(0, 1)
+            b3 = vb[p0 : p0 + step].reshape(ng, grp, n)
+            g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=g_t)
+            _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
         if pe is None:
             out[r0:r1] = torch.from_numpy(acc_np).to(torch.float32)
     if pe is None:
