@@ -301,3 +301,15 @@ def test_attention_matmul_only_when_the_recipe_asks():
     out.backward(g)
     gq = fake_quant(g, QuantSpec("e5m2"))
     assert torch.equal(q.grad, torch.matmul(gq, fake_quant(k, e4).transpose(-1, -2)))
+
+
+def test_deepcopy_is_independent():
+    a = Linear(16, 8, recipe="te-delayed")
+    a(torch.randn(4, 16)).sum().backward()  # builds and caches a plan
+    b = copy.deepcopy(a)
+    before = {k: v.state_dict() for k, v in a.scaling_states.items()}
+    b(torch.randn(4, 16) * 100).sum().backward()
+    for k, v in a.scaling_states.items():
+        for f, t in v.state_dict().items():
+            assert torch.equal(t, before[k][f]), (k, f)
+    assert b.scaling_states["input"].step == 2 and a.scaling_states["input"].step == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -111,11 +112,18 @@ class Linear(torch.nn.Linear):
         if plan is None or plan.name != self.name:
             states = self._states_for(recipe)
             plan = build_plan(
-                recipe, states, self.name, after_backward=lambda s=states: _update_grad(s)
+                recipe, states, self.name, after_backward=functools.partial(_update_grad, states)
             )
             plan.extra["states"] = states
             self._plans[fp] = plan
         return plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        # plans hold bound state objects: rebuild them after copy.deepcopy / pickle
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_plans"] = {}
+        return state
 
     def _pending_states(self) -> list[dict[str, DelayedScaling]]:
         return [self._states, *self._other_states.values()]
