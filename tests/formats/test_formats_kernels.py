@@ -75,3 +75,15 @@ def test_fast_stochastic_same_law_as_generic(fmt):
     fast, slow = _both(x, fmt, rounding="stochastic", generator=torch.Generator().manual_seed(3))
     pf, ps = (fast > 1.0).mean(), (slow > 1.0).mean()
     assert abs(pf - ps) < 6 * np.sqrt(0.37 * 0.63 / 400_000) * 1.5
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hif8", "e8m0", "e5m6"])
+def test_serial_and_parallel_paths_agree(fmt):
+    x = torch.from_numpy(random_fp32(150_000, fmt, seed=8))
+    x64 = x.double() * (1 + 2.0**-30)
+    modes = ["nearest_even", "nearest_away", "toward_zero"] + (["hybrid"] if fmt == "hif8" else [])
+    for mode in modes:
+        for t in (x, x64) if mode != "hybrid" else (x,):
+            whole = cast(t, fmt, rounding=mode)  # parallel kernels
+            parts = torch.cat([cast(c, fmt, rounding=mode) for c in t.split(5000)])  # serial
+            assert_same(whole.numpy(), parts.numpy(), what=f"{fmt} {mode} {t.dtype}")

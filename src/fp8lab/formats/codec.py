@@ -117,38 +117,48 @@ def _codebook(fmt: FloatFormat) -> _CodeBook:
     )
 
 
+@njit(cache=True, inline="always")
+def _encode_one(u, pos_bits, pos_codes, sign, zero, neg_zero, nan, inf):
+    a = u & np.uint32(0x7FFFFFFF)
+    neg = (u >> np.uint32(31)) != 0
+    if a > np.uint32(0x7F800000):
+        return nan
+    if a == 0:
+        return neg_zero if neg else zero
+    if a == np.uint32(0x7F800000):
+        c = inf
+    else:  # binary search: the value is on the grid, so it is found exactly
+        lo = 0
+        hi = pos_bits.shape[0] - 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if pos_bits[mid] < a:
+                lo = mid + 1
+            else:
+                hi = mid
+        c = pos_codes[lo]
+    return (c | sign) if neg else c
+
+
 @njit(parallel=True, cache=True)
 def _encode_kernel(src, dst, pos_bits, pos_codes, sign, zero, neg_zero, nan, inf):
-    k = pos_bits.shape[0]
     for i in prange(src.shape[0]):
-        u = src[i]
-        a = u & np.uint32(0x7FFFFFFF)
-        neg = (u >> np.uint32(31)) != 0
-        if a > np.uint32(0x7F800000):
-            dst[i] = nan
-            continue
-        if a == 0:
-            dst[i] = neg_zero if neg else zero
-            continue
-        if a == np.uint32(0x7F800000):
-            c = inf
-        else:
-            lo = 0
-            hi = k - 1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if pos_bits[mid] < a:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            c = pos_codes[lo]
-        dst[i] = (c | sign) if neg else c
+        dst[i] = _encode_one(src[i], pos_bits, pos_codes, sign, zero, neg_zero, nan, inf)
+
+
+@njit(cache=True)
+def _encode_kernel_serial(src, dst, pos_bits, pos_codes, sign, zero, neg_zero, nan, inf):
+    for i in range(src.shape[0]):
+        dst[i] = _encode_one(src[i], pos_bits, pos_codes, sign, zero, neg_zero, nan, inf)
 
 
 @njit(parallel=True, cache=True)
 def _decode_kernel(src, dst, table):
     for i in prange(src.shape[0]):
         dst[i] = table[src[i]]
+
+
+_SERIAL_BELOW = 1 << 16
 
 
 def encode(
@@ -165,7 +175,8 @@ def encode(
     v = cast(x, fmt, rounding=rounding, saturate=saturate, generator=generator)
     out = torch.empty(v.shape, dtype=torch.uint8)
     if v.numel():
-        _encode_kernel(
+        kernel = _encode_kernel_serial if v.numel() < _SERIAL_BELOW else _encode_kernel
+        kernel(
             v.view(-1).numpy().view(np.uint32),
             out.view(-1).numpy(),
             book.pos_bits,
@@ -195,8 +206,10 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     if fmt.bits < 8 and codes.numel() and int(codes.max()) >= (1 << fmt.bits):
         raise ValueError(f"{fmt.name} codes are {fmt.bits}-bit: values must be < {1 << fmt.bits}")
     out = torch.empty(codes.shape, dtype=torch.float32)
-    if codes.numel():
+    if codes.numel() >= _SERIAL_BELOW:
         _decode_kernel(codes.view(-1).numpy(), out.view(-1).numpy(), book.table)
+    elif codes.numel():
+        out.view(-1).copy_(torch.from_numpy(book.table)[codes.view(-1).long()])
     return out
 
 

@@ -229,68 +229,99 @@ def _finish(mag, neg, is_zero_in, maxval, ovfval, tinyval, flags):
     return mag
 
 
+@njit(cache=True, inline="always")
+def _generic32_one(u, i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+    u = np.int64(u)
+    a = u & 0x7FFFFFFF
+    neg = (u >> 31) != 0
+    if a >= 0x7F800000:
+        if a > 0x7F800000:
+            return np.nan
+        r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
+    elif a == 0:
+        r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+    else:
+        ex = a >> 23
+        if ex == 0:
+            sig = a
+            e0 = -149
+            eb = -150
+            m = a
+            while m != 0:
+                m >>= 1
+                eb += 1
+        else:
+            sig = (a & 0x7FFFFF) | 0x800000
+            e0 = ex - 150
+            eb = ex - 127
+        mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
+        r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
+    return r
+
+
 @njit(parallel=True, cache=True)
 def _cast_u32(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
     for i in prange(src.shape[0]):
-        u = np.int64(src[i])
-        a = u & 0x7FFFFFFF
-        neg = (u >> 31) != 0
-        if a >= 0x7F800000:
-            if a > 0x7F800000:
-                dst[i] = np.nan
-                continue
-            r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
-        elif a == 0:
-            r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+        dst[i] = _generic32_one(
+            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+        )
+
+
+@njit(cache=True)
+def _cast_u32_serial(
+    src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+):
+    for i in range(src.shape[0]):
+        dst[i] = _generic32_one(
+            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+        )
+
+
+@njit(cache=True, inline="always")
+def _generic64_one(u, i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+    a = np.int64(u & np.uint64(0x7FFFFFFFFFFFFFFF))
+    neg = (u >> np.uint64(63)) != 0
+    if a >= 0x7FF0000000000000:
+        if a > 0x7FF0000000000000:
+            return np.nan
+        r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
+    elif a == 0:
+        r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+    else:
+        ex = a >> 52
+        if ex == 0:
+            sig = a
+            e0 = -1074
+            eb = -1075
+            m = a
+            while m != 0:
+                m >>= 1
+                eb += 1
         else:
-            ex = a >> 23
-            if ex == 0:
-                sig = a
-                e0 = -149
-                eb = -150
-                m = a
-                while m != 0:
-                    m >>= 1
-                    eb += 1
-            else:
-                sig = (a & 0x7FFFFF) | 0x800000
-                e0 = ex - 150
-                eb = ex - 127
-            mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
-            r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
-        dst[i] = r
+            sig = (a & 0xFFFFFFFFFFFFF) | 0x10000000000000
+            e0 = ex - 1075
+            eb = ex - 1023
+        mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
+        r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
+    return r
 
 
 @njit(parallel=True, cache=True)
 def _cast_u64(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
     for i in prange(src.shape[0]):
-        u = src[i]
-        a = np.int64(u & np.uint64(0x7FFFFFFFFFFFFFFF))
-        neg = (u >> np.uint64(63)) != 0
-        if a >= 0x7FF0000000000000:
-            if a > 0x7FF0000000000000:
-                dst[i] = np.nan
-                continue
-            r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
-        elif a == 0:
-            r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
-        else:
-            ex = a >> 52
-            if ex == 0:
-                sig = a
-                e0 = -1074
-                eb = -1075
-                m = a
-                while m != 0:
-                    m >>= 1
-                    eb += 1
-            else:
-                sig = (a & 0xFFFFFFFFFFFFF) | 0x10000000000000
-                e0 = ex - 1075
-                eb = ex - 1023
-            mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
-            r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
-        dst[i] = r
+        dst[i] = _generic64_one(
+            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+        )
+
+
+@njit(cache=True)
+def _cast_u64_serial(
+    src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+):
+    for i in range(src.shape[0]):
+        dst[i] = _generic64_one(
+            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
+        )
 
 
 _U = np.uint32
@@ -301,6 +332,88 @@ _NAN_BITS = 0x7FC00000
 
 def _f32_bits(v: float) -> int:
     return int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+
+
+@njit(cache=True, inline="always")
+def _sr_one(
+    u,
+    i,
+    is_hif8,
+    s_norm,
+    emin_field,
+    lowq150,
+    s_e0,
+    maxb,
+    ovfb,
+    infb,
+    tinyb,
+    no_zero,
+    signed,
+    signed_zero,
+    mode,
+    seed,
+    hyb16,
+):
+    """One element for ``stochastic`` (3) and ``hybrid`` (4); see `_det_one`."""
+    a = u & _U(0x7FFFFFFF)
+    ex = _I(a >> _U(23))
+    eb = ex - _I(127)
+    if is_hif8:
+        ab = abs(eb)
+        sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
+        sl = max(_I(23), _I(1) - eb)
+        s = sl if eb < -15 else sh
+    else:
+        sx = lowq150 - ex
+        s = s_norm if ex >= emin_field else sx
+        s = s_e0 if ex == 0 else s
+    sc = _U(min(max(s, _I(1)), _I(23)))
+    low = (_U(1) << sc) - _U(1)
+    if mode == 3:
+        add = _U(_rand32(seed, i)) & low
+    else:  # hybrid: TA for binades 2^-3..2^3, SSR elsewhere; an exact remainder stays
+        rem = a & low
+        if -3 <= eb <= 3:
+            add = (low >> _U(1)) + _U(1)
+        elif hyb16 == 0:
+            up = (rem != 0) & ((rem >> (sc - _U(14))) >= (a & _U(0x3FFF)))
+            add = (low + _U(1)) if up else _U(0)
+        else:
+            lsb = _U(13) if eb >= -14 else _U(-1 - eb)
+            t2 = ((a >> lsb) & _U(1)) * _U(2) + _U(1)
+            up = (rem != 0) & ((rem >> (sc - _U(2))) >= t2)
+            add = (low + _U(1)) if up else _U(0)
+    r = (a + add) & ~low
+    r = a if s <= 0 else r
+    if s >= 24:  # below half a grid step: 0 or one step
+        q = s + max(ex, _I(1)) - _I(150)
+        qb = _U(q + 127) << _U(23) if q >= -126 else _U(1) << _U(max(q + 149, 0))
+        sig = np.int64(a) if ex == 0 else np.int64((a & _U(0x7FFFFF)) | _U(0x800000))
+        if mode == 3:
+            if s <= 32:
+                thresh = sig << (32 - s)
+            elif s < 56:
+                thresh = sig >> (s - 32)
+            else:
+                thresh = np.int64(0)
+            up = _rand32(seed, i) < thresh
+        else:
+            up = (eb == -23) & ((sig >> 10) >= np.int64(a & _U(0x3FFF)))
+        r = qb if up else _U(0)
+    if mode == 4 and a >= _U(_HYB_OVF_BITS):
+        r = _U(0x7F800000)
+    o = ovfb if r > maxb else r
+    if r == 0 and no_zero:
+        o = _U(_NAN_BITS) if a == 0 else tinyb
+    if a >= _U(0x7F800000):
+        o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
+    sgn = u & _U(0x80000000)
+    sgn = sgn if ((o != 0) | signed_zero) else _U(0)
+    if signed:
+        out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
+    else:
+        out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
+    return out
 
 
 @njit(parallel=True, cache=True)
@@ -323,68 +436,134 @@ def _cast_fast(
     seed,
     hyb16,
 ):
-    """float32 bits -> float32 bits for ``stochastic`` (3) and ``hybrid`` (4); see `_cast_fast_det`."""
     for i in prange(src.shape[0]):
-        u = src[i]
-        a = u & _U(0x7FFFFFFF)
-        ex = _I(a >> _U(23))
+        dst[i] = _sr_one(
+            src[i],
+            i,
+            is_hif8,
+            s_norm,
+            emin_field,
+            lowq150,
+            s_e0,
+            maxb,
+            ovfb,
+            infb,
+            tinyb,
+            no_zero,
+            signed,
+            signed_zero,
+            mode,
+            seed,
+            hyb16,
+        )
+
+
+@njit(cache=True)
+def _cast_fast_serial(
+    src,
+    dst,
+    is_hif8,
+    s_norm,
+    emin_field,
+    lowq150,
+    s_e0,
+    maxb,
+    ovfb,
+    infb,
+    tinyb,
+    no_zero,
+    signed,
+    signed_zero,
+    mode,
+    seed,
+    hyb16,
+):
+    for i in range(src.shape[0]):
+        dst[i] = _sr_one(
+            src[i],
+            i,
+            is_hif8,
+            s_norm,
+            emin_field,
+            lowq150,
+            s_e0,
+            maxb,
+            ovfb,
+            infb,
+            tinyb,
+            no_zero,
+            signed,
+            signed_zero,
+            mode,
+            seed,
+            hyb16,
+        )
+
+
+@njit(cache=True, inline="always")
+def _det_one(
+    u,
+    is_hif8,
+    s_norm,
+    emin_field,
+    lowq150,
+    s_e0,
+    maxb,
+    ovfb,
+    infb,
+    tinyb,
+    no_zero,
+    signed,
+    signed_zero,
+    mode,
+):
+    """One element, float32 bits -> float32 bits, for the deterministic modes (0, 1, 2).
+
+    For a rounding position ``s`` (float32 bits below the grid spacing) in 1..23, adding the
+    rounding increment to the bit pattern and clearing the low ``s`` bits is exact rounding, carry
+    into the exponent included. ``s >= 24`` (|x| below half a grid step) gives 0 or one step;
+    ``s <= 0`` is already on the grid. 32-bit arithmetic, few branches: about 1 ns per element.
+    """
+    a = u & _U(0x7FFFFFFF)
+    ex = _I(a >> _U(23))
+    if is_hif8:
         eb = ex - _I(127)
-        if is_hif8:
-            ab = abs(eb)
-            sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
-            sl = max(_I(23), _I(1) - eb)
-            s = sl if eb < -15 else sh
-        else:
-            sx = lowq150 - ex
-            s = s_norm if ex >= emin_field else sx
-            s = s_e0 if ex == 0 else s
-        sc = _U(min(max(s, _I(1)), _I(23)))
-        low = (_U(1) << sc) - _U(1)
-        if mode == 3:
-            add = _U(_rand32(seed, i)) & low
-        else:  # hybrid: TA for binades 2^-3..2^3, SSR elsewhere; an exact remainder stays
-            rem = a & low
-            if -3 <= eb <= 3:
-                add = (low >> _U(1)) + _U(1)
-            elif hyb16 == 0:
-                up = (rem != 0) & ((rem >> (sc - _U(14))) >= (a & _U(0x3FFF)))
-                add = (low + _U(1)) if up else _U(0)
-            else:
-                lsb = _U(13) if eb >= -14 else _U(-1 - eb)
-                t2 = ((a >> lsb) & _U(1)) * _U(2) + _U(1)
-                up = (rem != 0) & ((rem >> (sc - _U(2))) >= t2)
-                add = (low + _U(1)) if up else _U(0)
-        r = (a + add) & ~low
-        r = a if s <= 0 else r
-        if s >= 24:  # below half a grid step: 0 or one step
-            q = s + max(ex, _I(1)) - _I(150)
-            qb = _U(q + 127) << _U(23) if q >= -126 else _U(1) << _U(max(q + 149, 0))
-            sig = np.int64(a) if ex == 0 else np.int64((a & _U(0x7FFFFF)) | _U(0x800000))
-            if mode == 3:
-                if s <= 32:
-                    thresh = sig << (32 - s)
-                elif s < 56:
-                    thresh = sig >> (s - 32)
-                else:
-                    thresh = np.int64(0)
-                up = _rand32(seed, i) < thresh
-            else:
-                up = (eb == -23) & ((sig >> 10) >= np.int64(a & _U(0x3FFF)))
-            r = qb if up else _U(0)
-        if mode == 4 and a >= _U(_HYB_OVF_BITS):
-            r = _U(0x7F800000)
-        o = ovfb if r > maxb else r
-        if r == 0 and no_zero:
-            o = _U(_NAN_BITS) if a == 0 else tinyb
-        if a >= _U(0x7F800000):
-            o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
-        sgn = u & _U(0x80000000)
-        sgn = sgn if ((o != 0) | signed_zero) else _U(0)
-        if signed:
-            out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
-        else:
-            out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
-        dst[i] = out
+        ab = abs(eb)
+        sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
+        sl = max(_I(23), _I(1) - eb)
+        s = sl if eb < -15 else sh
+    else:
+        sx = lowq150 - ex
+        s = s_norm if ex >= emin_field else sx
+        s = s_e0 if ex == 0 else s
+    sc = _U(min(max(s, _I(1)), _I(23)))
+    low = (_U(1) << sc) - _U(1)
+    if mode == 0:
+        odd = ((a >> sc) & _U(1)) | _U((sc == _U(23)) & (ex != 0))
+        add = (low >> _U(1)) + odd
+    elif mode == 1:
+        add = (low >> _U(1)) + _U(1)
+    else:
+        add = _U(0)
+    r = (a + add) & ~low
+    r = a if s <= 0 else r
+    if s >= 24:  # below half a grid step: 0 or one step
+        q = s + max(ex, _I(1)) - _I(150)
+        qb = _U(q + 127) << _U(23) if q >= -126 else _U(1) << _U(max(q + 149, 0))
+        up = (s == 24) & (ex != 0) & ((mode == 1) | ((mode == 0) & ((a & _U(0x7FFFFF)) != 0)))
+        r = qb if up else _U(0)
+    o = ovfb if r > maxb else r
+    if r == 0 and no_zero:
+        o = _U(_NAN_BITS) if a == 0 else tinyb
+    if a >= _U(0x7F800000):
+        o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
+    sgn = u & _U(0x80000000)
+    sgn = sgn if ((o != 0) | signed_zero) else _U(0)
+    if signed:
+        out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
+    else:
+        out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
+    return out
 
 
 @njit(parallel=True, cache=True)
@@ -405,50 +584,60 @@ def _cast_fast_det(
     signed_zero,
     mode,
 ):
-    """`_cast_fast` for the deterministic modes (0, 1, 2), in 32-bit arithmetic with few branches:
-    the hot path of every cast (about 1 ns per element and thread)."""
     for i in prange(src.shape[0]):
-        u = src[i]
-        a = u & _U(0x7FFFFFFF)
-        ex = _I(a >> _U(23))
-        if is_hif8:
-            eb = ex - _I(127)
-            ab = abs(eb)
-            sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
-            sl = max(_I(23), _I(1) - eb)
-            s = sl if eb < -15 else sh
-        else:
-            sx = lowq150 - ex
-            s = s_norm if ex >= emin_field else sx
-            s = s_e0 if ex == 0 else s
-        sc = _U(min(max(s, _I(1)), _I(23)))
-        low = (_U(1) << sc) - _U(1)
-        if mode == 0:
-            odd = ((a >> sc) & _U(1)) | _U((sc == _U(23)) & (ex != 0))
-            add = (low >> _U(1)) + odd
-        elif mode == 1:
-            add = (low >> _U(1)) + _U(1)
-        else:
-            add = _U(0)
-        r = (a + add) & ~low
-        r = a if s <= 0 else r
-        if s >= 24:  # below half a grid step: 0 or one step
-            q = s + max(ex, _I(1)) - _I(150)
-            qb = _U(q + 127) << _U(23) if q >= -126 else _U(1) << _U(max(q + 149, 0))
-            up = (s == 24) & (ex != 0) & ((mode == 1) | ((mode == 0) & ((a & _U(0x7FFFFF)) != 0)))
-            r = qb if up else _U(0)
-        o = ovfb if r > maxb else r
-        if r == 0 and no_zero:
-            o = _U(_NAN_BITS) if a == 0 else tinyb
-        if a >= _U(0x7F800000):
-            o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
-        sgn = u & _U(0x80000000)
-        sgn = sgn if ((o != 0) | signed_zero) else _U(0)
-        if signed:
-            out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
-        else:
-            out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
-        dst[i] = out
+        dst[i] = _det_one(
+            src[i],
+            is_hif8,
+            s_norm,
+            emin_field,
+            lowq150,
+            s_e0,
+            maxb,
+            ovfb,
+            infb,
+            tinyb,
+            no_zero,
+            signed,
+            signed_zero,
+            mode,
+        )
+
+
+@njit(cache=True)
+def _cast_fast_det_serial(
+    src,
+    dst,
+    is_hif8,
+    s_norm,
+    emin_field,
+    lowq150,
+    s_e0,
+    maxb,
+    ovfb,
+    infb,
+    tinyb,
+    no_zero,
+    signed,
+    signed_zero,
+    mode,
+):
+    for i in range(src.shape[0]):
+        dst[i] = _det_one(
+            src[i],
+            is_hif8,
+            s_norm,
+            emin_field,
+            lowq150,
+            s_e0,
+            maxb,
+            ovfb,
+            infb,
+            tinyb,
+            no_zero,
+            signed,
+            signed_zero,
+            mode,
+        )
 
 
 # ----------------------------------------------------------------------------------- public
@@ -483,6 +672,7 @@ def _seed(generator: torch.Generator | None) -> int:
     )
 
 
+_SERIAL_BELOW = 1 << 16  # smaller tensors skip the thread pool (its wake-up costs more)
 _force_generic = False  # tests flip this to cross-check the fast kernel against the generic one
 
 
@@ -549,18 +739,20 @@ def cast(
             (p.flags & _F_SIGNED_ZERO) != 0,
             mode,
         )
+        small = n < _SERIAL_BELOW
         if mode <= 2:
-            _cast_fast_det(*args)
+            (_cast_fast_det_serial if small else _cast_fast_det)(*args)
         else:
-            _cast_fast(*args, seed, hyb16)
+            (_cast_fast_serial if small else _cast_fast)(*args, seed, hyb16)
         return dst
     d = dst.view(-1).numpy()
+    small = n < _SERIAL_BELOW
     if src.dtype == torch.float64:
         s = src.view(-1).numpy().view(np.uint64)
-        kernel = _cast_u64
+        kernel = _cast_u64_serial if small else _cast_u64
     else:
         s = src.view(-1).numpy().view(np.uint32)
-        kernel = _cast_u32
+        kernel = _cast_u32_serial if small else _cast_u32
     kernel(s, d, p.qtab, p.stab, p.max, ovf, infval, p.tiny, p.flags, mode, seed, hyb16)
     return dst
 
