@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fp8lab
 from fp8lab.nn import Linear, autocast, collect_operands
@@ -313,3 +314,17 @@ def test_deepcopy_is_independent():
         for f, t in v.state_dict().items():
             assert torch.equal(t, before[k][f]), (k, f)
     assert b.scaling_states["input"].step == 2 and a.scaling_states["input"].step == 1
+
+
+def test_bf16_recipe_rounds_operands_over_repeated_steps():
+    # the rounded gradient lives in a reused buffer: several backwards must stay exact
+    ref, mod = _pair("bf16")
+    w = ref.weight.detach().to(torch.bfloat16).float()
+    for i in range(3):
+        x, dy = torch.randn(8, 64), torch.randn(8, 32) * (i + 1)
+        mod.zero_grad()
+        y, dx, dw, _ = _run(mod, x, dy)
+        xb, gb = x.to(torch.bfloat16).float(), dy.to(torch.bfloat16).float()
+        assert torch.equal(y, F.linear(xb, w, ref.bias.detach()))
+        assert torch.equal(dx, gb @ w)
+        assert torch.equal(dw, (xb.t() @ gb).t())

@@ -118,12 +118,22 @@ def _record(
 
 # --------------------------------------------------------------------------- operands
 def operand(
-    x: torch.Tensor, plan: LinearPlan, gemm: str, role: str
+    x: torch.Tensor, plan: LinearPlan, gemm: str, role: str, scratch: bool = False
 ) -> tuple[torch.Tensor | None, QTensor | None]:
     """``(tensor, None)`` for an unquantized operand (fp32 or rounded to the high precision), or
-    ``(None, QTensor)`` for a quantized one; ``x`` in its natural layout."""
+    ``(None, QTensor)`` for a quantized one; ``x`` in its natural layout.
+
+    ``scratch=True``: the result dies within the caller (backward's gradient), so a bf16 rounding
+    may go into the plan's reusable buffer instead of a fresh allocation (not while operands are
+    being collected, since the collector keeps them)."""
     hp = plan.high_precision[gemm]
-    if hp is not None:
+    if hp == "bf16" and scratch and not COLLECTORS.active and x.dtype == torch.float32:
+        buf = plan.extra.get("scratch")
+        if buf is None or buf.shape != x.shape:
+            buf = torch.empty(x.shape, dtype=torch.float32)
+            plan.extra["scratch"] = buf
+        a, q = round_bf16(x.contiguous(), out=buf), None
+    elif hp is not None:
         a, q = round_high_precision(x, hp), None
     else:
         spec = plan.specs[(gemm, role)]
@@ -259,7 +269,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         dgrad_dy = None
         if ctx.needs_input_grad[0]:
-            ady, qdy = operand(dy2, plan, "dgrad", "grad_output")
+            ady, qdy = operand(dy2, plan, "dgrad", "grad_output", scratch=True)
             dgrad_dy = (ady, qdy)
             aw, qw = _from_saved(ctx.saved_w, plan, "dgrad", "weight")
             dx = _gemm(plan.accumulators["dgrad"], ady, qdy, aw, qw).reshape(ctx.x_shape)
@@ -268,7 +278,7 @@ class _LinearFunction(torch.autograd.Function):
                 saved = _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output")
                 ady_w, qdy_w = _from_saved(saved, plan, "wgrad", "grad_output")
             else:
-                ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output")
+                ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output", scratch=True)
             ax, qx = _from_saved(ctx.saved_x, plan, "wgrad", "input")
             # (xᵀ · dy)ᵀ: the same product and layout as torch's own linear backward
             dw = _gemm(plan.accumulators["wgrad"], *_t(ax, qx), ady_w, qdy_w).t()
