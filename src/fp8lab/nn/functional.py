@@ -9,8 +9,11 @@
 Each operand is prepared by :func:`operand` from its (GEMM, role) spec: the GEMM's
 high-precision override (operands rounded to fp32/bf16/fp16), else the role spec (or its
 per-GEMM override), with the block shape transposed when the GEMM reduces the operand along its
-first axis (re-tiling). With an fp32 accumulator the GEMM is one fp32 ``addmm`` of the dequantized
-operands, exactly `fp8lab.qmatmul`'s fp32 path; a limited accumulator calls `fp8lab.qmatmul`.
+first axis (re-tiling). Two quantized operands are multiplied by `fp8lab.qmatmul` under the
+GEMM's accumulator (its fp32 path multiplies K-constant scales onto the product of the grid values,
+as the hardware does; with K-varying block scales it is one mm of the dequantized operands, done
+here with memoised dequantization). Otherwise the GEMM is one fp32 ``addmm``, so the ``fp32``
+recipe is torch's own linear bit for bit.
 
 Reuse: one quantization serves two GEMMs when their specs coincide (per-tensor scaling: x for
 fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad). When the blocks differ, the
@@ -33,7 +36,15 @@ from fp8lab.nn._kernels import round_bf16
 from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 
-__all__ = ["LinearPlan", "build_plan", "dense", "linear", "operand", "round_high_precision"]
+__all__ = [
+    "LinearPlan",
+    "attention_matmul",
+    "build_plan",
+    "dense",
+    "linear",
+    "operand",
+    "round_high_precision",
+]
 
 _HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
