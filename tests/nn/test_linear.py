@@ -137,6 +137,46 @@ def test_delayed_scaling_in_module_reproduces_standalone_sequence():
             assert torch.equal(st.amax_history, ds[r].amax_history)
 
 
+def test_hif8_delayed_first_step_current_and_interval_in_module():
+    torch.manual_seed(7)
+    rec = get_recipe("hif8-delayed")
+    mod = Linear(32, 16, bias=False, recipe=rec)
+    w0 = mod.weight.detach().clone()
+    # standalone objects built from the recipe's own templates
+    ds = {r: getattr(rec, r).scaling.fresh() for r in ("input", "weight", "grad_output")}
+    spec = {r: getattr(rec, r).replace(scaling=ds[r]) for r in ds}
+    first_scales = []
+    for step in range(12):
+        x = torch.randn(8, 32) * (1.0 + step)
+        dy = torch.randn(8, 16)
+        y, dx, _, _ = _run(mod, x, dy)
+        xq, wq = quantize(x, spec["input"]), quantize(w0, spec["weight"])
+        ds["input"].update()
+        ds["weight"].update()
+        gq = quantize(dy, spec["grad_output"])
+        ds["grad_output"].update()
+        assert torch.equal(y, fp8lab.qmatmul(xq, wq.t())), step
+        assert torch.equal(dx, fp8lab.qmatmul(gq, wq)), step
+        first_scales.append(float(mod.scaling_states["input"].scale))
+    # step 0 used current scaling (not 1.0); the amax is measured only every 5th step
+    assert mod.scaling_states["input"].initialized
+    st = mod.scaling_states["input"]
+    assert int((st.amax_history > 0).sum()) == 3  # steps 0, 5, 10
+    assert first_scales[0] == first_scales[4] != first_scales[5]
+
+
+def test_distributed_single_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mod = Linear(16, 8, recipe="te-delayed")
+        mod(torch.ones(4, 16) * 2.0).sum().backward()
+        assert float(mod.scaling_states["input"].scale) == pytest.approx(448.0 / 2.0)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_autocast_accumulates_microbatch_amax_and_updates_at_exit():
     mod = Linear(32, 16, recipe="te-delayed")
     st = mod.scaling_states["input"]
