@@ -286,7 +286,12 @@ def test_collect_operands_records_every_gemm_and_role():
     rec = ops[("0", "fprop", "input")]
     assert torch.equal(rec["high_precision"], x.detach())
     assert torch.equal(rec["used"], fake_quant(x, QuantSpec("e4m3")))
-    assert ("0", "wgrad", "input") in ops and ("1", "dgrad", "weight") in ops
+    # reused operands (per-tensor x in wgrad) still report the fp32 source next to what was used
+    rec = ops[("0", "wgrad", "input")]
+    assert torch.equal(rec["high_precision"], x.detach())
+    assert torch.equal(rec["used"], fake_quant(x.detach(), QuantSpec("e4m3")))
+    w1 = model[1].weight.detach()
+    assert torch.equal(ops[("1", "dgrad", "weight")]["high_precision"], w1)
     with collect_operands(model, fn=lambda hp, used: float((hp - used).abs().max())) as errs:
         model(x).sum().backward()
     assert all(isinstance(v, float) for v in errs.values())

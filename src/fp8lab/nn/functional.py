@@ -179,22 +179,24 @@ def dense(a: torch.Tensor | None, q: QTensor | None) -> torch.Tensor:
     return d
 
 
-Saved = tuple[torch.Tensor | None, QTensor | None, torch.Tensor | None, bool]
+Saved = tuple[torch.Tensor | None, QTensor | None, torch.Tensor | None, bool, torch.Tensor | None]
 
 
 def _from_saved(saved: Saved, plan: LinearPlan, gemm: str, role: str):
     """The operand of ``gemm`` rebuilt from what forward saved for ``role``."""
-    a, q, src, retile_q = saved
+    a, q, src, retile_q, orig = saved  # orig: the fp32 tensor, kept only while collecting
     if retile_q:  # save_for_backward="quantized" with other blocks: re-tile the quantized tensor
         spec = plan.specs[(gemm, role)]
         q2 = quantize(q.dequantize(), spec) if spec.is_delayed else retile(q, spec=spec)
         if COLLECTORS.active:
-            _record(plan.name, gemm, role, q.dequantize(), q2.dequantize())
+            _record(
+                plan.name, gemm, role, orig if orig is not None else dense(None, q), dense(None, q2)
+            )
         return None, q2
     if src is None:  # the forward's operand is reused as is
         if COLLECTORS.active:
             d = dense(a, q)
-            _record(plan.name, gemm, role, d, d)
+            _record(plan.name, gemm, role, orig if orig is not None else d, d)
         return a, q
     return operand(src, plan, gemm, role)
 
@@ -202,27 +204,28 @@ def _from_saved(saved: Saved, plan: LinearPlan, gemm: str, role: str):
 def _plan_save(
     plan: LinearPlan, x: torch.Tensor, a, q, src_gemm: str, gemm: str, role: str
 ) -> Saved:
-    """What to keep for the backward use of ``role`` in ``gemm``: ``(a, q, source, retile)``.
+    """What to keep for the backward use of ``role`` in ``gemm``: ``(a, q, source, retile, orig)``.
 
     Reuse ``(a, q)`` when both GEMMs see the same operand; re-tile ``q`` when
     ``save_for_backward="quantized"`` and only the blocks differ; else keep the fp32 ``source``
     to prepare afresh.
     """
+    orig = x if COLLECTORS.active else None
     hp_src, hp_dst = plan.high_precision[src_gemm], plan.high_precision[gemm]
     s_src, s_dst = plan.specs[(src_gemm, role)], plan.specs[(gemm, role)]
     if hp_dst is not None:
         if hp_src == hp_dst:
-            return a, None, None, False
-        return None, None, x, False
+            return a, None, None, False, orig
+        return None, None, x, False, orig
     if s_dst is None:
         if hp_src is None and s_src is None:
-            return x, None, None, False
-        return None, None, x, False
+            return x, None, None, False, orig
+        return None, None, x, False, orig
     if hp_src is None and s_src is not None and s_src == s_dst:
-        return None, q, None, False
+        return None, q, None, False, orig
     if plan.save_quantized and q is not None:
-        return None, q, None, True
-    return None, None, x, False
+        return None, q, None, True, orig
+    return None, None, x, False, orig
 
 
 def _gemm(
