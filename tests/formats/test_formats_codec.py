@@ -9,7 +9,18 @@ import torch
 
 from fp8lab import cast, decode, encode, from_torch_float8, get_format, to_torch_float8
 
-EIGHT_BIT = ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "e4m3-ieee", "e3m4", "e8m0", "hif8", "e2m5"]
+EIGHT_BIT = [
+    "e4m3",
+    "e5m2",
+    "e4m3fnuz",
+    "e5m2fnuz",
+    "e4m3-ieee",
+    "e3m4",
+    "e8m0",
+    "hif8",
+    "e2m5",
+    "e7m0",
+]
 SMALL = ["e2m1", "e2m3", "e3m2", "e3m3"]
 
 ML = {

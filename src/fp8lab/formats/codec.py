@@ -90,14 +90,14 @@ def _codebook(fmt: FloatFormat) -> _CodeBook:
         top_mag = (1 << (fmt.ebits + fmt.mbits)) - 1
         zero = 0
         neg_zero = sign if (fmt.signed_zero and fmt.signed) else 0
-        if fmt.nan == "ieee":
-            nan = (((1 << fmt.ebits) - 1) << fmt.mbits) | (1 << max(fmt.mbits - 1, 0))
+        if fmt.nan == "ieee" and fmt.mbits > 0:
+            nan = (((1 << fmt.ebits) - 1) << fmt.mbits) | (1 << (fmt.mbits - 1))
         elif fmt.nan == "fn":
             nan = top_mag
         elif fmt.nan == "fnuz":
             nan = sign
         else:
-            nan = sign  # no NaN: the -0 code, as ml_dtypes
+            nan = sign  # no NaN code (FP4/FP6, IEEE-like eXm0): the -0 code, as ml_dtypes
         inf = (((1 << fmt.ebits) - 1) << fmt.mbits) if fmt.inf else 0
     table = np.full(256, np.nan, dtype=np.float32)
     table[: len(values)] = values.astype(np.float32)
