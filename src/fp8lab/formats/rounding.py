@@ -1,9 +1,17 @@
 """Rounding onto a number format, exact to the bit: `cast`.
 
 Everything is done on the integer fields of the input (sign, exponent, significand) in one numba
-pass: no floating-point ``log2``, no double rounding. A format's grid is described to the kernel
-by a table ``binade -> exponent of the grid spacing`` (`_Params.qtab`), so ExMy formats, E8M0 and
-HiFloat8's tapered grid share one kernel and one compiled signature per input width.
+pass: no floating-point ``log2``, no double rounding. Two kernel families:
+
+* the fast float32 kernels (`_det_one`, `_sr_one`): round inside the float32 bit pattern (add the
+  rounding increment, clear the bits below the grid spacing; the position follows from the
+  exponent field, tapered for HiF8), 32-bit arithmetic, parallel above 64k elements;
+* the generic kernels (`_generic32_one`, `_generic64_one`): integer significand times a power of
+  two, with the grid given as a table ``binade -> exponent of the grid spacing``
+  (`_Params.qtab`); used for float64 input and for formats the fast kernel cannot describe, and
+  as the cross-check of the fast one in the tests.
+
+Format parameters are scalar arguments, so each kernel compiles once (cached on disk).
 
 Semantics (see also the README section "formats"):
 
@@ -15,8 +23,9 @@ Semantics (see also the README section "formats"):
 * ``stochastic`` rounds up with probability (distance to the lower neighbour) / (grid spacing).
   The random numbers are a counter-based hash (splitmix64) of a 64-bit seed drawn from
   ``generator`` (or torch's default generator) and the element index: reproducible, independent
-  of the thread count, no random tensor. The probability is exact for remainders of up to 32 bits
-  below the kept significand; deeper bits are truncated (bias < 2**-32 of a grid step).
+  of the thread count, no random tensor. The probability is exact for float32 input of magnitude
+  above about 2**-9 grid steps; below that, and for float64 remainders deeper than 32 bits, it is
+  truncated to 32 bits (bias < 2**-32 of a grid step).
 * ``hybrid`` (HiF8 only) is Ascend's HR rule (reference §1.5): TA for binades 2^-3..2^3, SSR
   elsewhere. SSR rounds up iff the 14 bits just below the kept mantissa (f14) are >= the lowest 14
   bits of the fp32 fraction (t14); for float16 input, iff the 2 bits below the kept mantissa are
