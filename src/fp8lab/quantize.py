@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit
 from numba import types as nbt
 from numba.extending import intrinsic
 
@@ -291,7 +291,18 @@ class QTensor:
         s2 = shape_2d(self.values.shape)
         sc = self.scales
         v2 = as_2d(self.values)
-        out = v2 * sc.reshape(()) if sc.numel() == 1 else v2 * expand_blocks(sc, self.block, s2)
+        if sc.numel() == 1:
+            out = v2 * sc.reshape(())
+        elif v2.dtype == torch.float32 and v2.is_contiguous() and v2.numel():
+            # one vectorised pass, no expanded scale tensor
+            out = torch.empty(s2, dtype=torch.float32)
+            m, k = resolve_block(self.block, s2)
+            _scale_mul(
+                v2.view(-1).numpy(), s2[0], s2[1], m, k,
+                np.ascontiguousarray(sc.to(torch.float32).numpy()), out.view(-1).numpy(),
+            )  # fmt: skip
+        else:
+            out = v2 * expand_blocks(sc, self.block, s2)
         if self.global_scale is not None:
             out = out * self.global_scale
         return out.reshape(self.values.shape)
@@ -342,18 +353,31 @@ class QTensor:
 # Two passes over x, no full-size temporaries: (1) block amax, NaN ignored; (2) multiply by the
 # block's multiplier in float32 and round onto the grid (fast RNE+saturate path for ExMy formats
 # with subnormals; any other mode writes x*scale and then runs fp8lab.cast in place).
+# The kernels are serial numba loops over contiguous row segments, which LLVM vectorises (AVX2):
+# measured here, a serial pass runs ~5x faster than the same loop under prange, whose thread pool
+# competes with torch's OpenMP threads on this 2-core machine.
 _AMAX_CHUNK = 64
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
+def _seg_amax_bits(xs):  # pragma: no cover - numba
+    """max |x| of a contiguous segment, on the uint32 bits; NaN (bits > 0x7F800000) counts as 0."""
+    m = np.uint32(0)
+    for i in range(xs.shape[0]):
+        a = xs[i] & np.uint32(0x7FFFFFFF)
+        ok = np.uint32(a <= np.uint32(0x7F800000))
+        m = np.uint32(max(m, a * ok))
+    return m
+
+
+@njit(cache=True)
 def _partial_amax(xu, rows, cols, bm, bk, chunk, out):  # pragma: no cover - numba
     """out[t, cb] = bits of max |x| over rows [t*chunk, (t+1)*chunk) and column block cb.
 
-    Works on the uint32 bits: |x| orders like its bits, and NaN (bits > 0x7F800000) is mapped
-    to 0 so it is ignored, as TE's ``fmaxf`` does. Integer max reductions vectorise.
+    |x| orders like its bits, so this is an integer max; NaN is ignored as TE's ``fmaxf`` does.
     """
     nt, nc = out.shape
-    for t in prange(nt):
+    for t in range(nt):
         r0 = t * chunk
         r1 = min(r0 + chunk, rows)
         for cb in range(nc):
@@ -361,24 +385,25 @@ def _partial_amax(xu, rows, cols, bm, bk, chunk, out):  # pragma: no cover - num
             c1 = min(c0 + bk, cols)
             m = np.uint32(0)
             for r in range(r0, r1):
-                base = r * cols
-                for c in range(c0, c1):
-                    a = xu[base + c] & np.uint32(0x7FFFFFFF)
-                    a = a if a <= np.uint32(0x7F800000) else np.uint32(0)
-                    m = max(m, a)
+                m = np.uint32(max(m, _seg_amax_bits(xu[r * cols + c0 : r * cols + c1])))
             out[t, cb] = m
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
+def _seg_mul(xs, os, s):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = xs[i] * s
+
+
+@njit(cache=True)
 def _scale_mul(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
-    for r in prange(rows):
+    for r in range(rows):
         br = r // bm
         base = r * cols
         for cb in range(mult.shape[1]):
-            s = mult[br, cb]
-            c1 = min((cb + 1) * bk, cols)
-            for c in range(cb * bk, c1):
-                of[base + c] = x[base + c] * s
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_mul(x[c0:c1], of[c0:c1], mult[br, cb])
 
 
 @intrinsic
@@ -425,7 +450,15 @@ def _rne_sat(y, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
     return _u32_to_f32(np.uint32(sign | r))
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
+def _seg_cast(
+    xs, os, s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+
+
+@njit(cache=True)
 def _scale_cast_rne(
     x, rows, cols, bm, bk, mult, of, mbits, emin_biased, maxbits, magic, signed_zero
 ):  # pragma: no cover - numba
@@ -434,17 +467,16 @@ def _scale_cast_rne(
     half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
     lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
     emin_bits = np.uint32(emin_biased) << np.uint32(23)
-    for r in prange(rows):
+    for r in range(rows):
         br = r // bm
         base = r * cols
         for cb in range(mult.shape[1]):
-            s = mult[br, cb]
-            c1 = min((cb + 1) * bk, cols)
-            for c in range(cb * bk, c1):
-                of[base + c] = _rne_sat(
-                    x[base + c] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic,
-                    signed_zero,
-                )  # fmt: skip
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_cast(
+                x[c0:c1], of[c0:c1], mult[br, cb], shift, half_m1, lowmask, emin_bits, maxbits,
+                magic, signed_zero,
+            )  # fmt: skip
 
 
 def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
