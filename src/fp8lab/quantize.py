@@ -79,7 +79,8 @@ class QuantSpec:
             (``values = cast(x * scaling)``), or a `DelayedScaling` object (per-tensor only).
             ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
             ``nvfp4`` for NVFP4 blocks, ``max`` otherwise.
-        rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`).
+        rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`); ``None`` = the
+            format's native rule (``nearest_even``; ``nearest_away`` = TA for HiF8).
         saturate: clamp out-of-range values to ±max (TE's ``__NV_SATFINITE``) instead of Inf/NaN.
         pad: ragged edge blocks are treated as zero-padded (True) or raise (False).
         margin: power-of-two margin for the ``max`` family: ``scale = fmt_max * 2**-margin / amax``.
@@ -91,7 +92,7 @@ class QuantSpec:
     format: str = "e4m3"
     granularity: str | tuple[int, int] = "tensor"
     scaling: ScalingLike = None
-    rounding: str = "nearest_even"
+    rounding: str | None = None
     saturate: bool = True
     pad: bool = True
     margin: int = 0
@@ -128,8 +129,10 @@ class QuantSpec:
                 f"scaling must be a rule name, a float or a DelayedScaling, got {type(sc).__name__}"
             )
         object.__setattr__(self, "scaling", sc)
-        from fp8lab.formats import ROUNDING_MODES
+        from fp8lab.formats import ROUNDING_MODES, default_rounding
 
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", default_rounding(fmt))
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(
                 f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDING_MODES)}"
