@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	.venv/bin/fp8lab formats
+	.venv/bin/fp8lab compare --jobs 2 --threads 1 --out runs/demo
+
+demo-long: $(STAMP)
+	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 1000 --set train.batch_size=16 --set train.eval_every=50 --set train.warmup_steps=50 --out runs/demo-long
 
 test: $(STAMP)
 	$(PY) -m pytest

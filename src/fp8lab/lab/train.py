@@ -47,10 +47,10 @@ STATS = "stats.jsonl"
 class TrainConfig:
     """Optimisation and logging settings (the same for every recipe of a comparison)."""
 
-    steps: int = 200
-    batch_size: int = 16
-    lr: float = 2e-3  # peak learning rate
-    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr
+    steps: int = 250
+    batch_size: int = 8  # sequences of model.block_size bytes per step
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 25  # linear warmup, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -150,6 +150,24 @@ class LabConfig:
         rest = {k: v for k, v in d.items() if k not in lab_keys}
         return cls.from_dict({k: v for k, v in d.items() if k in lab_keys}), rest
 
+    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> LabConfig:
+        """Apply ``SECTION.KEY=VALUE`` strings (VALUE in TOML syntax, bare words as strings),
+        e.g. ``train.batch_size=16`` or ``data.paths=["a.txt"]``."""
+        d = self.to_dict()
+        for item in assignments:
+            key, sep, raw = item.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot or section not in d:
+                raise ValueError(
+                    f"--set {item!r}: expected SECTION.KEY=VALUE with SECTION one of {sorted(d)}"
+                )
+            try:
+                value = tomllib.loads(f"v = {raw.strip()}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = raw.strip()
+            d[section][name.strip()] = value
+        return LabConfig.from_dict(d)
+
     def replace_train(self, **kw: Any) -> LabConfig:
         return replace(self, train=replace(self.train, **kw))
 
@@ -183,53 +201,41 @@ def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> GPT:
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
-    """fp8lab AdamW with fp32 master weights and the recipe's optimizer-state precision.
+    """fp8lab AdamW: fp32 master weights, moments in the recipe's ``optimizer_state`` precision.
 
-    Weight decay applies to matrices only (not to norms), as in nanoGPT."""
+    Weight decay applies to matrices only (not to norm gains), as in nanoGPT."""
     from fp8lab.optim import AdamW
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {
+            "params": [p for p in model.parameters() if p.dim() >= 2],
+            "weight_decay": cfg.weight_decay,
+        },
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    state_precision = _recipe_attr(recipe, "optimizer_state", "fp32")
-    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), state_precision=state_precision)
+    master = _recipe_attr(recipe, "master_weights", "fp32")
+    return AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        state_precision=_recipe_attr(recipe, "optimizer_state", "fp32"),
+        param_format=None if master == "fp32" else master,
+    )
 
 
 def make_loss_scaler(recipe: Any):
-    """The recipe's loss scaler, or None when the recipe does not scale the loss."""
+    """The recipe's loss scaler (``loss_scaling`` static / dynamic from ``loss_scale``), or
+    None when the recipe does not scale the loss."""
     from fp8lab.optim import LossScaler
 
-    ls = _recipe_attr(recipe, "loss_scaling", None)
-    if ls in (None, "none", False):
+    kind = _recipe_attr(recipe, "loss_scaling", "none")
+    if kind == "none":
         return None
-    if isinstance(ls, LossScaler):
-        return ls
-    if hasattr(ls, "make"):
-        return ls.make()
-    if ls in ("dynamic", True):
-        return LossScaler()
-    if isinstance(ls, int | float):
-        return LossScaler(float(ls), dynamic=False)
-    raise ValueError(f"recipe {recipe_name(recipe)!r}: unsupported loss_scaling {ls!r}")
+    return LossScaler(recipe.loss_scale, dynamic=kind == "dynamic")
 
 
 def _recipe_attr(recipe: Any, name: str, default: Any) -> Any:
     return default if recipe is None else getattr(recipe, name, default)
-
-
-def is_quantized_linear(mod: torch.nn.Module) -> bool:
-    """True for the Linear layers that ``fp8lab.nn.convert`` swapped in."""
-    return type(mod).__module__.startswith("fp8lab.nn") and hasattr(mod, "weight")
-
-
-def role_specs(recipe: Any) -> dict[str, Any]:
-    """role name (input / weight / grad_output) -> the recipe's quantization spec for it."""
-    if recipe is None:
-        return {}
-    return dict(getattr(recipe, "roles", {}) or {})
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -238,31 +244,19 @@ def _num(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_buffers()}
-
-
-@contextlib.contextmanager
-def frozen_scaling_state(model: torch.nn.Module):
-    """Run a block (evaluation) without letting it touch buffers such as delayed-scaling amax
-    histories: snapshot them and restore them afterwards, so evaluating never changes training."""
-    saved = _buffers(model)
-    was_training = model.training
-    try:
-        yield
-    finally:
-        model.train(was_training)
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(saved[k])
-
-
 @torch.no_grad()
 def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean cross-entropy (nats/byte) over fixed validation batches; never changes the model."""
-    with frozen_scaling_state(model):
-        model.eval()
+    """Mean cross-entropy (nats/byte) over fixed validation batches.
+
+    Runs under ``no_grad``, where converted layers discard the forward amaxes instead of
+    updating their delayed scales, so evaluating never changes the training trajectory
+    (tested: a run evaluated every step equals one evaluated at the end only)."""
+    was_training = model.training
+    model.eval()
+    try:
         losses = [float(model(x, y)[1]) for x, y in batches]
+    finally:
+        model.train(was_training)
     return sum(losses) / len(losses)
 
 
@@ -306,55 +300,55 @@ def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 # ----------------------------------------------------------------------------- stats
-class OperandStats:
-    """Collects the quantized GEMM operands of converted layers during one training step and
-    summarises each with ``fp8lab.stats.tensor_stats`` under the recipe's spec for that role."""
-
-    def __init__(self, model: torch.nn.Module, recipe: Any) -> None:
-        self.specs = role_specs(recipe)
-        self.captured: dict[tuple[str, str], torch.Tensor] = {}
-        self._handles = []
-        for name, mod in model.named_modules():
-            if not is_quantized_linear(mod):
-                continue
-            self._handles.append(mod.register_forward_pre_hook(self._fwd(name)))
-            self._handles.append(mod.register_full_backward_pre_hook(self._bwd(name)))
-            self.captured[(name, "weight")] = mod.weight
-
-    def _fwd(self, name: str):
-        def hook(mod, args):
-            self.captured[(name, "input")] = args[0].detach()
-
-        return hook
-
-    def _bwd(self, name: str):
-        def hook(mod, grad_output):
-            self.captured[(name, "grad_output")] = grad_output[0].detach()
-
-        return hook
-
-    def close(self) -> list[dict[str, Any]]:
-        from fp8lab.stats import tensor_stats
-
-        for h in self._handles:
-            h.remove()
-        rows = []
-        for (layer, role), t in sorted(self.captured.items()):
-            spec = self.specs.get(role)
-            if spec is None:
-                continue
-            s = tensor_stats(t.detach().reshape(-1, t.shape[-1]).float(), spec)
-            rows.append(
-                {
-                    "layer": layer,
-                    "role": role,
-                    **{k: _num(float(s[k])) for k in STAT_KEYS if k in s},
-                }
-            )
-        return rows
-
-
+#: (GEMM, role) pairs whose operands are summarised: each role once, in its natural layout
+STAT_OPERANDS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"))
 STAT_KEYS = ("amax", "underflow_pct", "saturation_pct", "sqnr_db")
+
+
+def operand_stats(
+    hp: torch.Tensor, used: torch.Tensor, spec: Any = None
+) -> dict[str, float | None]:
+    """Statistics of one GEMM operand: ``hp`` before quantization, ``used`` = what the GEMM
+    consumed (dequantized), so stale delayed scales show up as they really acted.
+
+    amax of ``hp``; underflow % = nonzeros of ``hp`` that became 0; SQNR dB of ``used`` vs
+    ``hp``; saturation % (0 without a quantization ``spec``, e.g. bf16 rounding) = elements
+    stuck at the tensor's largest quantized magnitude while ``|hp|`` exceeds it by more than
+    rounding could explain (half an ulp of the format's top binade). Exact for per-tensor
+    scaling, a lower bound for block scaling (a clamp inside a smaller block is not seen).
+    """
+    from fp8lab.stats import amax, sqnr_db, underflow_pct
+
+    a, b = hp.detach().float(), used.detach().float()
+    saturated = 0.0
+    if spec is not None:
+        fmt = spec.fmt
+        half_ulp = 2.0 ** -(fmt.mbits + 1) if fmt.kind == "exmy" else 0.5
+        top = b.abs().max()
+        clamped = (b.abs() == top) & (a.abs() > top * (1.0 + half_ulp) * (1.0 + 2.0**-20))
+        saturated = 100.0 * float(clamped.sum()) / max(1, a.numel())
+    return {
+        "amax": _num(amax(a)),
+        "underflow_pct": _num(underflow_pct(a, b)),
+        "saturation_pct": saturated,
+        "sqnr_db": _num(sqnr_db(a, b)),
+    }
+
+
+def stats_rows(record: dict, recipe: Any) -> list[dict[str, Any]]:
+    """Rows ``{layer, role, gemm, amax, ...}`` from a ``fp8lab.nn.collect_operands`` record;
+    operands that reached their GEMM unchanged (fp32) are left out."""
+    rows = []
+    for (layer, gemm, role), rec in sorted(record.items()):
+        hp, used = rec["high_precision"], rec["used"]
+        if (gemm, role) not in STAT_OPERANDS or not isinstance(used, torch.Tensor):
+            continue
+        if used is hp or torch.equal(used, hp):
+            continue
+        spec = None if recipe.gemm(gemm).high_precision else recipe.spec(gemm, role)
+        rows.append({"layer": layer, "role": role, "gemm": gemm,
+                     **operand_stats(hp, used, spec)})  # fmt: skip
+    return rows
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -463,11 +457,11 @@ def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, t
     collect = tc.stats_every > 0 and (step + 1) % tc.stats_every == 0 and recipe is not None
     t0 = time.perf_counter()
     injector.set_step(step)
-    stats = OperandStats(model, recipe) if collect else None
-    _, loss = model(x, y)
     mult = injector.grad_multiplier(step)
     loss_scale = scaler.get_scale() if scaler is not None else 1.0
-    (loss * (loss_scale * mult)).backward()
+    with _collect(model, collect) as record:
+        _, loss = model(x, y)
+        (loss * (loss_scale * mult)).backward()
     if mult != 1.0:
         for p in params:
             if p.grad is not None:
@@ -490,7 +484,7 @@ def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, t
         scaler.update()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
-    stat_rows = stats.close() if stats is not None else []
+    stat_rows = stats_rows(record, recipe) if collect else []
 
     loss_v = float(loss.detach())
     st.step += 1
@@ -518,6 +512,14 @@ def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, t
         "step_time_s": dt,
     }
     return rec, stat_rows
+
+
+def _collect(model: torch.nn.Module, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext({})
+    from fp8lab.nn import collect_operands
+
+    return collect_operands(model)
 
 
 def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) -> None:

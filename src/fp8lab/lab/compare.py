@@ -1,0 +1,384 @@
+"""Several recipes side by side: one initial model, one batch order, one report.
+
+``compare(cfg, recipes, baseline, out_dir)`` trains every recipe with :func:`train_run` (one after
+another, or ``jobs`` at a time in separate processes), then summarises each run against the
+baseline and writes ``summary.json``, ``metrics.csv`` and the report. Output layout::
+
+    OUT/config.json             the lab config + baseline (a different config is refused)
+    OUT/runs/<recipe>/          metrics.jsonl, stats.jsonl, checkpoint.pt, run.json
+    OUT/metrics.csv             every step of every recipe
+    OUT/summary.json            the --json summary (schema_version 1) + per-recipe extras
+    OUT/report.html, report.md, figures/*.png
+
+Rerunning with the same OUT resumes each unfinished run from its checkpoint (bit-identical to an
+uninterrupted run); finished runs are read back, not retrained.
+
+The lab defines its own negative control, :data:`NEGATIVE_CONTROL` (E4M3 gradients with a fixed
+scale of 1, i.e. no scaling): small gradients flush to zero, so the quantized layers barely learn
+and the lab must report it as clearly worse than the baseline.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import multiprocessing as mp
+import queue
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fp8lab.lab.data import load_corpus
+from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.train import (
+    ConfigMismatchError,
+    LabConfig,
+    config_diff,
+    read_metrics,
+    read_stats,
+    recipe_settings,
+    train_run,
+)
+
+SCHEMA_VERSION = 1
+NEGATIVE_CONTROL = "e4m3-unscaled-grads"
+#: what `fp8lab compare` runs without --recipes (and what `make demo` shows)
+DEFAULT_RECIPES = (
+    "fp32",
+    "bf16",
+    "te-delayed",
+    "te-current",
+    "deepseek-v3",
+    "mxfp8",
+    "hif8-delayed",
+    NEGATIVE_CONTROL,
+)
+DEFAULT_BASELINE = "bf16"
+Callback = Callable[[dict[str, Any]], None]
+
+
+# ----------------------------------------------------------------------------- recipes
+def lab_recipes() -> dict[str, Any]:
+    """Recipes defined by the lab itself (not presets of ``fp8lab.recipes()``)."""
+    from fp8lab.quantize import QuantSpec
+    from fp8lab.recipe import Recipe
+
+    return {
+        NEGATIVE_CONTROL: Recipe(
+            name=NEGATIVE_CONTROL,
+            input=QuantSpec(format="e4m3"),
+            weight=QuantSpec(format="e4m3"),
+            grad_output=QuantSpec(format="e4m3", scaling=1.0),
+            description="NEGATIVE CONTROL, must fail: te-current's E4M3 forward, but gradients "
+            "cast to E4M3 with a fixed scale of 1 (no scaling, no loss scaling). Gradients of a "
+            "mean loss are ~1e-4..1e-6, below E4M3's smallest subnormal 2^-9, so they flush to "
+            "zero and the quantized layers barely learn.",
+            source="fp8lab training lab; the 'E4M3 gradient underflow' row of "
+            "reference/published-results.md §3",
+        )
+    }
+
+
+def resolve_recipe(name: str) -> Any:
+    """A preset name, a lab recipe name, or a path to a recipe ``.toml`` / ``.json`` file."""
+    from fp8lab.recipe import Recipe, get_recipe, recipes
+
+    own = lab_recipes()
+    if name in own:
+        return own[name]
+    p = Path(name)
+    if p.suffix in (".toml", ".json") and p.is_file():
+        return Recipe.load(p)
+    if name in recipes():
+        return get_recipe(name)
+    raise ValueError(
+        f"unknown recipe {name!r}; valid: {', '.join([*recipes(), *own])} "
+        "(or a path to a recipe .toml/.json file)"
+    )
+
+
+def available_recipes() -> list[str]:
+    from fp8lab.recipe import recipes
+
+    return [*recipes(), *lab_recipes()]
+
+
+# ----------------------------------------------------------------------------- memory model
+def _spec_bytes(spec: Any, n_rows: int, n_cols: int) -> float:
+    """Bytes of one quantized [n_rows, n_cols] tensor: elements + per-block scales."""
+    from fp8lab.formats import get_format
+
+    elem = get_format(spec.format).bits / 8
+    bm, bk = spec.block
+    bm = n_rows if bm == -1 else bm
+    bk = n_cols if bk == -1 else bk
+    blocks = math.ceil(n_rows / bm) * math.ceil(n_cols / bk)
+    scaling = spec.scaling if isinstance(spec.scaling, str) else ""
+    scale_bytes = 1 if scaling.startswith(("mx", "nvfp4")) else 4  # E8M0 / E4M3 vs fp32 scales
+    return n_rows * n_cols * elem + blocks * scale_bytes
+
+
+_HP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "e4m3": 1, "e5m2": 1}
+
+
+def simulated_memory(model_cfg: GPTConfig, batch_size: int, recipe: Any) -> dict[str, float]:
+    """Bytes the recipe would need on real hardware for one training step (a model, not a
+    measurement: the simulation itself computes in fp32).
+
+    weights: master weights (``recipe.master_weights``) + the low-precision working copy of each
+    quantized Linear weight (elements + block scales). optimizer: AdamW's two moments
+    (``recipe.optimizer_state``; fp8 adds one fp32 scale per 128 values). activations: what
+    autograd keeps for backward per layer -- the input of every quantized Linear in the format it
+    is saved in (``save_for_backward``), everything else (norm inputs, q/k/v, attention
+    probabilities, SwiGLU branches, head input and logits) at 4 bytes for fp32 and 2 otherwise.
+    """
+    c = model_cfg
+    d, f, L, V, T = c.d_model, c.d_ff, c.n_layer, c.vocab_size, c.block_size
+    N = batch_size * T  # tokens per step
+    linears = {"qkv": (3 * d, d), "proj": (d, d), "gate": (f, d), "up": (f, d), "down": (d, f)}
+    n_params = V * d + T * d + L * (2 * d + sum(o * i for o, i in linears.values())) + d + V * d
+    if recipe is None:
+        recipe_hp, master, state, inp, wspec, save = "fp32", "fp32", "fp32", None, None, "hp"
+    else:
+        hp = {getattr(recipe, g).high_precision for g in ("fprop", "dgrad", "wgrad")}
+        recipe_hp = "fp32" if hp == {"fp32"} else "bf16"
+        master, state = recipe.master_weights, recipe.optimizer_state
+        inp, wspec, save = recipe.input, recipe.weight, recipe.save_for_backward
+    act = _HP_BYTES[recipe_hp]
+    weights = n_params * _HP_BYTES[master]
+    for out_f, in_f in linears.values():
+        if wspec is not None:
+            weights += L * _spec_bytes(wspec, out_f, in_f)
+        elif recipe_hp != "fp32":
+            weights += L * out_f * in_f * act
+    optimizer = 2 * n_params * _STATE_BYTES[state]
+    if _STATE_BYTES[state] == 1:
+        optimizer += 2 * math.ceil(n_params / 128) * 4
+    linear_inputs = {"qkv": d, "proj": d, "gate/up": d, "down": f}
+    saved = 0.0
+    for width in linear_inputs.values():
+        if inp is not None and save == "quantized":
+            saved += _spec_bytes(inp, N, width)
+        else:
+            saved += N * width * act
+    other = N * (2 * d + 4 * d + 3 * f) + batch_size * c.n_head * T * T  # per layer
+    activations = L * (saved + other * act) + N * (2 * d * act + V * 4)
+    total = weights + optimizer + activations
+    return {"weights": weights, "optimizer": optimizer, "activations": activations, "total": total}
+
+
+# ----------------------------------------------------------------------------- running
+def _worker(name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any) -> None:
+    """Child process: train one recipe, forward every event to the parent's queue."""
+    import torch
+
+    try:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        cfg = LabConfig.from_dict(cfg_dict)
+        corpus = load_corpus(cfg.data, cfg.model.block_size)
+        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=events.put)
+    except BaseException as exc:  # reported to the parent, which raises
+        events.put(
+            {
+                "event": "error",
+                "recipe": name,
+                "message": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )
+
+
+def _check_out_dir(out: Path, cfg: LabConfig, baseline: str) -> None:
+    meta = {"lab": cfg.to_dict(), "baseline": baseline}
+    path = out / "config.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = config_diff(old, meta)
+        if diff:
+            raise ConfigMismatchError(
+                f"{out} holds a comparison made with a different configuration; refusing to "
+                f"mix them (choose another --out). Differences: {'; '.join(diff[:8])}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def run_recipes(
+    cfg: LabConfig,
+    names: Sequence[str],
+    out: Path,
+    jobs: int = 1,
+    threads: int = 0,
+    callback: Callback | None = None,
+) -> None:
+    """Train (or resume) each recipe into ``out/runs/<name>``; ``jobs`` > 1 uses processes."""
+    emit = callback or (lambda e: None)
+    if jobs <= 1:
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        corpus = load_corpus(cfg.data, cfg.model.block_size)
+        for name in names:
+            train_run(resolve_recipe(name), cfg, corpus, out / "runs" / name, callback=emit)
+        return
+    ctx = mp.get_context("spawn")
+    events = ctx.Manager().Queue()
+    pending = list(names)
+    running: dict[str, Any] = {}
+    errors: list[dict] = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            p = ctx.Process(
+                target=_worker,
+                args=(name, cfg.to_dict(), str(out / "runs" / name), threads, events),
+            )
+            p.start()
+            running[name] = p
+        try:
+            ev = events.get(timeout=0.2)
+        except queue.Empty:
+            ev = None
+        if ev is not None:
+            if ev["event"] == "error":
+                errors.append(ev)
+            else:
+                emit(ev)
+        for name, p in list(running.items()):
+            if not p.is_alive() and ev is None:
+                p.join()
+                del running[name]
+                if p.exitcode != 0 and not any(e["recipe"] == name for e in errors):
+                    errors.append({"recipe": name, "message": f"exit code {p.exitcode}"})
+    while True:  # drain what is left
+        try:
+            ev = events.get_nowait()
+        except queue.Empty:
+            break
+        if ev["event"] == "error":
+            errors.append(ev)
+        else:
+            emit(ev)
+    if errors:
+        first = errors[0]
+        raise RuntimeError(
+            f"recipe {first['recipe']!r} failed: {first['message']}\n{first.get('traceback', '')}"
+        )
+
+
+def _rel_gap(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    g = 100.0 * (value - base) / base
+    return g if math.isfinite(g) else None
+
+
+def summarize_comparison(
+    cfg: LabConfig, names: Sequence[str], baseline: str, out: Path
+) -> dict[str, Any]:
+    """The summary: the ``--json`` schema (schema_version, baseline, recipes{...}) + ``details``
+    (spikes, step time, memory, settings) for the report."""
+    runs = {n: json.loads((out / "runs" / n / "run.json").read_text()) for n in names}
+    metrics = {n: read_metrics(out / "runs" / n) for n in names}
+    base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
+    base_final = runs[baseline]["summary"]["final_val_loss"]
+    table: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for n in names:
+        s = runs[n]["summary"]
+        gaps = [
+            _rel_gap(r["val_loss"], base_val.get(r["step"]))
+            for r in metrics[n]
+            if "val_loss" in r and r["step"] in base_val
+        ]
+        diverged = bool(s["diverged"]) or s["final_val_loss"] is None
+        finite_gaps = [g for g in gaps if g is not None]
+        table[n] = {
+            "final_train_loss": s["final_train_loss"],
+            "final_val_loss": s["final_val_loss"],
+            "rel_gap_pct": None if diverged else _rel_gap(s["final_val_loss"], base_final),
+            "max_rel_gap_pct": max(finite_gaps) if finite_gaps and not diverged else None,
+            "skipped_steps": s["skipped_steps"],
+            "tokens_per_s": s["tokens_per_s"],
+            "diverged": diverged,
+        }
+        recipe = resolve_recipe(n)
+        details[n] = {
+            "spikes": s["spikes"],
+            "steps_done": s["steps_done"],
+            "step_time_ms": s["step_time_ms"],
+            "memory_bytes": simulated_memory(cfg.model, cfg.train.batch_size, recipe),
+            "settings": recipe_settings(recipe),
+            "negative_control": n == NEGATIVE_CONTROL,
+        }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "baseline": baseline,
+        "recipes": table,
+        "details": details,
+    }
+
+
+def json_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """Exactly the ``--json`` schema of issue 6 (no extras)."""
+    return {k: summary[k] for k in ("schema_version", "baseline", "recipes")}
+
+
+def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
+    cols = ["recipe", "step", "lr", "train_loss", "val_loss", "grad_norm", "skipped",
+            "skipped_steps", "loss_scale", "spike", "tokens", "step_time_s"]  # fmt: skip
+    path = out / "metrics.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for n in names:
+            for r in read_metrics(out / "runs" / n):
+                w.writerow({"recipe": n, **{k: ("" if v is None else v) for k, v in r.items()}})
+    return path
+
+
+def compare(
+    cfg: LabConfig,
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    baseline: str = DEFAULT_BASELINE,
+    out_dir: str | Path = "runs/compare",
+    jobs: int = 1,
+    threads: int = 0,
+    callback: Callback | None = None,
+    report: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Train every recipe of ``recipes`` (the baseline is added if missing), write metrics and
+    the report into ``out_dir``, return the summary (see :func:`summarize_comparison`)."""
+    names = list(dict.fromkeys(recipes))
+    if not names:
+        raise ValueError("no recipes given")
+    for n in [*names, baseline]:
+        resolve_recipe(n)  # fail fast on a typo, before any training
+    if baseline not in names:
+        names.insert(0, baseline)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    out = Path(out_dir)
+    _check_out_dir(out, cfg, baseline)
+    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback)
+    summary = summarize_comparison(cfg, names, baseline, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_metrics_csv(names, out)
+    if report:
+        from fp8lab.report.training import write_report
+
+        write_report(
+            out,
+            summary,
+            {n: read_metrics(out / "runs" / n) for n in names},
+            {n: read_stats(out / "runs" / n) for n in names},
+            cfg.to_dict(),
+            command=command,
+        )
+    return summary

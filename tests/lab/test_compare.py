@@ -1,0 +1,189 @@
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fp8lab.lab.compare import (
+    DEFAULT_RECIPES,
+    NEGATIVE_CONTROL,
+    compare,
+    json_summary,
+    resolve_recipe,
+    simulated_memory,
+    summarize_comparison,
+)
+from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.train import ConfigMismatchError, LabConfig, TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar. " * 40)
+    return str(f)
+
+
+def tiny(text, **train):
+    kw = dict(steps=6, batch_size=2, warmup_steps=1, eval_every=3, eval_batches=1,
+              stats_every=3, checkpoint_every=3)  # fmt: skip
+    kw.update(train)
+    cfg = LabConfig(
+        model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=128, d_ff=256),
+        train=TrainConfig(**kw),
+    )
+    return cfg.with_overrides([f"data.paths=[{json.dumps(text)}]", "data.split_chunk=256"])
+
+
+SCHEMA_KEYS = {
+    "final_train_loss",
+    "final_val_loss",
+    "rel_gap_pct",
+    "max_rel_gap_pct",
+    "skipped_steps",
+    "tokens_per_s",
+    "diverged",
+}
+
+
+def test_default_recipes_have_five_plus_a_negative_control():
+    assert NEGATIVE_CONTROL in DEFAULT_RECIPES and "bf16" in DEFAULT_RECIPES
+    assert "fp32" in DEFAULT_RECIPES
+    assert len([r for r in DEFAULT_RECIPES if r not in ("fp32", "bf16", NEGATIVE_CONTROL)]) >= 5
+    for r in DEFAULT_RECIPES:
+        resolve_recipe(r)
+
+
+def test_compare_end_to_end(text, tmp_path):
+    out = tmp_path / "out"
+    names = ["te-current", "bf16", NEGATIVE_CONTROL]
+    events = []
+    s = compare(tiny(text), names, "bf16", out, callback=events.append)
+    js = json_summary(s)
+    assert set(js) == {"schema_version", "baseline", "recipes"}
+    assert js["schema_version"] == 1 and js["baseline"] == "bf16"
+    assert list(js["recipes"]) == names
+    for r in js["recipes"].values():
+        assert set(r) == SCHEMA_KEYS
+    assert js["recipes"]["bf16"]["rel_gap_pct"] == 0.0
+    rc = js["recipes"]["te-current"]
+    expected = 100 * (rc["final_val_loss"] - js["recipes"]["bf16"]["final_val_loss"])
+    assert rc["rel_gap_pct"] == pytest.approx(expected / js["recipes"]["bf16"]["final_val_loss"])
+    json.dumps(js, allow_nan=False)
+    for f in ("report.html", "report.md", "summary.json", "metrics.csv", "config.json",
+              "figures/loss.png", "figures/gap.png", "figures/grad_norm.png"):  # fmt: skip
+        assert (out / f).stat().st_size > 0, f
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3 * 6
+    assert {e["event"] for e in events} == {"start", "step", "end"}
+    md = (out / "report.md").read_text()
+    assert "negative control" in md and "![Loss curves](figures/loss.png)" in md
+    assert '"grad_output"' in md  # the recipes' full settings
+
+    # rerun: finished runs are read back, nothing is retrained, same summary
+    events.clear()
+    s2 = compare(tiny(text), names, "bf16", out, callback=events.append)
+    assert not [e for e in events if e["event"] == "step"]
+    assert json_summary(s2) == js
+
+    # a different configuration in the same --out is refused
+    with pytest.raises(ConfigMismatchError, match=r"train\.lr"):
+        compare(tiny(text, lr=1e-4), names, "bf16", out)
+
+
+def test_parallel_processes_equal_sequential(text, tmp_path):
+    names = ["bf16", "te-delayed"]
+    seq = compare(tiny(text), names, "bf16", tmp_path / "seq", jobs=1, threads=1, report=False)
+    par = compare(tiny(text), names, "bf16", tmp_path / "par", jobs=2, threads=1, report=False)
+    for n in names:
+        a, b = seq["recipes"][n], par["recipes"][n]
+        assert a["final_val_loss"] == b["final_val_loss"]
+        assert a["final_train_loss"] == b["final_train_loss"]
+
+
+def test_unknown_recipe_fails_before_training(text, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown recipe 'nope'.*te-delayed.*e4m3-unscaled"):
+        compare(tiny(text), ["bf16", "nope"], "bf16", tmp_path)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_diverged_recipe_is_null_never_nan(text, tmp_path):
+    out = tmp_path
+    cfg = tiny(text)
+    compare(cfg, ["bf16"], "bf16", out, report=False)
+    # a run that diverged: non-finite losses from step 2 on
+    bad = out / "runs" / "te-current"
+    bad.mkdir(parents=True)
+    recs = [
+        {"step": 1, "train_loss": 5.0, "grad_norm": 1.0, "skipped_steps": 0, "spike": False,
+         "tokens": 32, "step_time_s": 0.1},
+        {"step": 2, "train_loss": None, "grad_norm": None, "skipped_steps": 1, "spike": False,
+         "tokens": 32, "step_time_s": 0.1, "val_loss": None},
+    ]  # fmt: skip
+    (bad / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"final_train_loss": None, "final_val_loss": None, "skipped_steps": 1,
+               "spikes": 0, "tokens_per_s": 320.0, "step_time_ms": 100.0, "steps_done": 2,
+               "diverged": True, "complete": False}  # fmt: skip
+    (bad / "run.json").write_text(json.dumps({"summary": summary}))
+    s = summarize_comparison(cfg, ["bf16", "te-current"], "bf16", out)
+    r = json_summary(s)["recipes"]["te-current"]
+    assert r["diverged"] is True
+    assert r["final_val_loss"] is None and r["rel_gap_pct"] is None and r["max_rel_gap_pct"] is None
+    text_json = json.dumps(json_summary(s), allow_nan=False)
+    assert "NaN" not in text_json
+
+
+def test_simulated_memory_orders_recipes():
+    cfg = GPTConfig()
+    mem = {n: simulated_memory(cfg, 8, resolve_recipe(n)) for n in ("fp32", "bf16", "deepseek-v3")}
+    assert (
+        mem["fp32"]["activations"] > mem["bf16"]["activations"] > mem["deepseek-v3"]["activations"]
+    )
+    assert mem["deepseek-v3"]["optimizer"] == mem["fp32"]["optimizer"] / 2  # bf16 moments
+    for m in mem.values():
+        assert m["total"] == pytest.approx(m["weights"] + m["optimizer"] + m["activations"])
+        assert all(math.isfinite(v) and v > 0 for v in m.values())
+
+
+# ----------------------------------------------------------------------------- the CLI
+def test_cli_json(text, tmp_path):
+    from fp8lab.cli import app
+
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        f"[model]\nblock_size = 16\nn_layer = 1\nn_head = 2\nd_model = 128\nd_ff = 256\n"
+        f"[data]\npaths = [{json.dumps(text)}]\nsplit_chunk = 256\n"
+        "[train]\nsteps = 4\nbatch_size = 2\nwarmup_steps = 1\neval_every = 2\n"
+        "eval_batches = 1\nstats_every = 0\n"
+        '[compare]\nrecipes = ["bf16", "e4m3-unscaled-grads"]\n'
+    )
+    res = CliRunner().invoke(
+        app, ["compare", "--config", str(conf), "--out", str(tmp_path / "o"), "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.stdout)
+    assert list(js["recipes"]) == ["bf16", "e4m3-unscaled-grads"]
+    assert set(js["recipes"]["bf16"]) == SCHEMA_KEYS
+
+
+def test_cli_bad_input(text, tmp_path):
+    from fp8lab.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["compare", "--recipes", "bf16,nope", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown recipe 'nope'" in res.output
+    res = runner.invoke(app, ["compare", "--set", "train.stepz=3", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "stepz" in res.output
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    res = runner.invoke(app, ["compare", "--data", str(empty), "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "empty" in res.output

@@ -1,0 +1,268 @@
+import json
+import math
+
+import pytest
+import torch
+
+from fp8lab.lab.data import DataConfig, load_corpus
+from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.inject import InjectConfig, Injector
+from fp8lab.lab.train import (
+    ConfigMismatchError,
+    LabConfig,
+    TrainConfig,
+    summarize,
+    train_run,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny models: torch's thread pool only adds synchronisation (and spins on a busy machine)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = LabConfig(
+    model=GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, d_ff=64),
+    train=TrainConfig(
+        steps=12, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2,
+        stats_every=0, checkpoint_every=5,
+    ),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text("All the world's a stage, and all the men and women merely players. " * 60)
+    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+
+
+def _losses(records):
+    return [(r["step"], r["train_loss"], r.get("val_loss"), r["grad_norm"]) for r in records]
+
+
+def _same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_loss_decreases_and_records_are_complete(corpus):
+    r = train_run(None, TINY, corpus)
+    recs = r.records
+    assert [x["step"] for x in recs] == list(range(1, 13))
+    assert recs[-1]["train_loss"] < recs[0]["train_loss"] - 0.5
+    assert [x["step"] for x in recs if "val_loss" in x] == [4, 8, 12]
+    s = r.summary
+    assert s["complete"] and not s["diverged"] and s["skipped_steps"] == 0
+    assert s["final_val_loss"] == recs[-1]["val_loss"]
+    assert s["tokens_per_s"] > 0
+
+
+def test_deterministic(corpus):
+    a = train_run(None, TINY, corpus)
+    b = train_run(None, TINY, corpus)
+    assert _losses(a.records) == _losses(b.records)
+    assert _same_state(a.model, b.model)
+
+
+def test_resume_is_bit_identical(corpus, tmp_path):
+    full = train_run(None, TINY, corpus, tmp_path / "full")
+    part = tmp_path / "part"
+    train_run(None, TINY, corpus, part, stop_after=7)  # checkpoint at 5 and at 7 (the stop)
+    # simulate a crash after step 7's checkpoint but with a stray metrics line past it
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 8, "train_loss": 123.0}) + "\n")
+    resumed = train_run(None, TINY, corpus, part)
+    assert _losses(resumed.records) == _losses(full.records)
+    assert _same_state(resumed.model, full.model)
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 13))
+
+
+def test_resume_refuses_other_config(corpus, tmp_path):
+    train_run(None, TINY, corpus, tmp_path, stop_after=5)
+    other = TINY.replace_train(lr=1e-3)
+    with pytest.raises(ConfigMismatchError, match=r"train\.lr"):
+        train_run(None, other, corpus, tmp_path)
+
+
+def test_nonfinite_loss_is_skipped_then_diverges(corpus, monkeypatch):
+    from fp8lab.lab.gpt import GPT
+
+    cfg = TINY.replace_train(max_nonfinite_steps=3)
+    forward = GPT.forward
+    calls = []
+
+    def nan_from_third_call(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        calls.append(1)
+        if self.training and len(calls) > 2:
+            loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", nan_from_third_call)
+    r = train_run(None, cfg, corpus)
+    recs = r.records
+    assert recs[1]["train_loss"] is not None
+    assert [x["skipped"] for x in recs[2:]] == [True] * 3
+    assert r.summary["diverged"] and not r.summary["complete"]
+    assert r.summary["final_train_loss"] is None
+    assert all(torch.isfinite(p).all() for p in r.model.parameters())  # weights never NaN
+    json.dumps(r.summary, allow_nan=False)  # never NaN in the summary
+
+
+def test_grad_spike_is_exactly_undone_in_fp32(corpus):
+    base = train_run(None, TINY, corpus)
+    cfg = LabConfig(model=TINY.model, train=TINY.train, inject=InjectConfig(grad_spike_step=3))
+    spiked = train_run(None, cfg, corpus)
+    # power-of-two multiplier: without quantization the run is unchanged bit for bit
+    assert _losses(spiked.records) == _losses(base.records)
+
+
+def test_outlier_injection_scales_chosen_channels():
+    from fp8lab.lab.gpt import GPT
+
+    model = GPT(TINY.model)
+    inj = Injector(model, InjectConfig(outlier_channels=2, outlier_scale=8.0, outlier_from_step=1))
+    assert set(inj.layers) == {"blocks.0.mlp.down", "blocks.1.mlp.down"}
+    seen = []
+    model.blocks[0].mlp.down.register_forward_hook(lambda m, a, o: seen.append(a[0].clone()))
+    x = torch.randint(0, 256, (1, 8))
+    inj.set_step(0)
+    model(x)
+    inj.set_step(1)
+    model(x)
+    ratio = seen[1] / seen[0]
+    gained = (ratio - 8.0).abs().amax(dim=(0, 1)) < 1e-4
+    assert int(gained.sum()) == 2
+    with pytest.raises(ValueError, match="matches no layer"):
+        Injector(model, InjectConfig(outlier_channels=1, outlier_layers="nope*"))
+
+
+def test_lr_schedule():
+    tc = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert tc.lr_at(0) == pytest.approx(0.1) and tc.lr_at(9) == pytest.approx(1.0)
+    assert tc.lr_at(99) == pytest.approx(0.1, abs=1e-3)
+    assert all(tc.lr_at(i) >= tc.lr_at(i + 1) for i in range(10, 99))
+
+
+def test_config_toml_roundtrip_and_errors(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layer = 3\n[train]\nsteps = 7\n[compare]\nrecipes = ["bf16"]\n')
+    cfg, rest = LabConfig.from_toml(f)
+    assert (
+        cfg.model.n_layer == 3
+        and cfg.train.steps == 7
+        and rest == {"compare": {"recipes": ["bf16"]}}
+    )
+    assert LabConfig.from_dict(cfg.to_dict()) == cfg
+    f.write_text("[train]\nstepz = 7\n")
+    with pytest.raises(ValueError, match="stepz"):
+        LabConfig.from_toml(f)
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+
+
+def test_summary_never_nan():
+    from fp8lab.lab.train import LoopState
+
+    recs = [{"step": 1, "train_loss": None, "val_loss": None, "skipped_steps": 1, "spike": False,
+             "tokens": 8, "step_time_s": 0.1}]  # fmt: skip
+    s = summarize(recs, 1, LoopState(step=1))
+    assert s["diverged"] and s["final_val_loss"] is None
+    assert not any(isinstance(v, float) and math.isnan(v) for v in s.values())
+
+
+# ----------------------------------------------------------------------------- with recipes
+QTINY = LabConfig(
+    model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=128, d_ff=256),
+    train=TrainConfig(
+        steps=8, batch_size=2, lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=1,
+        stats_every=4, checkpoint_every=3,
+    ),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qcorpus(tmp_path_factory):
+    f = tmp_path_factory.mktemp("qtext") / "t.txt"
+    f.write_text("Now is the winter of our discontent made glorious summer by this sun. " * 40)
+    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+
+
+@pytest.mark.parametrize("name", ["te-delayed", "hif8-delayed"])
+def test_resume_bit_identical_with_delayed_scaling_state(qcorpus, tmp_path, name):
+    import fp8lab
+
+    recipe = fp8lab.get_recipe(name)
+    full = train_run(recipe, QTINY, qcorpus, tmp_path / "full")
+    train_run(recipe, QTINY, qcorpus, tmp_path / "part", stop_after=5)  # checkpoints at 3 and 5
+    resumed = train_run(recipe, QTINY, qcorpus, tmp_path / "part")
+    assert _losses(resumed.records) == _losses(full.records)
+    assert _same_state(resumed.model, full.model)  # incl. amax histories and scales
+    full_stats = (tmp_path / "full" / "stats.jsonl").read_text()
+    assert (tmp_path / "part" / "stats.jsonl").read_text() == full_stats
+
+
+def test_resume_under_another_recipe_is_refused(qcorpus, tmp_path):
+    import fp8lab
+
+    train_run(fp8lab.get_recipe("te-delayed"), QTINY, qcorpus, tmp_path, stop_after=3)
+    with pytest.raises(ConfigMismatchError, match="recipe"):
+        train_run(fp8lab.get_recipe("te-current"), QTINY, qcorpus, tmp_path)
+
+
+def test_evaluation_does_not_change_training(qcorpus):
+    import fp8lab
+
+    recipe = fp8lab.get_recipe("te-delayed")
+    every = train_run(recipe, QTINY.replace_train(eval_every=1, stats_every=1), qcorpus)
+    rarely = train_run(recipe, QTINY.replace_train(eval_every=8, stats_every=0), qcorpus)
+    assert [r["train_loss"] for r in every.records] == [r["train_loss"] for r in rarely.records]
+    assert _same_state(every.model, rarely.model)
+
+
+def test_operand_stats_are_recorded(qcorpus, tmp_path):
+    import fp8lab
+
+    train_run(fp8lab.get_recipe("te-current"), QTINY, qcorpus, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows} == {4, 8}
+    roles = {(r["layer"], r["role"]) for r in rows if r["step"] == 8}
+    # 5 converted Linears of one block x 3 roles; lm_head stays high precision
+    assert len(roles) == 15 and not any(layer == "lm_head" for layer, _ in roles)
+    for r in rows:
+        assert r["amax"] > 0 and 0 <= r["underflow_pct"] <= 100
+        assert r["sqnr_db"] > 15  # E4M3 / E5M2 with current per-tensor scaling
+
+
+def test_negative_control_gradients_underflow(qcorpus, tmp_path):
+    from fp8lab.lab.compare import NEGATIVE_CONTROL, resolve_recipe
+
+    train_run(resolve_recipe(NEGATIVE_CONTROL), QTINY, qcorpus, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    grads = [r["underflow_pct"] for r in rows if r["role"] == "grad_output"]
+    # unscaled E4M3 flushes a large share of the gradients to zero (te-current: ~0 %)
+    assert grads and sum(grads) / len(grads) > 30 and max(grads) > 90
+
+
+def test_operand_saturation_counts_clamps_only():
+    from fp8lab.lab.train import operand_stats
+    from fp8lab.quantize import QuantSpec
+
+    hp = torch.tensor([1.0, 2.0, 100.0, 300.0])
+    used = torch.tensor([1.0, 2.0, 100.0, 100.0])  # 300 clamped to the top value 100
+    s = operand_stats(hp, used, QuantSpec(format="e4m3"))
+    assert s["saturation_pct"] == 25.0 and s["underflow_pct"] == 0.0
+    rounded = torch.tensor([1.0, 2.0, 100.0, 104.0])  # within half an ulp: rounding, no clamp
+    assert (
+        operand_stats(hp.clone().copy_(rounded * 1.01), rounded, QuantSpec(format="e4m3"))[
+            "saturation_pct"
+        ]
+        == 0.0
+    )
+    assert operand_stats(hp, used)["saturation_pct"] == 0.0  # no spec (bf16): no saturation
