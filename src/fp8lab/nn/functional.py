@@ -161,21 +161,24 @@ def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
 def dense(a: torch.Tensor | None, q: QTensor | None) -> torch.Tensor:
     """The float32 tensor an operand stands for (dequantized if quantized).
 
-    The dequantized tensor is memoised on the QTensor (and found again through ``QTensor.t()``,
-    which copies ``meta``), so an operand shared by two GEMMs is dequantized once.
+    The dequantized tensor is memoised in a holder shared by a QTensor and its ``.t()`` copies
+    (``QTensor.t()`` copies ``meta`` shallowly, see `_t`), so an operand used by two GEMMs, in
+    either orientation, is dequantized once.
     """
     if q is None:
         return a
-    memo = q.meta.get("_nn_dense")
-    if memo is not None:
-        key, d = memo
-        v = q.values
+    holder = q.meta.get("_nn_dense")
+    if holder is None:
+        holder = q.meta["_nn_dense"] = [None]
+    v = q.values
+    if holder[0] is not None:
+        key, d = holder[0]
         if key == _layout(v):
             return d
         if v.dim() == 2 and key == _layout(v.t()):
             return d.t()
     d = q.dequantize()
-    q.meta["_nn_dense"] = (_layout(q.values), d)
+    holder[0] = (_layout(v), d)
     return d
 
 
@@ -254,6 +257,8 @@ def _gemm(
 
 
 def _t(a: torch.Tensor | None, q: QTensor | None):
+    if q is not None:
+        q.meta.setdefault("_nn_dense", [None])  # shared with the transposed copy
     return (None if a is None else a.t()), (None if q is None else q.t())
 
 
