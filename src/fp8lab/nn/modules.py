@@ -45,7 +45,8 @@ class Linear(torch.nn.Linear):
     numerics as a uint8 JSON tensor) and, for delayed scaling, ``fp8_<role>_<field>`` tensors
     (``scale``, ``amax_history``, ``step``, ``initialized``, ``fmt_max``). Loading a state saved
     under another recipe raises; a checkpoint of a plain ``torch.nn.Linear`` loads (the scaling
-    state then starts fresh).
+    state then starts fresh). The scaling state is written to / read from the state_dict as plain
+    tensors but is not a registered buffer, so ``model.to(torch.bfloat16)`` cannot cast it.
 
     Delayed scaling timing (TE): forward roles' amaxes max-accumulate over the forwards inside an
     outermost :func:`fp8lab.nn.autocast` and update at its exit; outside ``autocast`` they update
