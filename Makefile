@@ -15,7 +15,7 @@ demo: $(STAMP)
 	.venv/bin/fp8lab compare --jobs 2 --threads 1 --out runs/demo
 
 demo-long: $(STAMP)
-	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 1000 --set train.batch_size=16 --set train.eval_every=50 --set train.warmup_steps=50 --out runs/demo-long
+	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 600 --set train.eval_every=50 --set train.stats_every=100 --out runs/demo-long
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -175,6 +176,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"Error: {exc}", err=True)
             raise typer.Exit(2) from None
 
+        # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         show = not quiet and sys.stderr.isatty()
         progress, on_event = _progress(show)
         tb = _tensorboard(out, on_event) if tensorboard else None

@@ -47,7 +47,7 @@ STATS = "stats.jsonl"
 class TrainConfig:
     """Optimisation and logging settings (the same for every recipe of a comparison)."""
 
-    steps: int = 250
+    steps: int = 200
     batch_size: int = 8  # sequences of model.block_size bytes per step
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 25  # linear warmup, then cosine decay to min_lr_ratio * lr

@@ -1,0 +1,119 @@
+import importlib.util
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fp8lab.report.training import ema, last_stats, markdown_table, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_report_module():
+    spec = importlib.util.spec_from_file_location("check_report", ROOT / "scripts/check_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _records(offset: float, steps: int = 20, diverge_at: int | None = None):
+    recs = []
+    for s in range(1, steps + 1):
+        bad = diverge_at is not None and s >= diverge_at
+        loss = None if bad else 5.0 / math.sqrt(s) + offset
+        r = {"step": s, "train_loss": loss, "grad_norm": None if bad else 1.0 / s,
+             "skipped_steps": 0, "spike": False, "tokens": 64, "step_time_s": 0.01}  # fmt: skip
+        if s % 5 == 0:
+            r["val_loss"] = None if bad else loss + 0.05
+        recs.append(r)
+    return recs
+
+
+def _summary(metrics):
+    recipes, details = {}, {}
+    for n, recs in metrics.items():
+        val = [r["val_loss"] for r in recs if "val_loss" in r][-1]
+        recipes[n] = {"final_train_loss": recs[-1]["train_loss"], "final_val_loss": val,
+                      "rel_gap_pct": None if val is None else 0.1, "max_rel_gap_pct": None,
+                      "skipped_steps": 0, "tokens_per_s": 6400.0, "diverged": val is None}  # fmt: skip
+        details[n] = {"spikes": 0, "steps_done": 20, "step_time_ms": 10.0,
+                      "memory_bytes": {"weights": 2**20, "optimizer": 2**21,
+                                       "activations": 2**22, "total": 7 * 2**20},
+                      "settings": {"name": n, "grad_output": {"format": "e5m2"}},
+                      "negative_control": n == "bad"}  # fmt: skip
+    return {"schema_version": 1, "baseline": "bf16", "recipes": recipes, "details": details}
+
+
+@pytest.fixture
+def report(tmp_path):
+    metrics = {
+        "bf16": _records(0.0),
+        "te-delayed": _records(0.01),
+        "bad": _records(0.5, diverge_at=12),
+    }
+    stats = {
+        "te-delayed": [
+            {"step": 10, "layer": "blocks.0.mlp.up", "role": r, "amax": 1.0, "underflow_pct": 2.0,
+             "saturation_pct": 0.0, "sqnr_db": 30.0} for r in ("input", "weight", "grad_output")
+        ]
+    }  # fmt: skip
+    paths = write_report(tmp_path, _summary(metrics), metrics, stats,
+                         {"model": {"n_layer": 2, "d_model": 256, "d_ff": 768, "n_head": 4,
+                                    "block_size": 128},
+                          "train": {"steps": 20, "batch_size": 8, "lr": 3e-3, "seed": 1},
+                          "data": {"paths": []}, "inject": {}},
+                         command="fp8lab compare --steps 20")  # fmt: skip
+    return tmp_path, paths
+
+
+def test_report_files(report):
+    out, paths = report
+    assert set(paths) >= {"report.md", "report.html", "loss.png"}
+    for name in ("loss.png", "gap.png", "grad_norm.png", "underflow.png"):
+        data = (out / "figures" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    md = (out / "report.md").read_text()
+    assert "fp8lab compare --steps 20" in md
+    assert "| bad (negative control) |" in md and "| bf16 (baseline) |" in md
+    assert "![Loss curves](figures/loss.png)" in md
+    assert '"format": "e5m2"' in md  # full settings
+    assert "te-delayed | grad_output | 10 |" in md
+    html = (out / "report.html").read_text()
+    assert html.count("<img ") == 4 and "data-loaded" in html
+    assert "<td>bad (negative control)</td>" in html
+    assert "nan" not in markdown_table(_summary({"bad": _records(0.5, diverge_at=3)}))
+
+
+def test_ema_and_last_stats():
+    assert ema([1.0, 1.0, None, 1.0]) == [1.0, 1.0, None, 1.0]
+    e = ema([0.0, 10.0], beta=0.5)
+    assert e[0] == 0.0 and e[1] == pytest.approx(10.0 * 0.5 / 0.75)
+    rows = [{"step": s, "role": "input", "amax": float(s), "underflow_pct": 0.0,
+             "saturation_pct": 0.0, "sqnr_db": None} for s in (1, 2, 2)]  # fmt: skip
+    agg = last_stats(rows)["input"]
+    assert agg["step"] == 2 and agg["amax"] == 2.0 and agg["sqnr_db"] is None
+
+
+def test_check_report_parses_dom():
+    mod = _check_report_module()
+    dom = '<html><img src="a.png" data-loaded="1"><img src="b.png" data-loaded="0"><img src="c.png"></html>'
+    assert mod.check(dom) == (["a.png"], ["b.png", "c.png"])
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
+def test_report_renders_in_chromium(report):
+    mod = _check_report_module()
+    out, _ = report
+    assert mod.main([str(out / "report.html")]) == 0
+    (out / "figures" / "gap.png").unlink()  # a missing figure must be caught
+    assert mod.main([str(out / "report.html")]) == 1
+
+
+def test_check_report_skips_without_browser(report, monkeypatch, capsys):
+    mod = _check_report_module()
+    monkeypatch.setattr(mod, "find_browser", lambda: None)
+    out, _ = report
+    assert mod.main([str(out / "report.html")]) == 0
+    assert "SKIPPED" in capsys.readouterr().out
+    assert mod.main([str(out / "missing.html")]) == 2
