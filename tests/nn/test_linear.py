@@ -373,3 +373,20 @@ def test_bf16_recipe_rounds_operands_over_repeated_steps():
         assert torch.equal(y, F.linear(xb, w, ref.bias.detach()))
         assert torch.equal(dx, gb @ w)
         assert torch.equal(dw, (xb.t() @ gb).t())
+
+
+def test_bf16_parameters_and_inputs_run_in_float32():
+    # model.to(bfloat16): computation in float32, outputs and grads in the tensors' dtypes
+    torch.manual_seed(8)
+    ref = torch.nn.Linear(32, 16)
+    mod = Linear.from_linear(copy.deepcopy(ref), "te-current").to(torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = mod(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and mod.weight.grad.dtype == torch.bfloat16
+    e4 = QuantSpec("e4m3")
+    w32 = mod.weight.detach().float()
+    expect = fp8lab.qmatmul(quantize(x.detach().float(), e4), quantize(w32, e4).t())
+    expect = (expect + mod.bias.detach().float()).to(torch.bfloat16)
+    assert torch.equal(y.detach(), expect)

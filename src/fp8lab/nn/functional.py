@@ -268,6 +268,12 @@ class _LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32:
             x2 = x2.float()
+        # low-precision parameters (model.to(bfloat16)) are computed on in float32; autograd
+        # casts the float32 gradients back to the parameters' dtype
+        if weight.dtype != torch.float32:
+            weight = weight.float()
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
         ax, qx = operand(x2, plan, "fprop", "input")
         aw, qw = operand(weight, plan, "fprop", "weight")
         y = _gemm(plan.accumulators["fprop"], ax, qx, *_t(aw, qw), bias)
@@ -277,7 +283,9 @@ class _LinearFunction(torch.autograd.Function):
         # the backward's operands (not via save_for_backward: QTensors are not tensors)
         ctx.saved_w = _plan_save(plan, weight, aw, qw, "fprop", "dgrad", "weight")
         ctx.saved_x = _plan_save(plan, x2, ax, qx, "fprop", "wgrad", "input")
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        ctx.x_dtype = x.dtype
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if x.dtype == torch.float32 else y.to(x.dtype)  # drop-in: output in x's dtype
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
@@ -292,6 +300,7 @@ class _LinearFunction(torch.autograd.Function):
             dgrad_dy = (ady, qdy)
             aw, qw = _from_saved(ctx.saved_w, plan, "dgrad", "weight")
             dx = _gemm(plan.accumulators["dgrad"], ady, qdy, aw, qw).reshape(ctx.x_shape)
+            dx = dx if ctx.x_dtype == torch.float32 else dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if dgrad_dy is not None:
                 saved = _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output")
