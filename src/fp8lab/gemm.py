@@ -395,17 +395,15 @@ def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover -
                 acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
 
 
-def _step_scales(
-    a: QTensor, b: QTensor, p0: int, span: int, nst: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """float32 scales of a per (row, interval) and of b per (interval, column) for the ``nst``
-    promotion intervals of ``span`` K elements starting at ``p0`` (padding reuses the last)."""
+def _interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scales of a per (row, promotion interval) [M, T] and of b per (interval, column)
+    [T, N] for the intervals of ``span`` K elements up to ``kp`` (padding reuses the last)."""
     bma, bka = _blocks(a)
     bkb, bnb = _blocks(b)
     k = a.shape[1]
-    starts = [min(p0 + t * span, k - 1) for t in range(nst)]
-    ia = torch.tensor([s // bka for s in starts])
-    ib = torch.tensor([s // bkb for s in starts])
+    starts = [min(p, k - 1) for p in range(0, kp, span)]
+    ia = torch.tensor([s // bka for s in starts], dtype=torch.long)
+    ib = torch.tensor([s // bkb for s in starts], dtype=torch.long)
     sa = a.scales[:, ia].repeat_interleave(bma, dim=0)[: a.shape[0]]
     sb = b.scales[ib, :].repeat_interleave(bnb, dim=1)[:, : b.shape[1]]
     return (
@@ -454,8 +452,11 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
     accbuf = np.zeros((chunk, n), dtype=np.float64)
     gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
     zero = np.zeros((nst, chunk, n), dtype=np.float64)
-    unit_a = np.ones((m, nst), dtype=np.float32)
-    unit_b = np.ones((nst, n), dtype=np.float32)
+    if pe is not None:
+        sa_all, sb_all = _interval_scales(a, b, kp, span)
+    else:
+        sa_all = np.ones((m, kp // span), dtype=np.float32)
+        sb_all = np.ones((kp // span, n), dtype=np.float32)
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
         rows = r1 - r0
@@ -463,11 +464,9 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
         acc_np[:] = 0.0
         g_t = gbuf[:, :rows]
         for p0 in range(0, kp, step):
-            if pe is not None:
-                sa, sb = _step_scales(a, b, p0, span, nst)
-                sa = np.ascontiguousarray(sa[r0:r1])
-            else:
-                sa, sb = unit_a[r0:r1], unit_b
+            t0 = p0 // span
+            sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
+            sb = np.ascontiguousarray(sb_all[t0 : t0 + nst])
             if acc.per_product:
                 for t in range(nst):
                     q0 = p0 + t * span
