@@ -118,6 +118,10 @@ def test_retile_from_quantized_equals_requantizing_the_dequantized(g, rule):
     want = fp8lab.quantize(q.dequantize(), q.spec.transposed())
     assert r.spec.granularity == G.transpose_granularity(g)
     assert torch.equal(r.values, want.values) and torch.equal(r.scales, want.scales)
+    # the same thing seen from the transposed side: quantizing the dequantized transpose with the
+    # original tiles, transposed back
+    qt = fp8lab.quantize(q.dequantize().t().contiguous(), q.spec)
+    assert torch.equal(r.t().values, qt.values) and torch.equal(r.t().scales, qt.scales)
     assert r.retiled == 1 and r.meta["retile_source"] == "quantized"
     added = (r.dequantize() - q.dequantize()).abs().max().item()
     assert r.meta["retile_added_error"] == added
