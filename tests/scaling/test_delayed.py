@@ -150,6 +150,16 @@ def test_fused_and_python_paths_differ_on_nan_in_window():
     assert python[3] == 224.0
 
 
+def test_fused_and_python_paths_differ_on_zero_amax():
+    # a step where the tensor was not used (amax 0): the fused kernel does not roll, so the 2.0
+    # stays in a window of L=2; the Python path rolls the zero in and forgets the 2.0
+    seq = [2.0, 0.0, 1.0, 1.0]
+    fused = run(DelayedScaling(history_len=2), seq)
+    python = run(DelayedScaling(history_len=2, update_path="python"), seq)
+    assert fused[3] == 224.0
+    assert python[3] == 448.0
+
+
 def test_callable_algorithm_takes_python_path():
     def mean_nonzero(h):
         h = torch.as_tensor(np.asarray(h, dtype=np.float32))
