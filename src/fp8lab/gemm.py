@@ -450,8 +450,10 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
     o_np = out.numpy()
     chunk = min(_ROW_CHUNK, m) if not acc.per_product else m
     accbuf = np.zeros((chunk, n), dtype=np.float64)
-    gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
-    zero = np.zeros((nst, chunk, n), dtype=np.float64)
+    if acc.per_product:
+        zero = np.zeros((1, chunk, n), dtype=np.float64)  # promotion pass without new sums
+    else:
+        gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
     if pe is not None:
         sa_all, sb_all = _interval_scales(a, b, kp, span)
     else:
@@ -462,7 +464,6 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
         rows = r1 - r0
         acc_np = accbuf[:rows]
         acc_np[:] = 0.0
-        g_t = gbuf[:, :rows]
         for p0 in range(0, kp, step):
             t0 = p0 // span
             sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
@@ -479,7 +480,7 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
             # all group sums of this step in one batched GEMM: [ng, rows, grp] @ [ng, grp, n]
             a3 = va[r0:r1, p0 : p0 + step].reshape(rows, ng, grp).transpose(0, 1)
             b3 = vb[p0 : p0 + step].reshape(ng, grp, n)
-            g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=g_t)
+            g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=gbuf)
             _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
         if pe is None:
             out[r0:r1] = torch.from_numpy(acc_np).to(torch.float32)
