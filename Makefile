@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	.venv/bin/fp8lab compare --jobs 2 --threads 1 --out runs/demo
+	$(PY) scripts/check_report.py runs/demo/report.html
 
 demo-long: $(STAMP)
-	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 600 --set train.eval_every=50 --set train.stats_every=100 --out runs/demo-long
+	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 400 --set train.stats_every=100 --out runs/demo-long
 
 test: $(STAMP)
 	$(PY) -m pytest

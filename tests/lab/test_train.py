@@ -266,3 +266,24 @@ def test_operand_saturation_counts_clamps_only():
         == 0.0
     )
     assert operand_stats(hp, used)["saturation_pct"] == 0.0  # no spec (bf16): no saturation
+
+
+def test_grad_spike_leaves_delayed_scaling_stale(qcorpus, tmp_path):
+    """One-step gradient spike: current scaling is untouched (the spike is undone exactly),
+    TE delayed scaling keeps the spiked amax in its 1024-step history and flushes the gradients
+    of every later step to zero."""
+    import fp8lab
+
+    spiked = LabConfig(
+        model=QTINY.model,
+        train=QTINY.train,
+        inject=InjectConfig(grad_spike_step=2, grad_spike_scale=2.0**40),
+    )
+    cur = fp8lab.get_recipe("te-current")
+    assert _losses(train_run(cur, spiked, qcorpus).records) == _losses(
+        train_run(cur, QTINY, qcorpus).records
+    )
+    train_run(fp8lab.get_recipe("te-delayed"), spiked, qcorpus, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    after = [r["underflow_pct"] for r in rows if r["role"] == "grad_output"]
+    assert after and min(after) > 99.0
