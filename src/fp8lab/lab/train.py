@@ -201,7 +201,7 @@ def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> GPT:
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
-    """fp8lab AdamW: fp32 master weights, moments in the recipe's ``optimizer_state`` precision.
+    """fp8lab AdamW (``AdamW.from_recipe``: the recipe's moment precision and master weights).
 
     Weight decay applies to matrices only (not to norm gains), as in nanoGPT."""
     from fp8lab.optim import AdamW
@@ -213,14 +213,8 @@ def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
         },
         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    master = _recipe_attr(recipe, "master_weights", "fp32")
-    return AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        state_precision=_recipe_attr(recipe, "optimizer_state", "fp32"),
-        param_format=None if master == "fp32" else master,
-    )
+    kw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    return AdamW(groups, **kw) if recipe is None else AdamW.from_recipe(groups, recipe, **kw)
 
 
 def make_loss_scaler(recipe: Any):
