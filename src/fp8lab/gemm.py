@@ -450,24 +450,26 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
     o_np = out.numpy()
     chunk = min(_ROW_CHUNK, m) if not acc.per_product else m
     accbuf = np.zeros((chunk, n), dtype=np.float64)
-    if acc.per_product:
-        zero = np.zeros((1, chunk, n), dtype=np.float64)  # promotion pass without new sums
-    else:
+    zero = np.zeros((1, chunk, n), dtype=np.float64)  # a promotion pass without new sums
+    if not acc.per_product:
         gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
     if pe is not None:
         sa_all, sb_all = _interval_scales(a, b, kp, span)
     else:
-        sa_all = np.ones((m, kp // span), dtype=np.float32)
-        sb_all = np.ones((kp // span, n), dtype=np.float32)
+        unit_a = np.ones((chunk, max(nst, 1)), dtype=np.float32)
+        unit_b = np.ones((max(nst, 1), n), dtype=np.float32)
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
         rows = r1 - r0
         acc_np = accbuf[:rows]
         acc_np[:] = 0.0
         for p0 in range(0, kp, step):
-            t0 = p0 // span
-            sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
-            sb = np.ascontiguousarray(sb_all[t0 : t0 + nst])
+            if pe is not None:
+                t0 = p0 // span
+                sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
+                sb = np.ascontiguousarray(sb_all[t0 : t0 + nst])
+            else:
+                sa, sb = unit_a[:rows], unit_b
             if acc.per_product:
                 for t in range(nst):
                     q0 = p0 + t * span
@@ -482,8 +484,8 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
             b3 = vb[p0 : p0 + step].reshape(ng, grp, n)
             g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=gbuf)
             _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
-        if pe is None:
-            out[r0:r1] = torch.from_numpy(acc_np).to(torch.float32)
+        if pe is None:  # never promoted: out = f32(acc), scales applied below
+            _acc_step(acc_np, zero[:, :rows], drop, rne, 1, o_np[r0:r1], unit_a[:rows], unit_b)
     if pe is None:
         out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
     elif a.global_scale is not None or b.global_scale is not None:
