@@ -296,7 +296,6 @@ def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 # ----------------------------------------------------------------------------- stats
 #: (GEMM, role) pairs whose operands are summarised: each role once, in its natural layout
 STAT_OPERANDS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"))
-STAT_KEYS = ("amax", "underflow_pct", "saturation_pct", "sqnr_db")
 
 
 def operand_stats(
@@ -388,7 +387,6 @@ def train_run(
     injector = Injector(model, cfg.inject)
     params = [p for g in opt.param_groups for p in g["params"]]
     st = LoopState()
-    records: list[dict[str, Any]] = []
     run_path = None if run_dir is None else Path(run_dir)
     ckpt_cfg = checkpoint_config(cfg, recipe)
     if run_path is not None:
@@ -400,7 +398,7 @@ def train_run(
         else:  # a fresh run: drop partial logs of a run that never checkpointed
             for f in (METRICS, STATS):
                 (run_path / f).unlink(missing_ok=True)
-    records = read_metrics(run_path) if run_path is not None else []
+    records: list[dict[str, Any]] = read_metrics(run_path) if run_path is not None else []
     val = val_batches(corpus.val, tc.batch_size, cfg.model.block_size, tc.seed, tc.eval_batches)
     tokens_per_step = tc.batch_size * cfg.model.block_size
     emit({"event": "start", "recipe": name, "step": st.step, "steps": tc.steps})
