@@ -105,6 +105,12 @@ def test_te_amax_special_cases():
     q = fp8lab.quantize(torch.tensor([1.0, math.nan, -2.0]), "e4m3")
     assert q.scales.item() == float(F32(1) / F32(224))
     assert math.isnan(q.values[1].item()) and q.values[2].item() == -448.0
+    # tiny amax: the scale overflows to inf -> FLT_MAX per tensor, but the input dtype's max in
+    # TE's block kernels (bf16 input -> BF16 max)
+    tiny = torch.full((2, 128), 1e-39)
+    assert fp8lab.quantize(tiny, "e4m3").scale_multipliers.item() == float(np.finfo(F32).max)
+    qb = fp8lab.quantize(tiny.bfloat16(), "e4m3", (1, 128))
+    assert torch.all(qb.scale_multipliers == torch.finfo(torch.bfloat16).max)
     # all-NaN block -> amax 0 -> scale 1
     q = fp8lab.quantize(torch.full((2, 4), math.nan), "e4m3", "row")
     assert q.scales.tolist() == [[1.0], [1.0]]

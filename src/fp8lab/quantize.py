@@ -554,7 +554,7 @@ def _scale_cast(
 
 
 def _scales_for(
-    x2: torch.Tensor, spec: QuantSpec
+    x2: torch.Tensor, spec: QuantSpec, value_for_inf: float = _rules.FLT_MAX
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-block quantization multiplier, per-block scale_inv, global dequant scale)."""
     sc = spec.scaling
@@ -581,7 +581,9 @@ def _scales_for(
     if sc in _MX_RULES:
         code = _rules.mx_exponent(amax, spec.fmt, sc.removeprefix("mx_"))
         return _rules.e8m0_to_scale(code), _rules.e8m0_to_scale_inv(code), None
-    s = _rules.get_rule(sc)(amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon)
+    s = _rules.get_rule(sc)(
+        amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
+    )
     return s, torch.reciprocal(s), None
 
 
@@ -620,7 +622,12 @@ def quantize(
     s2 = shape_2d(x.shape)
     check_fit(s2, spec.block, spec.pad)
     x2 = x.reshape(s2).to(torch.float32).contiguous()
-    s, s_inv, g = _scales_for(x2, spec)
+    # TE: an infinite scale (tiny amax) becomes FLT_MAX per tensor, but the input dtype's max in
+    # the block-scaling kernels (compute_scale_from_types<IType>)
+    vinf = _rules.FLT_MAX
+    if spec.block != (-1, -1) and x.dtype in (torch.bfloat16, torch.float16):
+        vinf = torch.finfo(x.dtype).max
+    s, s_inv, g = _scales_for(x2, spec, vinf)
     values = _scale_cast(x2, s, spec.block, spec, generator).reshape(x.shape)
     nb = num_blocks(s2, spec.block)
     return QTensor(

@@ -105,18 +105,28 @@ def max_scale(
 
 
 def pow2_down(
-    amax: torch.Tensor, fmt: str | FloatFormat, *, margin: int = 0, epsilon: float = 0.0
+    amax: torch.Tensor,
+    fmt: str | FloatFormat,
+    *,
+    margin: int = 0,
+    epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
 ) -> torch.Tensor:
     """``max`` with the multiplier rounded down to a power of two (``bits &= 0xFF800000``)."""
-    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon)
+    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
     return _from_bits(_bits(s) & torch.tensor(-8388608, dtype=torch.int32))  # 0xFF800000
 
 
 def pow2_up(
-    amax: torch.Tensor, fmt: str | FloatFormat, *, margin: int = 0, epsilon: float = 0.0
+    amax: torch.Tensor,
+    fmt: str | FloatFormat,
+    *,
+    margin: int = 0,
+    epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
 ) -> torch.Tensor:
     """``max`` with the multiplier rounded up to a power of two (capped at 2**127)."""
-    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon)
+    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
     b = _bits(s)
     has_mant = (b & _MANT_MASK) != 0
     up = (b & -8388608) + 0x00800000
