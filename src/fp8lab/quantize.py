@@ -14,6 +14,7 @@ NaN, and `fp8lab.scaling.granularity` for block shapes and ragged edges.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import types
@@ -484,10 +485,17 @@ def _scale_cast_rne(
 
 def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
     """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
-    f = spec.fmt
+    return _fast_params_for(spec.format, spec.rounding, spec.saturate)
+
+
+@functools.lru_cache(maxsize=64)
+def _fast_params_for(
+    fmt_name: str, rounding: str, saturate: bool
+) -> tuple[int, int, int, np.float32, bool] | None:
+    f = get_format(fmt_name)
     if (
-        spec.rounding != "nearest_even"
-        or not spec.saturate
+        rounding != "nearest_even"
+        or not saturate
         or f.kind != "exmy"
         or not f.subnormals
         or not f.signed
