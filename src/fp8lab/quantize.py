@@ -301,7 +301,7 @@ class QTensor:
             # one vectorised pass, no expanded scale tensor
             out = torch.empty(s2, dtype=torch.float32)
             m, k = resolve_block(self.block, s2)
-            _scale_mul(
+            _mul_blocks(
                 v2.view(-1).numpy(), s2[0], s2[1], m, k,
                 np.ascontiguousarray(sc.to(torch.float32).numpy()), out.view(-1).numpy(),
             )  # fmt: skip
@@ -394,6 +394,68 @@ def _partial_amax(xu, rows, cols, bm, bk, chunk, out):  # pragma: no cover - num
 
 
 @njit(cache=True)
+def _acc_amax_bits(xs, acc):  # pragma: no cover - numba
+    """acc[i] = max(acc[i], bits of |xs[i]|), NaN counted as 0 (a vectorisable row sweep)."""
+    for i in range(xs.shape[0]):
+        a = xs[i] & np.uint32(0x7FFFFFFF)
+        ok = np.uint32(a <= np.uint32(0x7F800000))
+        acc[i] = np.uint32(max(acc[i], a * ok))
+
+
+@njit(cache=True)
+def _row_block_amax(xu, rows, cols, bm, bk, acc, out):  # pragma: no cover - numba
+    """out[br, cb] = bits of max |x| over block (br, cb), NaN ignored; ``acc``: [cols] scratch.
+
+    Walks rows in memory order: ``acc[c]`` holds the running max of column c over the block row.
+    """
+    nr, nc = out.shape
+    for br in range(nr):
+        acc[:] = 0
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            _acc_amax_bits(xu[r * cols : (r + 1) * cols], acc)
+        for cb in range(nc):
+            m = np.uint32(0)
+            for c in range(cb * bk, min((cb + 1) * bk, cols)):
+                m = np.uint32(max(m, acc[c]))
+            out[br, cb] = m
+
+
+@njit(cache=True, error_model="numpy")  # IEEE division: x / 0 -> inf, no exception
+def _max_rule_scales(amax, scaled_max, eps, value_for_inf, s_out, inv_out):  # pragma: no cover
+    """`fp8lab.scaling.rules.max_scale` and its reciprocal in one pass over the block amaxes.
+
+    Same float32 operations as the torch version: ``amax = max(amax, eps)`` (eps > 0 only),
+    one correctly rounded division, amax of 0/inf/NaN -> 1, an infinite scale -> value_for_inf;
+    ``inv = 1 / scale`` correctly rounded (``torch.reciprocal``).
+    """
+    one = np.float32(1.0)
+    for i in range(amax.shape[0]):
+        a = amax[i]
+        if eps > np.float32(0.0) and a < eps:
+            a = eps
+        sc = np.float32(scaled_max / a)
+        if not (np.isfinite(a) and a > np.float32(0.0)):
+            sc = one
+        if np.isinf(sc):
+            sc = value_for_inf
+        s_out[i] = sc
+        inv_out[i] = np.float32(one / sc)
+
+
+@njit(cache=True)
+def _max_abs_diff(a, b):  # pragma: no cover - numba
+    """max |a - b| over two float32 vectors with NaN -> 0 and inf -> FLT_MAX (torch.nan_to_num)."""
+    big = np.float32(3.4028234663852886e38)
+    m = np.float32(0.0)
+    for i in range(a.shape[0]):
+        d = np.float32(abs(a[i] - b[i]))
+        d = np.float32(0.0) if d != d else d
+        d = big if d > big else d
+        m = max(m, d)
+    return m
+
+
+@njit(cache=True)
 def _seg_mul(xs, os, s):  # pragma: no cover - numba
     for i in range(xs.shape[0]):
         os[i] = xs[i] * s
@@ -483,6 +545,123 @@ def _scale_cast_rne(
             )  # fmt: skip
 
 
+@njit(cache=True)
+def _seg_cast_deq(
+    xs, os, ds, s, inv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+        os[i] = v
+        ds[i] = v * inv
+
+
+@njit(cache=True)
+def _scale_cast_rne_deq(
+    x, rows, cols, bm, bk, mult, inv, of, df, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """`_scale_cast_rne` that also writes ``df = of * inv[block]`` (the dequantized tensor,
+    bit for bit `QTensor.dequantize`) in the same pass."""
+    shift = np.uint32(23 - mbits)
+    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
+    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    for r in range(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_cast_deq(
+                x[c0:c1], of[c0:c1], df[c0:c1], mult[br, cb], inv[br, cb], shift, half_m1,
+                lowmask, emin_bits, maxbits, magic, signed_zero,
+            )  # fmt: skip
+
+
+@njit(cache=True)
+def _expand_row(mult_row, bk, cols, out):  # pragma: no cover - numba
+    for c in range(cols):
+        out[c] = mult_row[c // bk]
+
+
+@njit(cache=True)
+def _segv_cast(
+    xs, os, sv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = _rne_sat(
+            xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+        )
+
+
+@njit(cache=True)
+def _segv_cast_deq(
+    xs, os, ds, sv, iv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+        os[i] = v
+        ds[i] = v * iv[i]
+
+
+@njit(cache=True)
+def _scale_cast_rne_narrow(
+    x, rows, cols, bm, bk, mult, inv, of, df, deq, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """`_scale_cast_rne(_deq)` for narrow blocks (``bk`` of a few columns, e.g. (128, 1)):
+    the block row's multipliers are expanded to one per column once, so each row is one
+    vectorisable sweep instead of ``cols / bk`` tiny segments."""
+    shift = np.uint32(23 - mbits)
+    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
+    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    sv = np.empty(cols, dtype=np.float32)
+    iv = np.empty(cols, dtype=np.float32)
+    for br in range(mult.shape[0]):
+        _expand_row(mult[br], bk, cols, sv)
+        if deq:
+            _expand_row(inv[br], bk, cols, iv)
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            a, b = r * cols, (r + 1) * cols
+            if deq:
+                _segv_cast_deq(
+                    x[a:b], of[a:b], df[a:b], sv, iv, shift, half_m1, lowmask, emin_bits,
+                    maxbits, magic, signed_zero,
+                )  # fmt: skip
+            else:
+                _segv_cast(
+                    x[a:b], of[a:b], sv, shift, half_m1, lowmask, emin_bits, maxbits, magic,
+                    signed_zero,
+                )  # fmt: skip
+
+
+@njit(cache=True)
+def _segv_mul(xs, os, sv):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = xs[i] * sv[i]
+
+
+@njit(cache=True)
+def _scale_mul_narrow(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
+    """`_scale_mul` for narrow blocks (see `_scale_cast_rne_narrow`)."""
+    sv = np.empty(cols, dtype=np.float32)
+    for br in range(mult.shape[0]):
+        _expand_row(mult[br], bk, cols, sv)
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            _segv_mul(x[r * cols : (r + 1) * cols], of[r * cols : (r + 1) * cols], sv)
+
+
+# blocks narrower than this many columns use the expanded-multiplier kernels
+_NARROW = 32
+
+
+def _mul_blocks(x, rows: int, cols: int, m: int, k: int, mult, of) -> None:
+    """of = x * mult[block] over flat float32 arrays (numba; narrow blocks swept per row)."""
+    if k < _NARROW and k < cols:
+        _scale_mul_narrow(x, rows, cols, m, k, mult, of)
+    else:
+        _scale_mul(x, rows, cols, m, k, mult, of)
+
+
 def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
     """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
     return _fast_params_for(spec.format, spec.rounding, spec.saturate)
@@ -517,6 +696,13 @@ def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     nr, nc = num_blocks((rows, cols), (m, k))
     if x2.numel() == 0:
         return torch.zeros((nr, nc), dtype=torch.float32)
+    if m > 1:
+        # blocks taller than one row: a row-major sweep keeping one running max per column
+        # (a column-wise walk over (128, 1) blocks measured 40 ms on 2048 x 4096, this 2 ms)
+        out = np.empty((nr, nc), dtype=np.uint32)
+        acc = np.empty(cols, dtype=np.uint32)
+        _row_block_amax(x2.view(-1).numpy().view(np.uint32), rows, cols, m, k, acc, out)
+        return torch.from_numpy(out.view(np.float32))
     chunk = m if m <= _AMAX_CHUNK else math.gcd(m, _AMAX_CHUNK)
     nt = -(-rows // chunk)
     part = np.empty((nt, nc), dtype=np.uint32)
@@ -536,11 +722,21 @@ def _scale_cast(
     block: tuple[int, int],
     spec: QuantSpec,
     generator: torch.Generator | None,
+    out: torch.Tensor | None = None,
+    deq: torch.Tensor | None = None,
+    inv: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C]."""
+    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C].
+
+    ``out``: a contiguous float32 [R, C] buffer for the values (else allocated). ``deq``: a
+    second buffer that receives ``values * inv[block] (* global_scale)``, bit for bit what
+    `QTensor.dequantize` computes, fused into the cast pass on the fast path.
+    """
     rows, cols = x2.shape
     m, k = resolve_block(block, (rows, cols))
-    out = torch.empty((rows, cols), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float32)
     if x2.numel() == 0:
         return out
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
@@ -549,16 +745,45 @@ def _scale_cast(
     fp = _fast_params(spec)
     if fp is not None:
         mbits, emin_b, maxbits, magic, signed_zero = fp
+        if k < _NARROW and k < cols:
+            inv_np = (
+                mult_np
+                if deq is None
+                else np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+            )
+            dfl = of if deq is None else deq.view(-1).numpy()
+            _scale_cast_rne_narrow(
+                xf, rows, cols, m, k, mult_np, inv_np, of, dfl, deq is not None, mbits,
+                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+            )  # fmt: skip
+            if deq is not None and global_scale is not None:
+                deq.mul_(global_scale)
+            return out
+        if deq is not None:
+            inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+            _scale_cast_rne_deq(
+                xf, rows, cols, m, k, mult_np, inv_np, of, deq.view(-1).numpy(), mbits,
+                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+            )  # fmt: skip
+            if global_scale is not None:
+                deq.mul_(global_scale)
+            return out
         _scale_cast_rne(
             xf, rows, cols, m, k, mult_np, of, mbits, np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
         )  # fmt: skip
         return out
-    _scale_mul(xf, rows, cols, m, k, mult_np, of)
+    _mul_blocks(xf, rows, cols, m, k, mult_np, of)
     from fp8lab.formats import cast
 
-    return cast(
+    cast(
         out, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator, out=out
     )
+    if deq is not None:
+        inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+        _mul_blocks(of, rows, cols, m, k, inv_np, deq.view(-1).numpy())
+        if global_scale is not None:
+            deq.mul_(global_scale)
+    return out
 
 
 def _scales_for(
@@ -589,6 +814,21 @@ def _scales_for(
     if sc in _MX_RULES:
         code = _rules.mx_exponent(amax, spec.fmt, sc.removeprefix("mx_"))
         return _rules.e8m0_to_scale(code), _rules.e8m0_to_scale_inv(code), None
+    if sc == "max":
+        # the `max` rule and its reciprocal fused (a handful of torch ops on the block scales
+        # cost more than the amax pass itself on a loaded 2-core machine)
+        a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
+        s_np = np.empty(a.shape[0], dtype=np.float32)
+        inv_np = np.empty(a.shape[0], dtype=np.float32)
+        _max_rule_scales(
+            a, np.float32(spec.fmt.max * 2.0 ** (-spec.margin)), np.float32(spec.epsilon),
+            np.float32(value_for_inf), s_np, inv_np,
+        )  # fmt: skip
+        return (
+            torch.from_numpy(s_np).reshape(amax.shape),
+            torch.from_numpy(inv_np).reshape(amax.shape),
+            None,
+        )
     s = _rules.get_rule(sc)(
         amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
     )
@@ -607,6 +847,8 @@ def quantize(
     margin: int | None = None,
     epsilon: float | None = None,
     generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+    dequantized_out: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantize ``x`` (float tensor, any shape) under a spec.
 
@@ -616,6 +858,12 @@ def quantize(
     the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
     step). ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
     converted to float32 (float64 rounds once there; TE multiplies in FP32 as well).
+
+    Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
+    ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),
+    computed in the same pass as the values where the fast kernel applies. Each must be a
+    contiguous float32 CPU tensor of ``x``'s shape; they must not overlap each other (``out``
+    may be ``x`` itself when ``x`` is contiguous float32). The caller owns both buffers.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
@@ -635,8 +883,13 @@ def quantize(
     vinf = _rules.FLT_MAX
     if spec.block != (-1, -1) and x.dtype in (torch.bfloat16, torch.float16):
         vinf = torch.finfo(x.dtype).max
+    out2 = _check_buffer(out, x, "out")
+    deq2 = _check_buffer(dequantized_out, x, "dequantized_out")
+    if out2 is not None and deq2 is not None and _overlap(out2, deq2):
+        raise ValueError("out and dequantized_out must not overlap")
     s, s_inv, g = _scales_for(x2, spec, vinf)
-    values = _scale_cast(x2, s, spec.block, spec, generator).reshape(x.shape)
+    values = _scale_cast(x2, s, spec.block, spec, generator, out2, deq2, s_inv, g)
+    values = values.reshape(x.shape)
     nb = num_blocks(s2, spec.block)
     return QTensor(
         values=values,
@@ -645,6 +898,29 @@ def quantize(
         global_scale=g,
         scale_multipliers=s.reshape(nb),
     )
+
+
+def _check_buffer(buf: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """``buf`` as a 2-D [R, C] view after validating it as an output buffer for ``x``."""
+    if buf is None:
+        return None
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous float32 CPU tensor, got {buf.dtype} on {buf.device}"
+            + ("" if buf.is_contiguous() else " (not contiguous)")
+        )
+    if tuple(buf.shape) != tuple(x.shape):
+        raise ValueError(f"{name} has shape {tuple(buf.shape)}, expected {tuple(x.shape)}")
+    if buf.requires_grad:
+        raise ValueError(f"{name} must not require grad")
+    return buf.view(shape_2d(x.shape))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
 
 
 def fake_quant(
@@ -678,6 +954,10 @@ def retile(
     *,
     source: torch.Tensor | None = None,
     spec: QuantSpec | None = None,
+    measure_error: bool = True,
+    dequantized: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    dequantized_out: torch.Tensor | None = None,
 ) -> QTensor:
     """Re-tile a quantized tensor for the other GEMM direction. Explicit and counted.
 
@@ -686,11 +966,16 @@ def retile(
 
     * ``source=None``: from the quantized values, as DeepSeek-V3 does (dequantize, re-quantize
       into the new tiles). Power-of-two scales keep this nearly lossless; other rules add a second
-      rounding, which `QTensor.meta["retile_added_error"]` reports (max |new - old dequantized|).
+      rounding, which `QTensor.meta["retile_added_error"]` reports (max |new - old dequantized|,
+      NaN ignored). ``measure_error=False`` skips that extra pass over the tensor (the entry is
+      then ``None``; the re-tiling is still counted). ``dequantized``: ``q.dequantize()`` if
+      the caller already has it (saves recomputing it; it must be exactly that tensor's values).
     * ``source=x``: from the high-precision tensor, as TE's MXFP8 does (rowwise and columnwise
       copies quantized independently from the same source).
 
     ``spec`` overrides the whole target spec (default: ``q.spec`` with the new granularity).
+    ``out`` / ``dequantized_out``: buffers for the new values and their dequantized copy, as in
+    `quantize`.
     """
     if not isinstance(q, QTensor):
         raise TypeError(f"retile expects a QTensor, got {type(q).__name__}")
@@ -704,21 +989,38 @@ def retile(
             raise ValueError(
                 f"source shape {tuple(source.shape)} does not match the QTensor {tuple(q.shape)}"
             )
-        out = quantize(source, target)
+        res = quantize(source, target, out=out, dequantized_out=dequantized_out)
         _RETILE_COUNTS["from_source"] += 1
-        out.meta["retile_source"] = "source"
+        res.meta["retile_source"] = "source"
     else:
-        deq = q.dequantize()
-        out = quantize(deq, target)
+        if dequantized is None:
+            deq = q.dequantize()
+        else:
+            if tuple(dequantized.shape) != tuple(q.shape) or dequantized.dtype != torch.float32:
+                raise ValueError(
+                    f"dequantized must be float32 of shape {tuple(q.shape)}, got "
+                    f"{dequantized.dtype} {tuple(dequantized.shape)}"
+                )
+            deq = dequantized
+        res = quantize(deq, target, out=out, dequantized_out=dequantized_out)
         _RETILE_COUNTS["from_quantized"] += 1
-        out.meta["retile_source"] = "quantized"
-        out.meta["retile_added_error"] = (
-            float(torch.nan_to_num((out.dequantize() - deq).abs(), nan=0.0).max())
-            if deq.numel()
-            else 0.0
-        )
-    out.retiled = q.retiled + 1
-    return out
+        res.meta["retile_source"] = "quantized"
+        err: float | None = None
+        if measure_error:
+            new = res.dequantize() if dequantized_out is None else dequantized_out
+            err = _added_error(new, deq)
+        res.meta["retile_added_error"] = err
+    res.retiled = q.retiled + 1
+    return res
+
+
+def _added_error(new: torch.Tensor, old: torch.Tensor) -> float:
+    """max |new - old| with NaN ignored and inf counted as FLT_MAX, in one pass."""
+    if old.numel() == 0:
+        return 0.0
+    a = new.reshape(-1).to(torch.float32).contiguous()
+    b = old.reshape(-1).to(torch.float32).contiguous()
+    return float(_max_abs_diff(a.numpy(), b.numpy()))
 
 
 class _CallableModule(types.ModuleType):

@@ -35,11 +35,14 @@ from fp8lab.gemm import Accumulator, qmatmul
 from fp8lab.nn._kernels import round_bf16
 from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
+from fp8lab.scaling.granularity import resolve_block
 
 __all__ = [
     "LinearPlan",
     "attention_matmul",
+    "buffer_cache_limit",
     "build_plan",
+    "clear_buffer_cache",
     "dense",
     "linear",
     "operand",
@@ -47,6 +50,73 @@ __all__ = [
 ]
 
 _HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------- buffer cache
+class _BufferPool:
+    """Free float32 buffers by shape, reused across calls and modules.
+
+    A fresh 32 MB tensor costs more than the quantization pass that fills it (page faults on
+    first touch: ~21 ms vs ~6 ms here), so operand buffers (quantized values, their dequantized
+    copy, bf16-rounded operands) come from here. A forward's buffers are held by the autograd
+    context and returned at the end of its backward (or at the end of the forward when no
+    backward will run); backward's own buffers are returned when it ends. Buffers never leave
+    the Function (outputs and gradients are fresh tensors), and the pool is bypassed while
+    operands are being collected, since the collector keeps them. At most ``max_bytes`` of free
+    buffers are retained.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self.free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.free_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], held: list[torch.Tensor]) -> torch.Tensor:
+        with self.lock:
+            lst = self.free.get(shape)
+            buf = lst.pop() if lst else None
+            if buf is not None:
+                self.free_bytes -= 4 * buf.numel()
+        if buf is None:
+            buf = torch.empty(shape, dtype=torch.float32)
+        held.append(buf)
+        return buf
+
+    def give(self, held: list[torch.Tensor]) -> None:
+        with self.lock:
+            for buf in held:
+                nbytes = 4 * buf.numel()
+                if self.free_bytes + nbytes > self.max_bytes:
+                    continue
+                self.free.setdefault(tuple(buf.shape), []).append(buf)
+                self.free_bytes += nbytes
+        held.clear()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.free_bytes = 0
+
+
+_POOL = _BufferPool()
+
+
+def clear_buffer_cache() -> None:
+    """Drop the free operand buffers kept by `fp8lab.nn` (see `buffer_cache_limit`)."""
+    _POOL.clear()
+
+
+def buffer_cache_limit(max_bytes: int | None = None) -> int:
+    """The limit (bytes) on free operand buffers kept for reuse; set it when ``max_bytes`` is
+    given (0 disables reuse). Returns the limit in force. Default 1 GiB."""
+    if max_bytes is not None:
+        if int(max_bytes) < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        _POOL.max_bytes = int(max_bytes)
+        if _POOL.free_bytes > _POOL.max_bytes:
+            _POOL.clear()
+    return _POOL.max_bytes
 
 
 def round_high_precision(x: torch.Tensor, precision: str) -> torch.Tensor:
@@ -94,7 +164,7 @@ def build_plan(
                 if first_axis:
                     s = s.transposed()
             specs[(g, role)] = s
-    return LinearPlan(
+    plan = LinearPlan(
         recipe=recipe,
         specs=specs,
         high_precision={g: recipe.gemm(g).high_precision for g in GEMMS},
@@ -103,6 +173,12 @@ def build_plan(
         name=name,
         after_backward=after_backward,
     )
+    # operands that a later GEMM re-tiles from their quantized values: their dequantized copy
+    # is written while quantizing (it is the re-tiling's input)
+    plan.extra["retile_sources"] = frozenset(
+        (src, role) for src, dst, role in _REUSES if _save_mode(plan, src, dst, role) == "retile"
+    )
+    return plan
 
 
 def state_key(recipe: Recipe, gemm: str, role: str) -> str:
@@ -129,29 +205,87 @@ def _record(
 
 # --------------------------------------------------------------------------- operands
 def operand(
-    x: torch.Tensor, plan: LinearPlan, gemm: str, role: str, scratch: bool = False
+    x: torch.Tensor,
+    plan: LinearPlan,
+    gemm: str,
+    role: str,
+    scratch: bool = False,
+    held: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, QTensor | None]:
     """``(tensor, None)`` for an unquantized operand (fp32 or rounded to the high precision), or
     ``(None, QTensor)`` for a quantized one; ``x`` in its natural layout.
 
-    ``scratch=True``: the result dies within the caller (backward's gradient), so a bf16 rounding
-    may go into the plan's reusable buffer instead of a fresh allocation (not while operands are
-    being collected, since the collector keeps them)."""
+    ``held``: take the result's buffers from the nn buffer cache and append them to this list
+    (the caller returns them once the operand is dead); ``None`` allocates. ``scratch=True``
+    (without ``held``): the result dies within the caller (backward's gradient), so a bf16
+    rounding may go into the plan's reusable buffer instead of a fresh allocation. Neither
+    applies while operands are being collected, since the collector keeps them."""
     hp = plan.high_precision[gemm]
-    if hp == "bf16" and scratch and not COLLECTORS.active and x.dtype == torch.float32:
-        buf = plan.extra.get("scratch")
-        if buf is None or buf.shape != x.shape:
-            buf = torch.empty(x.shape, dtype=torch.float32)
-            plan.extra["scratch"] = buf
+    if COLLECTORS.active:
+        held, scratch = None, False
+    if hp == "bf16" and x.dtype == torch.float32 and (held is not None or scratch):
+        if held is not None:
+            buf = _POOL.take(tuple(x.shape), held)
+        else:
+            buf = plan.extra.get("scratch")
+            if buf is None or buf.shape != x.shape:
+                buf = torch.empty(x.shape, dtype=torch.float32)
+                plan.extra["scratch"] = buf
         a, q = round_bf16(x.contiguous(), out=buf), None
     elif hp is not None:
         a, q = round_high_precision(x, hp), None
     else:
         spec = plan.specs[(gemm, role)]
-        a, q = (x, None) if spec is None else (None, quantize(x, spec))
+        if spec is None:
+            a, q = x, None
+        else:
+            a, q = None, _quantize(x, spec, held, _wants_dense(plan, gemm, role, x.shape))
     if COLLECTORS.active:
         _record(plan.name, gemm, role, x, dense(a, q))
     return a, q
+
+
+def _quantize(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    held: list[torch.Tensor] | None,
+    want_dense: bool,
+    retile_from: QTensor | None = None,
+) -> QTensor:
+    """Quantize ``x`` (or re-tile ``retile_from``, whose dequantized tensor ``x`` is) into pooled
+    buffers when ``held`` is given; with ``want_dense`` the dequantized copy is written in the
+    same pass and memoised for `dense`."""
+    if held is None:
+        out = deq = None
+    else:
+        shape = tuple(x.shape)
+        out = _POOL.take(shape, held)
+        deq = _POOL.take(shape, held) if want_dense else None
+    if retile_from is None:
+        q = quantize(x, spec, out=out, dequantized_out=deq)
+    else:
+        # the added-error measurement is a diagnostic pass nn does not report: skip it
+        q = retile(
+            retile_from, spec=spec, measure_error=False, dequantized=x, out=out,
+            dequantized_out=deq,
+        )  # fmt: skip
+    if deq is not None:
+        q.meta["_nn_dense"] = [(_layout(q.values), deq)]
+    return q
+
+
+def _wants_dense(plan: LinearPlan, gemm: str, role: str, shape: tuple[int, ...]) -> bool:
+    """Will the dequantized operand be needed: an fp32-accumulated GEMM whose scales vary along
+    K (it runs on the dequantized operands), or a source of a re-tiling from quantized values."""
+    if (gemm, role) in plan.extra.get("retile_sources", ()):
+        return True
+    if plan.accumulators[gemm].kind != "fp32" or len(shape) != 2:
+        return False
+    first_axis = dict(GEMM_OPERANDS[gemm])[role]
+    spec = plan.specs[(gemm, role)]
+    k_axis = 0 if first_axis else 1
+    bk = resolve_block(spec.block, (shape[0], shape[1]))[k_axis]
+    return bk < shape[k_axis]
 
 
 def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -185,12 +319,26 @@ def dense(a: torch.Tensor | None, q: QTensor | None) -> torch.Tensor:
 Saved = tuple[torch.Tensor | None, QTensor | None, torch.Tensor | None, bool, torch.Tensor | None]
 
 
-def _from_saved(saved: Saved, plan: LinearPlan, gemm: str, role: str):
-    """The operand of ``gemm`` rebuilt from what forward saved for ``role``."""
+def _from_saved(
+    saved: Saved,
+    plan: LinearPlan,
+    gemm: str,
+    role: str,
+    held: list[torch.Tensor] | None = None,
+):
+    """The operand of ``gemm`` rebuilt from what forward saved for ``role`` (new buffers from
+    the cache when ``held`` is given, see `operand`)."""
     a, q, src, retile_q, orig = saved  # orig: the fp32 tensor, kept only while collecting
+    if COLLECTORS.active:
+        held = None
     if retile_q:  # save_for_backward="quantized" with other blocks: re-tile the quantized tensor
         spec = plan.specs[(gemm, role)]
-        q2 = quantize(q.dequantize(), spec) if spec.is_delayed else retile(q, spec=spec)
+        want = _wants_dense(plan, gemm, role, tuple(q.shape))
+        deq = dense(None, q)
+        if spec.is_delayed:
+            q2 = _quantize(deq, spec, held, want)
+        else:
+            q2 = _quantize(deq, spec, held, want, retile_from=q)
         if COLLECTORS.active:
             _record(
                 plan.name, gemm, role, orig if orig is not None else dense(None, q), dense(None, q2)
@@ -201,7 +349,7 @@ def _from_saved(saved: Saved, plan: LinearPlan, gemm: str, role: str):
             d = dense(a, q)
             _record(plan.name, gemm, role, orig if orig is not None else d, d)
         return a, q
-    return operand(src, plan, gemm, role)
+    return operand(src, plan, gemm, role, held=held)
 
 
 def _plan_save(
@@ -214,21 +362,41 @@ def _plan_save(
     to prepare afresh.
     """
     orig = x if COLLECTORS.active else None
-    hp_src, hp_dst = plan.high_precision[src_gemm], plan.high_precision[gemm]
-    s_src, s_dst = plan.specs[(src_gemm, role)], plan.specs[(gemm, role)]
-    if hp_dst is not None:
-        if hp_src == hp_dst:
-            return a, None, None, False, orig
-        return None, None, x, False, orig
-    if s_dst is None:
-        if hp_src is None and s_src is None:
-            return x, None, None, False, orig
-        return None, None, x, False, orig
-    if hp_src is None and s_src is not None and s_src == s_dst:
+    mode = _save_mode(plan, src_gemm, gemm, role)
+    if mode == "reuse_a":
+        return a, None, None, False, orig
+    if mode == "reuse_x":
+        return x, None, None, False, orig
+    if mode == "reuse_q":
         return None, q, None, False, orig
-    if plan.save_quantized and q is not None:
+    if mode == "retile":
         return None, q, None, True, orig
     return None, None, x, False, orig
+
+
+def _save_mode(plan: LinearPlan, src_gemm: str, gemm: str, role: str) -> str:
+    """How ``role``'s operand of ``src_gemm`` serves ``gemm``: ``reuse_a`` (the same
+    high-precision rounding), ``reuse_x`` (fp32 as is), ``reuse_q`` (the same quantization),
+    ``retile`` (re-tile the quantized tensor) or ``source`` (prepare afresh from fp32)."""
+    hp_src, hp_dst = plan.high_precision[src_gemm], plan.high_precision[gemm]
+    s_src, s_dst = plan.specs[(src_gemm, role)], plan.specs[(gemm, role)]
+    quantized_src = hp_src is None and s_src is not None
+    if hp_dst is not None:
+        return "reuse_a" if hp_src == hp_dst else "source"
+    if s_dst is None:
+        return "reuse_x" if hp_src is None and s_src is None else "source"
+    if quantized_src and s_src == s_dst:
+        return "reuse_q"
+    if plan.save_quantized and quantized_src:
+        return "retile"
+    return "source"
+
+
+_REUSES = (
+    ("fprop", "dgrad", "weight"),
+    ("fprop", "wgrad", "input"),
+    ("dgrad", "wgrad", "grad_output"),
+)
 
 
 def _gemm(
@@ -264,7 +432,7 @@ def _t(a: torch.Tensor | None, q: QTensor | None):
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, plan):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, plan, keep):  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32:
             x2 = x2.float()
@@ -274,16 +442,25 @@ class _LinearFunction(torch.autograd.Function):
             weight = weight.float()
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        ax, qx = operand(x2, plan, "fprop", "input")
-        aw, qw = operand(weight, plan, "fprop", "weight")
+        held: list[torch.Tensor] = []  # cached buffers of the forward's operands
+        ax, qx = operand(x2, plan, "fprop", "input", held=held)
+        aw, qw = operand(weight, plan, "fprop", "weight", held=held)
         y = _gemm(plan.accumulators["fprop"], ax, qx, *_t(aw, qw), bias)
         ctx.plan = plan
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
-        # the backward's operands (not via save_for_backward: QTensors are not tensors)
-        ctx.saved_w = _plan_save(plan, weight, aw, qw, "fprop", "dgrad", "weight")
-        ctx.saved_x = _plan_save(plan, x2, ax, qx, "fprop", "wgrad", "input")
         ctx.x_dtype = x.dtype
+        if keep:
+            # the backward's operands (not via save_for_backward: QTensors are not tensors);
+            # their cached buffers are held by the context until backward ends
+            ctx.saved_w = _plan_save(plan, weight, aw, qw, "fprop", "dgrad", "weight")
+            ctx.saved_x = _plan_save(plan, x2, ax, qx, "fprop", "wgrad", "input")
+            ctx.held = held
+        else:  # no backward will run: the operands die here
+            ctx.saved_w = ctx.saved_x = None
+            ax = qx = aw = qw = None
+            _POOL.give(held)
+            ctx.held = []
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if x.dtype == torch.float32 else y.to(x.dtype)  # drop-in: output in x's dtype
 
@@ -295,34 +472,45 @@ class _LinearFunction(torch.autograd.Function):
             dy2 = dy2.float()
         dx = dw = db = None
         dgrad_dy = None
+        held: list[torch.Tensor] = []  # cached buffers of backward's operands
         if ctx.needs_input_grad[0]:
-            ady, qdy = operand(dy2, plan, "dgrad", "grad_output", scratch=True)
+            ady, qdy = operand(dy2, plan, "dgrad", "grad_output", held=held)
             dgrad_dy = (ady, qdy)
-            aw, qw = _from_saved(ctx.saved_w, plan, "dgrad", "weight")
+            aw, qw = _from_saved(ctx.saved_w, plan, "dgrad", "weight", held)
             dx = _gemm(plan.accumulators["dgrad"], ady, qdy, aw, qw).reshape(ctx.x_shape)
             dx = dx if ctx.x_dtype == torch.float32 else dx.to(ctx.x_dtype)
+            aw = qw = None
         if ctx.needs_input_grad[1]:
             if dgrad_dy is not None:
                 saved = _plan_save(plan, dy2, *dgrad_dy, "dgrad", "wgrad", "grad_output")
-                ady_w, qdy_w = _from_saved(saved, plan, "wgrad", "grad_output")
+                ady_w, qdy_w = _from_saved(saved, plan, "wgrad", "grad_output", held)
+                saved = None
             else:
-                ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output", scratch=True)
-            ax, qx = _from_saved(ctx.saved_x, plan, "wgrad", "input")
+                ady_w, qdy_w = operand(dy2, plan, "wgrad", "grad_output", held=held)
+            ax, qx = _from_saved(ctx.saved_x, plan, "wgrad", "input", held)
             # (xᵀ · dy)ᵀ: the same product and layout as torch's own linear backward
             dw = _gemm(plan.accumulators["wgrad"], *_t(ax, qx), ady_w, qdy_w).t()
+            ax = qx = ady_w = qdy_w = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
+        dgrad_dy = ady = qdy = None
         ctx.saved_w = ctx.saved_x = None
+        # every operand is dead now (outputs and gradients are fresh tensors): recycle buffers
+        _POOL.give(held)
+        _POOL.give(ctx.held)
         if plan.after_backward is not None:
             plan.after_backward()
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan
 ) -> torch.Tensor:
     """``y = x Wᵀ + b`` under ``plan`` (from `build_plan`); x ``[..., in]`` -> ``[..., out]``."""
-    return _LinearFunction.apply(x, weight, bias, plan)
+    keep = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    )
+    return _LinearFunction.apply(x, weight, bias, plan, keep)
 
 
 # --------------------------------------------------------------------------- attention
