@@ -211,3 +211,142 @@ def test_bad_input():
 def test_empty_tensor():
     q = fp8lab.quantize(torch.empty(0, 8), "e4m3", "row")
     assert q.values.shape == (0, 8) and q.dequantize().shape == (0, 8)
+
+
+# ------------------------------------------------------------------ fused scale rules, buffers
+def amax_sweep() -> torch.Tensor:
+    """Block amaxes over the whole float32 range: every binade, mantissas near the edges,
+    subnormals, 0, FLT_MAX and inf."""
+    e = torch.arange(-149, 128, dtype=torch.float64)
+    mants = torch.tensor([1.0, 1.0 + 2.0**-23, 1.0625, 1.5, 1.75, 1.875, 1.9375, 2.0 - 2.0**-23])
+    vals = (2.0 ** e[:, None] * mants[None, :]).reshape(-1)
+    vals = vals[vals <= float(np.finfo(F32).max)].to(torch.float32)
+    extra = torch.tensor([0.0, math.inf, 448.0, 57344.0, 6.0, 2.0**-127, 1e-45])
+    return torch.cat([vals, extra])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1", "e3m2", "e4m3fnuz"])
+def test_fused_scale_rules_equal_the_rule_functions(fmt):
+    from fp8lab.scaling import rules
+
+    amax = amax_sweep()
+    # one (1, 32) block per amax: the amax in column 0, zeros elsewhere
+    x = torch.zeros(amax.numel(), 32)
+    x[:, 0] = amax
+    for rule in ("mx_floor", "mx_ceil", "mx_even", "mx_rceil"):
+        q = fp8lab.quantize(x, fmt, "mx", rule)
+        code = rules.mx_exponent(amax, fmt, rule.removeprefix("mx_"))
+        assert same_bits(q.scale_multipliers.reshape(-1), rules.e8m0_to_scale(code)), rule
+        assert same_bits(q.scales.reshape(-1), rules.e8m0_to_scale_inv(code)), rule
+    for kw in ({}, {"margin": 2}, {"epsilon": 1e-3}, {"margin": -1, "epsilon": 2.0**-140}):
+        q = fp8lab.quantize(x, fmt, (1, 32), "max", **kw)
+        want = rules.max_scale(amax, fmt, **kw)
+        assert same_bits(q.scale_multipliers.reshape(-1), want), kw
+        assert same_bits(q.scales.reshape(-1), torch.reciprocal(want)), kw
+    # bf16 input: an infinite scale becomes BF16 max in block kernels (TE)
+    q = fp8lab.quantize(x.bfloat16(), fmt, (1, 32), "max")
+    want = rules.max_scale(amax.bfloat16().float(), fmt, value_for_inf=3.3895313892515355e38)
+    assert same_bits(q.scale_multipliers.reshape(-1), want)
+
+
+def test_fused_scale_kernels_on_nan_amax():
+    # quantize never produces a NaN amax (NaN elements are ignored): call the kernels directly
+    from fp8lab.quantize import _max_rule_scales, _mx_rule_scales
+    from fp8lab.scaling import rules
+
+    amax = torch.tensor([math.nan, -math.nan, 1.0, math.inf, 0.0])
+    s, inv = np.empty(5, F32), np.empty(5, F32)
+    _max_rule_scales(amax.numpy(), F32(448.0), F32(0.0), F32(np.finfo(F32).max), s, inv)
+    want = rules.max_scale(amax, "e4m3")
+    assert same_bits(torch.from_numpy(s), want)
+    assert same_bits(torch.from_numpy(inv), torch.reciprocal(want))
+    for mode, name in enumerate(("floor", "ceil", "even", "rceil")):
+        _mx_rule_scales(amax.numpy().view(np.uint32), mode, 8, 3, F32(1) / F32(448), s, inv)
+        code = rules.mx_exponent(amax, "e4m3", name)
+        assert same_bits(torch.from_numpy(s), rules.e8m0_to_scale(code)), name
+        assert torch.equal(torch.isnan(torch.from_numpy(inv)), code == 255), name
+
+
+BUFFER_CASES = [
+    *CASES,
+    ((128, 1), "max"),
+    ("mx_col", "mx_rceil"),
+    ((32, 1), "pow2_up"),
+    ((3, 5), "max"),
+    ("tensor", "pow2_down"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1", "hif8", "bf16"])
+def test_out_buffers_equal_the_allocating_path(fmt):
+    x = nasty((140, 290), seed=7)
+    for g, sc in BUFFER_CASES:
+        ref = fp8lab.quantize(x, fmt, g, sc)
+        out = torch.full_like(x, 123.0)
+        deq = torch.full_like(x, -7.0)
+        q = fp8lab.quantize(x, fmt, g, sc, out=out, dequantized_out=deq)
+        assert q.values.data_ptr() == out.data_ptr(), (g, sc)
+        assert same_bits(q.values, ref.values), (g, sc)
+        assert same_bits(deq, ref.dequantize()), (g, sc)
+        assert same_bits(q.scales, ref.scales) and same_bits(q.dequantize(), deq), (g, sc)
+        # values buffer only, and quantizing in place
+        q = fp8lab.quantize(x, fmt, g, sc, out=torch.empty_like(x))
+        assert same_bits(q.values, ref.values), (g, sc)
+        y = x.clone()
+        q = fp8lab.quantize(y, fmt, g, sc, out=y)
+        assert same_bits(y, ref.values), (g, sc)
+
+
+def test_out_buffers_other_shapes_and_dtypes():
+    x = torch.randn(4, 6, 64, dtype=torch.bfloat16)
+    ref = fp8lab.quantize(x, "e4m3", (1, 32))
+    out, deq = torch.empty(4, 6, 64), torch.empty(4, 6, 64)
+    q = fp8lab.quantize(x, "e4m3", (1, 32), out=out, dequantized_out=deq)
+    assert q.values.shape == (4, 6, 64)
+    assert torch.equal(out, ref.values) and torch.equal(deq, ref.dequantize())
+    e = torch.empty(0, 8)
+    q = fp8lab.quantize(e, "e4m3", "row", out=torch.empty(0, 8), dequantized_out=torch.empty(0, 8))
+    assert q.values.shape == (0, 8)
+
+
+def test_out_buffers_bad_input():
+    x = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="out has shape"):
+        fp8lab.quantize(x, "e4m3", out=torch.empty(8, 63))
+    with pytest.raises(ValueError, match="dequantized_out must be a contiguous float32"):
+        fp8lab.quantize(x, "e4m3", dequantized_out=torch.empty(8, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        fp8lab.quantize(x, "e4m3", out=torch.empty(64, 8).t())
+    with pytest.raises(TypeError, match=r"out must be a torch\.Tensor"):
+        fp8lab.quantize(x, "e4m3", out=np.empty((8, 64), F32))
+    buf = torch.empty(2, 8, 64)
+    with pytest.raises(ValueError, match="must not overlap"):
+        fp8lab.quantize(x, "e4m3", out=buf[0], dequantized_out=buf[0])
+    with pytest.raises(ValueError, match="must not require grad"):
+        fp8lab.quantize(x, "e4m3", out=torch.empty(8, 64, requires_grad=True))
+
+
+def test_retile_options_keep_values_and_count():
+    from fp8lab.quantize import retile_counts
+
+    x = nasty((256, 384), seed=9)
+    for g, sc in (((1, 128), "max"), ("mx", "mx_rceil"), ((1, 128), "pow2_down")):
+        q = fp8lab.quantize(x, "e4m3", g, sc)
+        ref = fp8lab.retile(q)
+        # the added error as the reference formula computes it (NaN ignored, inf -> FLT_MAX)
+        want = float(torch.nan_to_num((ref.dequantize() - q.dequantize()).abs(), nan=0.0).max())
+        assert ref.meta["retile_added_error"] == want
+        before = retile_counts()["from_quantized"]
+        out, deq = torch.empty_like(x), torch.empty_like(x)
+        r = fp8lab.retile(
+            q, measure_error=False, dequantized=q.dequantize(), out=out, dequantized_out=deq
+        )
+        assert retile_counts()["from_quantized"] == before + 1
+        assert r.meta["retile_added_error"] is None and r.retiled == 1
+        assert r.values.data_ptr() == out.data_ptr()
+        assert same_bits(r.values, ref.values) and same_bits(r.scales, ref.scales)
+        assert same_bits(deq, ref.dequantize())
+        r = fp8lab.retile(q, dequantized_out=deq)  # measured from the buffer
+        assert r.meta["retile_added_error"] == want
+    with pytest.raises(ValueError, match="dequantized must be float32"):
+        fp8lab.retile(q, dequantized=torch.zeros(3, 3))
