@@ -266,6 +266,8 @@ def test_operand_saturation_counts_clamps_only():
         == 0.0
     )
     assert operand_stats(hp, used)["saturation_pct"] == 0.0  # no spec (bf16): no saturation
+    flushed = operand_stats(hp, torch.zeros(4), QuantSpec(format="e4m3"))
+    assert flushed["underflow_pct"] == 100.0 and flushed["saturation_pct"] == 0.0
 
 
 def test_grad_spike_leaves_delayed_scaling_stale(qcorpus, tmp_path):

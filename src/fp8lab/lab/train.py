@@ -318,8 +318,9 @@ def operand_stats(
         fmt = spec.fmt
         half_ulp = 2.0 ** -(fmt.mbits + 1) if fmt.kind == "exmy" else 0.5
         top = b.abs().max()
-        clamped = (b.abs() == top) & (a.abs() > top * (1.0 + half_ulp) * (1.0 + 2.0**-20))
-        saturated = 100.0 * float(clamped.sum()) / max(1, a.numel())
+        if top > 0:  # an all-zero operand (everything underflowed) has nothing clamped
+            clamped = (b.abs() == top) & (a.abs() > top * (1.0 + half_ulp) * (1.0 + 2.0**-20))
+            saturated = 100.0 * float(clamped.sum()) / max(1, a.numel())
     return {
         "amax": _num(amax(a)),
         "underflow_pct": _num(underflow_pct(a, b)),
