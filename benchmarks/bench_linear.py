@@ -5,6 +5,9 @@ Each row times forward + backward (dx, dW, db) of one layer on the same input, m
 rounds that interleave all layers (after one warm-up run each), and prints the ratio to torch.nn.Linear fp32 measured in
 the same process. Targets (issue 4): te-current <= 1.15x, deepseek-v3 (fp32 accumulation) <= 1.4x,
 bf16 <= 1.1x.
+
+``--profile ROW`` (a row name, e.g. ``mxfp8``) then runs that layer ``--iters`` more times under
+cProfile and prints where the time goes (numba kernels appear as their Python names).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--in", dest="in_f", type=int, default=1024)
     ap.add_argument("--out", dest="out_f", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--profile", metavar="ROW", help="profile this row after the table")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -93,6 +97,23 @@ def main() -> None:
         tgt = TARGETS.get(name)
         mark = "" if tgt is None else f"<={tgt:.2f}" + (" ok" if t / ref <= tgt else " MISS")
         print(f"{name:42s} {t * 1e3:9.1f} {t / ref:7.2f} {mark:>9s}")
+    if args.profile:
+        _profile(dict(live), args.profile, x, dy, args.iters)
+
+
+def _profile(layers: dict[str, torch.nn.Module], row: str, x, dy, iters: int) -> None:
+    import cProfile
+    import pstats
+
+    if row not in layers:
+        raise SystemExit(f"--profile: unknown row {row!r}; rows: {', '.join(layers)}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        _step(layers[row], x, dy)
+    prof.disable()
+    print(f"\nprofile of {row!r}, {iters} steps (tottime = time inside the function itself):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad). When the blocks
 recipe's ``save_for_backward`` decides: ``"quantized"`` re-tiles the forward's quantized tensor
 (DeepSeek-V3: dequantize, re-quantize into the new tiles, `fp8lab.retile`); ``"high_precision"``
 keeps the fp32 tensor and quantizes it again in backward.
+
+Buffers: operands are written into float32 buffers from a small shared cache keyed by shape
+(`clear_buffer_cache`, `buffer_cache_limit`), not fresh allocations (a fresh 32 MB tensor costs
+more than the quantization pass that fills it). Where a GEMM will run on the dequantized operand
+(fp32 accumulation with scales varying along K, or the source of a re-tiling) the dequantized
+copy is written in the same pass as the quantized values. Results are bit for bit those of the
+allocating path (tests/nn/test_buffers.py).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from numba import njit
 
 from fp8lab.gemm import Accumulator, qmatmul
 from fp8lab.nn._kernels import round_bf16
@@ -411,17 +420,73 @@ def _gemm(
     `fp8lab.qmatmul` (its fp32 path multiplies K-constant scales onto the product of the grid
     values, as the hardware does); otherwise one fp32 ``addmm``/``mm``."""
     if qa is not None and qb is not None:
+        scale = None
         if acc.kind == "fp32" and qa.scales.shape[1] > 1 and qb.scales.shape[0] > 1:
             # scales vary along K: qmatmul's fp32 path is mm(dequantized, dequantized); do it
             # here with the memoised dequantized operands
             out = torch.mm(dense(None, qa), dense(None, qb))
+        elif acc.kind == "fp32" and _per_tensor(qa) and _per_tensor(qb):
+            # qmatmul's fp32 path for per-tensor scales, mm(values) * fl32(sa * sb), with the
+            # scale and the bias applied in one serial pass instead of two threaded torch ops
+            out = torch.mm(qa.values, qb.values)
+            scale = (qa.scales.reshape(()) * qb.scales.reshape(())).numpy()
         else:
             out = qmatmul(qa, qb, acc)
-        return out if bias is None else out.add_(bias)
+        if (scale is not None or bias is not None) and out.numel():
+            _epilogue(out, scale, bias)
+        return out
     a, b = dense(a, qa), dense(b, qb)
     if bias is not None:
         return torch.addmm(bias, a, b)
     return a @ b
+
+
+def _per_tensor(q: QTensor) -> bool:
+    return q.scales.numel() == 1 and q.global_scale is None and q.values.dtype == torch.float32
+
+
+@njit(cache=True)
+def _scale_bias_rows(o, n, s, b):  # pragma: no cover - numba
+    for i in range(o.shape[0] // n):
+        r = o[i * n : (i + 1) * n]
+        for j in range(n):
+            r[j] = np.float32(r[j] * s) + b[j]
+
+
+@njit(cache=True)
+def _scale_all(o, s):  # pragma: no cover - numba
+    for i in range(o.shape[0]):
+        o[i] = o[i] * s
+
+
+@njit(cache=True)
+def _bias_rows(o, n, b):  # pragma: no cover - numba
+    for i in range(o.shape[0] // n):
+        r = o[i * n : (i + 1) * n]
+        for j in range(n):
+            r[j] = r[j] + b[j]
+
+
+def _epilogue(out: torch.Tensor, scale: np.ndarray | None, bias: torch.Tensor | None) -> None:
+    """In place on a contiguous float32 [M, N] GEMM output: ``out = fl32(out * scale)`` then
+    ``fl32(out + bias)``, the same two roundings as ``out.mul_(scale).add_(bias)`` (no FMA),
+    in one serial numba pass (torch's threaded elementwise ops stall on a busy 2-core box)."""
+    if not out.is_contiguous():
+        if scale is not None:
+            out.mul_(torch.from_numpy(np.asarray(scale, dtype=np.float32)))
+        if bias is not None:
+            out.add_(bias)
+        return
+    o = out.view(-1).numpy()
+    n = out.shape[1]
+    if bias is not None:
+        b = bias.detach().to(torch.float32).contiguous().numpy()
+        if scale is None:
+            _bias_rows(o, n, b)
+        else:
+            _scale_bias_rows(o, n, np.float32(scale), b)
+    else:
+        _scale_all(o, np.float32(scale))
 
 
 def _t(a: torch.Tensor | None, q: QTensor | None):
