@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) scripts/check_report.py runs/demo/report.html
 
 demo-long: $(STAMP)
-	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 400 --set model.d_model=256 --set model.d_ff=768 --set train.eval_every=25 --set train.stats_every=100 --set train.checkpoint_every=50 --out runs/demo-long
+	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 600 --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -13,14 +13,11 @@ vocabulary is the 256 byte values. Every projection is a bias-free ``torch.nn.Li
     blocks.{i}.mlp.down    [d_model, d_ff]        SwiGLU down projection
     lm_head                [vocab_size, d_model]  output head (kept high precision by convert())
 
-Default sizes (2 layers, d_model 128, d_ff 512, 4 heads, context 128; 0.6 M parameters) are
-what ``make demo`` trains: eight recipes x 600 steps in a few minutes on 2 CPU cores, long enough
-for the transformer blocks (not only the embedding and head) to matter. Where 128-blocks differ
-from per-tensor scaling at these sizes: 1x128 activation/gradient tiles are per-row scales for the
-d_model-wide tensors and 4 tiles per row for the d_ff-wide ones; 128x128 weight blocks give
-``qkv`` 3 blocks, ``gate``/``up``/``down`` 4 blocks each, but ``attn.proj`` [128, 128] is a
-single block, i.e. per-tensor. Use d_model 256 (``--set model.d_model=256 --set
-model.d_ff=768``) for several blocks in every direction, at ~4x the cost.
+Default sizes (2 layers, d_model 256, d_ff 768, 4 heads, context 128; 1.9 M parameters) are
+what ``make demo`` trains. Every GEMM dimension is a multiple of 128 and larger than 128, so
+128x128 weight blocks and 1x128 activation tiles hold several blocks per tensor and really
+differ from one per-tensor scale (with d_model 128, a 1x128 tile of the qkv input would be a
+whole row, i.e. rowwise scaling, and ``attn.proj``'s 128x128 weight a single block).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ STATS = "stats.jsonl"
 class TrainConfig:
     """Optimisation and logging settings (the same for every recipe of a comparison)."""
 
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 8  # sequences of model.block_size bytes per step
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 25  # linear warmup, then cosine decay to min_lr_ratio * lr
@@ -57,10 +57,10 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     seed: int = 1337  # initial weights and batch order
-    eval_every: int = 50  # validation loss every k steps (and at the end)
+    eval_every: int = 25  # validation loss every k steps (and at the end)
     eval_batches: int = 4
     stats_every: int = 100  # operand statistics every k steps (0 = off)
-    checkpoint_every: int = 100  # and at the end
+    checkpoint_every: int = 50  # and at the end
     spike_threshold: float = 0.2  # a spike: loss > (1 + t) * EMA of the previous losses
     max_nonfinite_steps: int = 10  # that many non-finite losses in a row = diverged
 
