@@ -251,7 +251,7 @@ def test_fused_scale_rules_equal_the_rule_functions(fmt):
 
 def test_fused_scale_kernels_on_nan_amax():
     # quantize never produces a NaN amax (NaN elements are ignored): call the kernels directly
-    from fp8lab.quantize import _max_rule_scales, _mx_rule_scales
+    from fp8lab.qtensor import _max_rule_scales, _mx_rule_scales
     from fp8lab.scaling import rules
 
     amax = torch.tensor([math.nan, -math.nan, 1.0, math.inf, 0.0])
@@ -327,7 +327,7 @@ def test_out_buffers_bad_input():
 
 
 def test_retile_options_keep_values_and_count():
-    from fp8lab.quantize import retile_counts
+    from fp8lab.qtensor import retile_counts
 
     x = nasty((256, 384), seed=9)
     for g, sc in (((1, 128), "max"), ("mx", "mx_rceil"), ((1, 128), "pow2_down")):

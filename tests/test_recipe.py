@@ -6,7 +6,7 @@ import tomllib
 import pytest
 
 import fp8lab
-from fp8lab.quantize import QuantSpec
+from fp8lab.qtensor import QuantSpec
 from fp8lab.recipe import GEMMS, GemmConfig, Recipe, get_recipe, recipes
 
 EXPECTED = [

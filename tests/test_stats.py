@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8lab import get_format, stats
-from fp8lab.quantize import QuantSpec
+from fp8lab.qtensor import QuantSpec
 from fp8lab.scaling.delayed import DelayedScaling
 
 E4M3 = get_format("e4m3")

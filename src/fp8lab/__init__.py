@@ -24,11 +24,11 @@ _EXPORTS: dict[str, str] = {
     "to_torch_float8": "fp8lab.formats",
     "from_torch_float8": "fp8lab.formats",
     # L1 scaling / quantized tensors / statistics
-    "QuantSpec": "fp8lab.quantize",
-    "QTensor": "fp8lab.quantize",
-    "quantize": "fp8lab.quantize",
-    "fake_quant": "fp8lab.quantize",
-    "retile": "fp8lab.quantize",
+    "QuantSpec": "fp8lab.qtensor",
+    "QTensor": "fp8lab.qtensor",
+    "quantize": "fp8lab.qtensor",
+    "fake_quant": "fp8lab.qtensor",
+    "retile": "fp8lab.qtensor",
     "DelayedScaling": "fp8lab.scaling",
     # L2 GEMM and recipes
     "Accumulator": "fp8lab.gemm",
@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "autocast": "fp8lab.nn",
     "LossScaler": "fp8lab.optim",
 }
-_SUBMODULES = {"formats", "scaling", "quantize", "gemm", "recipe", "nn", "optim", "stats", "lab"}
+_SUBMODULES = {"formats", "scaling", "qtensor", "gemm", "recipe", "nn", "optim", "stats", "lab"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -59,7 +59,7 @@ from numba import njit, prange
 from numba import types as nbt
 from numba.extending import intrinsic
 
-from fp8lab.quantize import QTensor, QuantSpec, quantize
+from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.granularity import resolve_block
 
 __all__ = ["ACCUMULATOR_KINDS", "Accumulator", "qmatmul"]

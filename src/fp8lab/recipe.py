@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8lab.gemm import Accumulator
-from fp8lab.quantize import QuantSpec
+from fp8lab.qtensor import QuantSpec
 from fp8lab.scaling.delayed import DelayedScaling
 
 __all__ = [

@@ -286,7 +286,7 @@ _BLOCK = re.compile(r"^(\d+|-1)x(\d+|-1)$")
 def parse_spec(spec: Any) -> Any:
     """A `fp8lab.QuantSpec` from a spec string (see the module docstring); a QuantSpec passes
     through. A bare format name is a plain cast (fixed multiplier 1.0)."""
-    from fp8lab.quantize import QuantSpec
+    from fp8lab.qtensor import QuantSpec
 
     if isinstance(spec, QuantSpec):
         return spec
@@ -354,7 +354,7 @@ def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, 
     Returns ``(xq, values, format_name)``: ``xq`` the dequantized tensor (x's shape), ``values``
     the on-grid values in the scaled domain (same shape; used for the saturation count).
     """
-    from fp8lab.quantize import quantize
+    from fp8lab.qtensor import quantize
 
     spec = steady_spec(spec)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():

@@ -252,7 +252,7 @@ def test_negative_control_gradients_underflow(qcorpus, tmp_path):
 
 def test_operand_saturation_counts_clamps_only():
     from fp8lab.lab.train import operand_stats
-    from fp8lab.quantize import QuantSpec
+    from fp8lab.qtensor import QuantSpec
 
     hp = torch.tensor([1.0, 2.0, 100.0, 300.0])
     used = torch.tensor([1.0, 2.0, 100.0, 100.0])  # 300 clamped to the top value 100

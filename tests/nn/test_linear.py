@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fp8lab
 from fp8lab.nn import Linear, autocast, collect_operands
-from fp8lab.quantize import QuantSpec, fake_quant, quantize, retile_counts
+from fp8lab.qtensor import QuantSpec, fake_quant, quantize, retile_counts
 from fp8lab.recipe import get_recipe
 from fp8lab.scaling.delayed import DelayedScaling
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8lab
-from fp8lab.quantize import retile_counts
+from fp8lab.qtensor import retile_counts
 from fp8lab.scaling import granularity as G
 
 
@@ -37,7 +37,7 @@ def test_named_and_tuple_granularities():
 )
 @pytest.mark.parametrize("shape", [(300, 515), (128, 256), (1, 7), (7,), (2, 3, 40)])
 def test_block_amax_fast_equals_reference(block, shape):
-    from fp8lab.quantize import _block_amax_fast
+    from fp8lab.qtensor import _block_amax_fast
 
     x = torch.randn(shape, generator=gen()) * torch.exp(torch.randn(shape, generator=gen(1)) * 3)
     x.view(-1)[0] = math.nan

@@ -19,7 +19,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,

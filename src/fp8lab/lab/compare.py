@@ -62,7 +62,7 @@ Callback = Callable[[dict[str, Any]], None]
 # ----------------------------------------------------------------------------- recipes
 def lab_recipes() -> dict[str, Any]:
     """Recipes defined by the lab itself (not presets of ``fp8lab.recipes()``)."""
-    from fp8lab.quantize import QuantSpec
+    from fp8lab.qtensor import QuantSpec
     from fp8lab.recipe import Recipe
 
     return {

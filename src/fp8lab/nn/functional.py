@@ -42,7 +42,7 @@ from numba import njit
 
 from fp8lab.gemm import Accumulator, qmatmul
 from fp8lab.nn._kernels import round_bf16
-from fp8lab.quantize import QTensor, QuantSpec, quantize, retile
+from fp8lab.qtensor import QTensor, QuantSpec, quantize, retile
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 from fp8lab.scaling.granularity import resolve_block
 

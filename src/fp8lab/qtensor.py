@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1092,14 +1090,3 @@ def _added_error(new: torch.Tensor, old: torch.Tensor) -> float:
     a = new.reshape(-1).to(torch.float32).contiguous()
     b = old.reshape(-1).to(torch.float32).contiguous()
     return float(_max_abs_diff(a.numpy(), b.numpy()))
-
-
-class _CallableModule(types.ModuleType):
-    """``fp8lab.quantize`` is both this module and the function: importing the submodule binds
-    the package attribute to the module, so the module itself forwards calls to `quantize`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> QTensor:
-        return quantize(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
