@@ -171,13 +171,26 @@ def simulated_memory(model_cfg: GPTConfig, batch_size: int, recipe: Any) -> dict
 
 
 # ----------------------------------------------------------------------------- running
-def _worker(name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any) -> None:
-    """Child process: train one recipe, forward every event to the parent's queue."""
+def _set_threads(threads: int) -> None:
+    """Limit torch's and numba's thread pools (0 = leave both alone).
+
+    Both matter: recipes running in parallel processes each start numba's pool too, and an
+    oversubscribed pool makes the parallel cast kernels several times slower on 2 cores.
+    """
+    if threads <= 0:
+        return
+    import numba
     import torch
 
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def _worker(name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any) -> None:
+    """Child process: train one recipe, forward every event to the parent's queue."""
+
     try:
-        if threads > 0:
-            torch.set_num_threads(threads)
+        _set_threads(threads)
         cfg = LabConfig.from_dict(cfg_dict)
         corpus = load_corpus(cfg.data, cfg.model.block_size)
         train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=events.put)
@@ -218,10 +231,7 @@ def run_recipes(
     """Train (or resume) each recipe into ``out/runs/<name>``; ``jobs`` > 1 uses processes."""
     emit = callback or (lambda e: None)
     if jobs <= 1:
-        import torch
-
-        if threads > 0:
-            torch.set_num_threads(threads)
+        _set_threads(threads)
         corpus = load_corpus(cfg.data, cfg.model.block_size)
         for name in names:
             train_run(resolve_recipe(name), cfg, corpus, out / "runs" / name, callback=emit)
