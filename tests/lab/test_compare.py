@@ -2,7 +2,6 @@ import json
 import math
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from fp8lab.lab.compare import (
@@ -16,14 +15,6 @@ from fp8lab.lab.compare import (
 )
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.train import ConfigMismatchError, LabConfig, TrainConfig
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

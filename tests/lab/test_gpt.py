@@ -5,16 +5,6 @@ import torch
 
 from fp8lab.lab.gpt import GPT, GPTConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models: torch's thread pool only adds synchronisation (and spins on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, d_ff=64)
 
 

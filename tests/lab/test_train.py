@@ -15,16 +15,6 @@ from fp8lab.lab.train import (
     train_run,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models: torch's thread pool only adds synchronisation (and spins on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TINY = LabConfig(
     model=GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, d_ff=64),
     train=TrainConfig(
