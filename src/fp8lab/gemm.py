@@ -54,11 +54,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, prange
-from numba import types as nbt
-from numba.extending import intrinsic
 
+from fp8lab._bits import f64_to_u64 as _f64_to_u64
+from fp8lab._bits import u64_to_f64 as _u64_to_f64
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.granularity import resolve_block
 
@@ -297,26 +296,6 @@ def _round_out(out: torch.Tensor, out_format: str | None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ limited model
-@intrinsic
-def _f64_to_u64(typingctx, x):  # pragma: no cover - numba
-    if x != nbt.float64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return nbt.uint64(nbt.float64), codegen
-
-
-@intrinsic
-def _u64_to_f64(typingctx, x):  # pragma: no cover - numba
-    if x != nbt.uint64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return nbt.float64(nbt.uint64), codegen
 
 
 @njit(cache=True, inline="always")

@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit
-from numba import types as nbt
-from numba.extending import intrinsic
 
+from fp8lab._bits import f32_to_u32 as _f32_to_u32
+from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import FloatFormat, get_format
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling
@@ -529,29 +528,6 @@ def _scale_mul(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
             c0 = base + cb * bk
             c1 = base + min((cb + 1) * bk, cols)
             _seg_mul(x[c0:c1], of[c0:c1], mult[br, cb])
-
-
-@intrinsic
-def _f32_to_u32(typingctx, x):  # pragma: no cover - numba
-    """Bit pattern of a float32 (an LLVM bitcast; array views inside numba are unreliable)."""
-    if x != nbt.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return nbt.uint32(nbt.float32), codegen
-
-
-@intrinsic
-def _u32_to_f32(typingctx, x):  # pragma: no cover - numba
-    if x != nbt.uint32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return nbt.float32(nbt.uint32), codegen
 
 
 @njit(cache=True, inline="always")
