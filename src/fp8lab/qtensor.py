@@ -559,15 +559,23 @@ def _seg_cast(
         os[i] = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
 
 
+@njit(cache=True, inline="always")
+def _rne_consts(mbits, emin_biased):  # pragma: no cover - numba
+    """Bit constants of `_rne_sat` for an ExMy grid: rounding shift, half-ulp - 1, kept-bits
+    mask, and the float32 bits of the smallest normal's exponent."""
+    shift = np.uint32(23 - mbits)
+    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
+    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    return shift, half_m1, lowmask, emin_bits
+
+
 @njit(cache=True)
 def _scale_cast_rne(
     x, rows, cols, bm, bk, mult, of, mbits, emin_biased, maxbits, magic, signed_zero
 ):  # pragma: no cover - numba
     """of = RNE_saturate(x * mult[block]) onto an ExMy grid with subnormals."""
-    shift = np.uint32(23 - mbits)
-    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
-    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
-    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
     for r in range(rows):
         br = r // bm
         base = r * cols
@@ -596,10 +604,7 @@ def _scale_cast_rne_deq(
 ):  # pragma: no cover - numba
     """`_scale_cast_rne` that also writes ``df = of * inv[block]`` (the dequantized tensor,
     bit for bit `QTensor.dequantize`) in the same pass."""
-    shift = np.uint32(23 - mbits)
-    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
-    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
-    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
     for r in range(rows):
         br = r // bm
         base = r * cols
@@ -645,10 +650,7 @@ def _scale_cast_rne_narrow(
     """`_scale_cast_rne(_deq)` for narrow blocks (``bk`` of a few columns, e.g. (128, 1)):
     the block row's multipliers are expanded to one per column once, so each row is one
     vectorisable sweep instead of ``cols / bk`` tiny segments."""
-    shift = np.uint32(23 - mbits)
-    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
-    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
-    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
     sv = np.empty(cols, dtype=np.float32)
     iv = np.empty(cols, dtype=np.float32)
     for br in range(mult.shape[0]):

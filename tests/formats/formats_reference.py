@@ -7,6 +7,7 @@ kernel's integer significand arithmetic; `hif8_ta_codebook` is a nearest-neighbo
 
 from __future__ import annotations
 
+import ml_dtypes as md
 import numpy as np
 
 from fp8lab.formats import hif8
@@ -225,3 +226,22 @@ def assert_same(got, want, x=None, what: str = "") -> None:
             f"{what}: {(~ok).sum()} mismatches; {detail}got {np.asarray(got)[i].tolist()} "
             f"want {np.asarray(want)[i].tolist()}"
         )
+
+
+# ml_dtypes oracles by fp8lab format name: its fp8 casts never saturate, its fp4/fp6 casts always do
+ML_NONSAT = {
+    "e4m3": md.float8_e4m3fn,
+    "e5m2": md.float8_e5m2,
+    "e4m3fnuz": md.float8_e4m3fnuz,
+    "e5m2fnuz": md.float8_e5m2fnuz,
+    "e4m3-ieee": md.float8_e4m3,
+    "e3m4": md.float8_e3m4,
+    "e8m0": md.float8_e8m0fnu,
+    "bf16": md.bfloat16,
+    "fp16": np.float16,
+}
+ML_SAT = {
+    "e2m1": md.float4_e2m1fn,
+    "e2m3": md.float6_e2m3fn,
+    "e3m2": md.float6_e3m2fn,
+}

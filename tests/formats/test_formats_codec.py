@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ml_dtypes as md
 import numpy as np
 import pytest
 import torch
+from formats_reference import ML_NONSAT, ML_SAT
 
 from fp8lab import cast, decode, encode, from_torch_float8, get_format, to_torch_float8
 
@@ -23,18 +23,7 @@ EIGHT_BIT = [
 ]
 SMALL = ["e2m1", "e2m3", "e3m2", "e3m3"]
 
-ML = {
-    "e4m3": md.float8_e4m3fn,
-    "e5m2": md.float8_e5m2,
-    "e4m3fnuz": md.float8_e4m3fnuz,
-    "e5m2fnuz": md.float8_e5m2fnuz,
-    "e4m3-ieee": md.float8_e4m3,
-    "e3m4": md.float8_e3m4,
-    "e8m0": md.float8_e8m0fnu,
-    "e2m1": md.float4_e2m1fn,
-    "e2m3": md.float6_e2m3fn,
-    "e3m2": md.float6_e3m2fn,
-}
+ML = {k: v for k, v in {**ML_NONSAT, **ML_SAT}.items() if k not in ("bf16", "fp16")}
 
 
 @pytest.mark.parametrize("fmt", EIGHT_BIT + SMALL)

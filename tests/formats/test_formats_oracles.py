@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from formats_reference import (
+    ML_NONSAT,
+    ML_SAT,
     all_bf16,
     all_fp16,
     assert_same,
@@ -27,23 +29,6 @@ from formats_reference import (
 from fp8lab import cast, get_format
 
 N_RANDOM = 1_000_000
-
-ML_NONSAT = {  # ml_dtypes fp8: overflow -> Inf or NaN
-    "e4m3": md.float8_e4m3fn,
-    "e5m2": md.float8_e5m2,
-    "e4m3fnuz": md.float8_e4m3fnuz,
-    "e5m2fnuz": md.float8_e5m2fnuz,
-    "e4m3-ieee": md.float8_e4m3,
-    "e3m4": md.float8_e3m4,
-    "e8m0": md.float8_e8m0fnu,
-    "bf16": md.bfloat16,
-    "fp16": np.float16,
-}
-ML_SAT = {  # ml_dtypes fp4/fp6: always saturate
-    "e2m1": md.float4_e2m1fn,
-    "e2m3": md.float6_e2m3fn,
-    "e3m2": md.float6_e3m2fn,
-}
 
 
 @functools.cache
