@@ -1,6 +1,9 @@
 # Every target sets itself up: a fresh machine needs only python3 and make.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
+FP8LAB  := .venv/bin/fp8lab
+# demo-long has no time budget: it adds te-current to the default recipes
+LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e4m3-unscaled-grads
 
 .PHONY: demo demo-long test lint format bench clean
 
@@ -12,11 +15,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	.venv/bin/fp8lab compare --jobs 2 --threads 1 --out runs/demo
+	$(FP8LAB) compare --jobs 2 --threads 1 --out runs/demo
 	$(PY) scripts/check_report.py runs/demo/report.html
 
 demo-long: $(STAMP)
-	.venv/bin/fp8lab compare --jobs 2 --threads 1 --steps 600 --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
+	$(FP8LAB) compare --jobs 2 --threads 1 --steps 1000 --recipes $(LONG_RECIPES) --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
+	$(PY) scripts/check_report.py runs/demo-long/report.html
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -49,7 +49,9 @@ SCHEMA_KEYS = {
 def test_default_recipes_have_five_plus_a_negative_control():
     assert NEGATIVE_CONTROL in DEFAULT_RECIPES and "bf16" in DEFAULT_RECIPES
     assert "fp32" in DEFAULT_RECIPES
-    assert len([r for r in DEFAULT_RECIPES if r not in ("fp32", "bf16", NEGATIVE_CONTROL)]) >= 5
+    # at least 5 recipes besides the control, and the four FP8 families among them
+    assert len([r for r in DEFAULT_RECIPES if r != NEGATIVE_CONTROL]) >= 5
+    assert {"te-delayed", "deepseek-v3", "mxfp8", "hif8-delayed"} <= set(DEFAULT_RECIPES)
     for r in DEFAULT_RECIPES:
         resolve_recipe(r)
 
