@@ -413,16 +413,20 @@ def _limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
         return out
     grp = acc.group
     span = pe if pe is not None else grp  # K elements between promotions (or per group)
-    # K elements per batched group-sum GEMM: several promotion intervals at once (fewer, larger
-    # torch calls), but at least one interval
-    step = span * max(1, _BATCH_K // span)
-    kp = -(-k // step) * step
+    # K elements per batched group-sum GEMM: up to _BATCH_K // span promotion intervals at once
+    # (fewer, larger torch calls), as many per call as make the calls cover K evenly: K = 256
+    # with span 128 is one call of 2 intervals, not a call of 4 with 2 all-zero ones (zero
+    # padding is exact but its MACs cost as much as real ones)
+    intervals = -(-k // span)
+    calls = -(-intervals // max(1, _BATCH_K // span))
+    step = span * -(-intervals // calls)
+    kp = calls * step
     # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
     # cutting an already cut accumulator is a no-op and promoting 0 adds +0
-    va = torch.zeros((m, kp), dtype=torch.float64)
-    va[:, :k] = a.values
-    vb = torch.zeros((kp, n), dtype=torch.float64)
-    vb[:k] = b.values
+    va, vb = a.values.double(), b.values.double()
+    if kp > k:
+        va = torch.nn.functional.pad(va, (0, kp - k))
+        vb = torch.nn.functional.pad(vb, (0, 0, 0, kp - k))
     ng = step // grp
     gpp = span // grp if pe is not None else 0
     nst = step // span
