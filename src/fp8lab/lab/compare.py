@@ -291,11 +291,12 @@ def run_recipes(
 
 
 def relative_cost(recipe: Any) -> float:
-    """Rough cost of a recipe's training step relative to fp32 (for scheduling only): limited-
-    precision accumulation is emulated in K-groups (~5x), MX blocks cost ~1.7x, others ~1.2x."""
+    """Rough cost of a recipe's training step relative to fp32 (for scheduling only; measured by
+    benchmarks/bench_train_step.py): limited-precision accumulation, emulated with float64
+    K-group GEMMs, ~3x; MX blocks ~1.2-1.7x; others ~1.2x."""
     gemms = [getattr(recipe, g) for g in ("fprop", "dgrad", "wgrad")]
     if any(g.accumulator.kind == "limited" for g in gemms):
-        return 5.0
+        return 3.0
     if any(getattr(recipe, r) is not None and getattr(recipe, r).block[1] == 32 for r in
            ("input", "weight", "grad_output")):  # fmt: skip
         return 1.7
