@@ -114,6 +114,22 @@ def test_limited_matches_exact_reference_per_tensor(acc):
     np.testing.assert_array_equal(got, reference_limited(qa, qb, acc))
 
 
+@pytest.mark.parametrize(
+    ("m", "k", "promote_every"),
+    [(70, 1100, 128), (66, 768, 128), (9, 1100, None), (5, 640, 32)],
+)
+def test_limited_over_several_batched_k_calls(m, k, promote_every):
+    # K longer than one batched group-sum call (512), split into calls that need not divide K,
+    # and more rows than one row chunk (64): still the exact reference
+    a, b = wide((m, k), 5), wide((k, 7), 6)
+    if promote_every is None:
+        qa, qb = quantize(a, "e4m3"), quantize(b, "e4m3")
+    else:
+        qa, qb = quantize(a, "e4m3", (1, 128), "max"), quantize(b, "e4m3", (128, 128), "max")
+    acc = Accumulator("limited", promote_every=promote_every, mantissa_bits=9)
+    np.testing.assert_array_equal(qmatmul(qa, qb, acc).numpy(), reference_limited(qa, qb, acc))
+
+
 @pytest.mark.parametrize("per_product", [False, True])
 def test_limited_block_scales_promoted_with_k_group_scales(per_product):
     a, b = wide((4, 256), 3), wide((256, 70), 4)
