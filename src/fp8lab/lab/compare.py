@@ -44,8 +44,9 @@ from fp8lab.lab.train import (
 
 SCHEMA_VERSION = 1
 NEGATIVE_CONTROL = "e4m3-unscaled-grads"
-#: what `fp8lab compare` runs without --recipes (and what `make demo` shows): the issue's five
-#: (bf16 + four FP8 families), fp32 for the fp32-vs-bf16 gap, and the negative control.
+#: what `fp8lab compare` runs without --recipes (and what `make demo` shows): the bf16 baseline,
+#: one recipe per FP8 family (TE, DeepSeek-V3, MX, HiF8), fp32 for the fp32-vs-bf16 gap, and the
+#: negative control.
 #: te-current is left out only for `make demo`'s 10-minute budget (`make demo-long` adds it).
 DEFAULT_RECIPES = (
     "fp32",

@@ -51,7 +51,7 @@ class TrainConfig:
     batch_size: int = 8  # sequences of model.block_size bytes per step
     # peak learning rate. With beta2 0.99, 1e-3 leaves the byte-bigram plateau (val ~2.49) within
     # 400 steps (fp32: 2.26) and keeps runs that differ only in rounding close (fp32 vs bf16:
-    # 0.04 %); 2e-3 learns faster but fp32 and bf16 drift 1-2 % apart; 3e-3 / 0.95 stays on the
+    # 0.05 %); 2e-3 learns faster but fp32 and bf16 drift 1-2 % apart; 3e-3 / 0.95 stays on the
     # plateau (2.47)
     lr: float = 1e-3
     warmup_steps: int = 25  # linear warmup, then cosine decay to min_lr_ratio * lr
