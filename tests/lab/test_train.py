@@ -24,11 +24,17 @@ TINY = LabConfig(
 )  # fmt: skip
 
 
+def _text_corpus(tmp_path_factory, line: str, repeats: int):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text(line * repeats)
+    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    f = tmp_path_factory.mktemp("text") / "t.txt"
-    f.write_text("All the world's a stage, and all the men and women merely players. " * 60)
-    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+    return _text_corpus(
+        tmp_path_factory, "All the world's a stage, and all the men and women merely players. ", 60
+    )
 
 
 def _losses(records):
@@ -179,9 +185,11 @@ QTINY = LabConfig(
 
 @pytest.fixture(scope="module")
 def qcorpus(tmp_path_factory):
-    f = tmp_path_factory.mktemp("qtext") / "t.txt"
-    f.write_text("Now is the winter of our discontent made glorious summer by this sun. " * 40)
-    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+    return _text_corpus(
+        tmp_path_factory,
+        "Now is the winter of our discontent made glorious summer by this sun. ",
+        40,
+    )
 
 
 @pytest.mark.parametrize("name", ["te-delayed", "hif8-delayed"])

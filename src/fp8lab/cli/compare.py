@@ -108,7 +108,7 @@ def register(app: typer.Typer) -> None:
             None, "--jobs", help="Recipes trained at once in separate processes (default 1)."
         ),
         threads: int = typer.Option(
-            0, "--threads", help="torch threads per process (0 = torch's default)."
+            0, "--threads", help="torch and numba threads per process (0 = their defaults)."
         ),
         outlier_channels: int | None = typer.Option(
             None, "--outlier-channels", help="Inject this many outlier input channels per layer."
