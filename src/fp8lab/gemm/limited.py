@@ -1,0 +1,202 @@
+"""The ``limited`` accumulator model: exact MMA-group sums cut to ``mantissa_bits`` (see
+`fp8lab.gemm`), with optional promotion into FP32 every ``promote_every`` K elements."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from fp8lab._bits import f64_to_u64 as _f64_to_u64
+from fp8lab._bits import u64_to_f64 as _u64_to_f64
+from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.operands import blocks as _blocks
+from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
+from fp8lab.qtensor import QTensor
+
+__all__ = ["limited"]
+
+_ROW_CHUNK = 64  # output rows per pass of the limited model
+_BATCH_K = 512  # K elements per batched group-sum GEMM
+
+
+@njit(cache=True, inline="always")
+def _cut(v, drop, half_m1, mask, rne):
+    """Keep ``52 - drop`` fraction bits of a float64: truncate (RZ) or round to nearest even."""
+    u = _f64_to_u64(v)
+    if rne:
+        u = u + half_m1 + ((u >> drop) & np.uint64(1))
+    return _u64_to_f64(np.uint64(u & mask))
+
+
+@njit(cache=True)
+def _acc_step(acc, buf, drop, rne, gpp, out, sa, sb):  # pragma: no cover - numba
+    """For each group g of buf [G, rows, cols]: acc = cut(acc + buf[g]); after every ``gpp``
+    groups (0 = never) promote: out += f32(sa[r, t] * sb[t, n]) * f32(acc), acc = 0, where t
+    counts the promotions within this call.
+
+    Serial on purpose: it runs between torch GEMM calls, and alternating two thread pools on two
+    cores makes both spin.
+    """
+    ng, rows, cols = buf.shape
+    dropu = np.uint64(drop)
+    half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
+    mask = ~((np.uint64(1) << dropu) - np.uint64(1))
+    for r in range(rows):
+        for g in range(ng):
+            for n in range(cols):
+                acc[r, n] = _cut(acc[r, n] + buf[g, r, n], dropu, half_m1, mask, rne)
+            if gpp > 0 and (g + 1) % gpp == 0:
+                t = g // gpp
+                s_r = sa[r, t]
+                for n in range(cols):
+                    out[r, n] += (s_r * sb[t, n]) * np.float32(acc[r, n])
+                    acc[r, n] = 0.0
+
+
+@njit(parallel=True, cache=True)
+def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover - numba
+    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product."""
+    rows, cols = acc.shape
+    dropu = np.uint64(drop)
+    half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
+    mask = ~((np.uint64(1) << dropu) - np.uint64(1))
+    keep = 52 - drop
+    tile = 64
+    ntiles = (cols + tile - 1) // tile
+    for job in prange(rows * ntiles):
+        r = job // ntiles
+        n0 = (job % ntiles) * tile
+        n1 = min(n0 + tile, cols)
+        emax = np.zeros(tile, dtype=np.uint64)
+        qinv = np.empty(tile, dtype=np.float64)
+        q = np.empty(tile, dtype=np.float64)
+        s = np.empty(tile, dtype=np.float64)
+        for g0 in range(k0, k1, group):
+            g1 = min(g0 + group, k1)
+            for j in range(n1 - n0):
+                emax[j] = np.uint64(0)
+                s[j] = 0.0
+            for k in range(g0, g1):
+                av = a[r, k]
+                for j in range(n1 - n0):
+                    e = (_f64_to_u64(av * b[k, n0 + j]) >> np.uint64(52)) & np.uint64(0x7FF)
+                    emax[j] = max(emax[j], e)
+            for j in range(n1 - n0):
+                # quantum 2**(e_max - keep) of the group's largest product (biased exponents)
+                eq = np.int64(emax[j]) - keep
+                eq = max(eq, np.int64(1))
+                q[j] = _u64_to_f64(np.uint64(eq) << np.uint64(52))
+                qinv[j] = _u64_to_f64(np.uint64(2046 - eq) << np.uint64(52))
+            for k in range(g0, g1):
+                av = a[r, k]
+                for j in range(n1 - n0):
+                    s[j] += np.trunc(av * b[k, n0 + j] * qinv[j]) * q[j]
+            for j in range(n1 - n0):
+                acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
+
+
+def _interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scales of a per (row, promotion interval) [M, T] and of b per (interval, column)
+    [T, N] for the intervals of ``span`` K elements up to ``kp`` (padding reuses the last)."""
+    bma, bka = _blocks(a)
+    bkb, bnb = _blocks(b)
+    k = a.shape[1]
+    starts = [min(p, k - 1) for p in range(0, kp, span)]
+    ia = torch.tensor([s // bka for s in starts], dtype=torch.long)
+    ib = torch.tensor([s // bkb for s in starts], dtype=torch.long)
+    sa = a.scales[:, ia].repeat_interleave(bma, dim=0)[: a.shape[0]]
+    sb = b.scales[ib, :].repeat_interleave(bnb, dim=1)[:, : b.shape[1]]
+    return (
+        np.ascontiguousarray(sa.float().numpy()),
+        np.ascontiguousarray(sb.float().numpy()),
+    )
+
+
+def limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    pe = acc.promote_every
+    if pe is None and kb < k:
+        raise ValueError(
+            f"limited accumulation without promotion applies the scales to the output, but these "
+            f"operands' scales change every {kb} elements along K: set promote_every to a "
+            f"multiple of group={acc.group} dividing {kb} (DeepSeek: 128)"
+        )
+    if pe is not None and kb < k and kb % pe:
+        raise ValueError(
+            f"promote_every={pe} does not divide the operands' K scale block ({kb}): the "
+            "promoted partial sums would straddle two scale groups"
+        )
+    drop = 52 - acc.mantissa_bits
+    rne = acc.rounding == "nearest_even"
+    out = torch.zeros((m, n), dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    grp = acc.group
+    span = pe if pe is not None else grp  # K elements between promotions (or per group)
+    # K elements per batched group-sum GEMM: up to _BATCH_K // span promotion intervals at once
+    # (fewer, larger torch calls), as many per call as make the calls cover K evenly: K = 256
+    # with span 128 is one call of 2 intervals, not a call of 4 with 2 all-zero ones (zero
+    # padding is exact but its MACs cost as much as real ones)
+    intervals = -(-k // span)
+    calls = -(-intervals // max(1, _BATCH_K // span))
+    step = span * -(-intervals // calls)
+    kp = calls * step
+    # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
+    # cutting an already cut accumulator is a no-op and promoting 0 adds +0
+    va, vb = a.values.double(), b.values.double()
+    if kp > k:
+        va = torch.nn.functional.pad(va, (0, kp - k))
+        vb = torch.nn.functional.pad(vb, (0, 0, 0, kp - k))
+    ng = step // grp
+    gpp = span // grp if pe is not None else 0
+    nst = step // span
+    o_np = out.numpy()
+    chunk = min(_ROW_CHUNK, m) if not acc.per_product else m
+    accbuf = np.zeros((chunk, n), dtype=np.float64)
+    zero = np.zeros((1, chunk, n), dtype=np.float64)  # a promotion pass without new sums
+    if not acc.per_product:
+        gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
+    if pe is not None:
+        sa_all, sb_all = _interval_scales(a, b, kp, span)
+    else:
+        unit_a = np.ones((chunk, max(nst, 1)), dtype=np.float32)
+        unit_b = np.ones((max(nst, 1), n), dtype=np.float32)
+    for r0 in range(0, m, chunk):
+        r1 = min(r0 + chunk, m)
+        rows = r1 - r0
+        acc_np = accbuf[:rows]
+        acc_np[:] = 0.0
+        for p0 in range(0, kp, step):
+            if pe is not None:
+                t0 = p0 // span
+                sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
+                sb = np.ascontiguousarray(sb_all[t0 : t0 + nst])
+            else:
+                sa, sb = unit_a[:rows], unit_b
+            if acc.per_product:
+                for t in range(nst):
+                    q0 = p0 + t * span
+                    _acc_per_product(
+                        va.numpy()[r0:r1], vb.numpy(), q0, q0 + span, grp, drop, rne, acc_np
+                    )
+                    _acc_step(acc_np, zero[:1, :rows], drop, rne, 1 if pe else 0, o_np[r0:r1],
+                              np.ascontiguousarray(sa[:, t : t + 1]), np.ascontiguousarray(sb[t : t + 1]))  # fmt: skip
+                continue
+            # all group sums of this step in one batched GEMM: [ng, rows, grp] @ [ng, grp, n]
+            a3 = va[r0:r1, p0 : p0 + step].reshape(rows, ng, grp).transpose(0, 1)
+            b3 = vb[p0 : p0 + step].reshape(ng, grp, n)
+            g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=gbuf)
+            _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
+        if pe is None:  # never promoted: out = f32(acc), scales applied below
+            _acc_step(acc_np, zero[:, :rows], drop, rne, 1, o_np[r0:r1], unit_a[:rows], unit_b)
+    if pe is None:
+        out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
+    elif a.global_scale is not None or b.global_scale is not None:
+        g = torch.ones(())
+        for q in (a, b):
+            if q.global_scale is not None:
+                g = g * q.global_scale
+        out.mul_(g)
+    return out

@@ -1,0 +1,103 @@
+"""`qmatmul`: the emulated GEMM entry point, dispatching to the accumulator models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.limited import limited
+from fp8lab.gemm.operands import as_qtensors, check_pair, k_constant_scales
+from fp8lab.qtensor import QTensor, QuantSpec
+
+__all__ = ["OUT_FORMATS", "qmatmul"]
+
+OUT_FORMATS = ("fp32", "bf16", "fp16")
+_NATIVE_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def qmatmul(
+    a: QTensor | torch.Tensor,
+    b: QTensor | torch.Tensor,
+    accumulator: str | Accumulator | dict[str, Any] | None = "fp32",
+    out_format: str | None = None,
+    *,
+    spec: QuantSpec | None = None,
+    spec_b: QuantSpec | None = None,
+    native: bool = False,
+) -> torch.Tensor:
+    """Emulated ``a @ b``: ``a`` ``[M, K]``, ``b`` ``[K, N]`` -> float32 ``[M, N]``.
+
+    Args:
+        a, b: `QTensor` operands, or float tensors quantized here with ``spec`` (``a``) and
+            ``spec_b`` (``b``; default: ``spec`` with its block transposed, so that a (1, 128)
+            activation spec gives (128, 1) for ``b``).
+        accumulator: an `Accumulator`, its kind as a string (``"fp32"``, ``"limited"``) or a dict.
+        out_format: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"``: the output's rounding.
+        native: use ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, fp32 accumulator).
+
+    Raises:
+        ValueError: non-2-D operands, mismatched K, scale blocks along K that do not line up
+            (e.g. ``b`` tiled along N instead of K: retile it), a limited accumulator without
+            promotion over K-varying scales, or ``native`` where it does not apply.
+    """
+    acc = Accumulator.parse(accumulator)
+    qa, qb = as_qtensors(a, b, spec, spec_b)
+    kb = check_pair(qa, qb)
+    if native:
+        out = _native(qa, qb, acc)
+    elif acc.kind == "fp32":
+        out = _fp32(qa, qb, kb)
+    else:
+        out = limited(qa, qb, acc, kb)
+    return _round_out(out, out_format)
+
+
+def _fp32(a: QTensor, b: QTensor, kb: int) -> torch.Tensor:
+    k = a.shape[1]
+    if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
+        out = torch.mm(a.values.float(), b.values.float())
+        if (
+            a.scales.numel() == 1
+            and b.scales.numel() == 1
+            and a.global_scale is None
+            and (b.global_scale is None)
+        ):
+            return out.mul_(a.scales.reshape(()) * b.scales.reshape(()))
+        return out.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
+    return torch.mm(a.dequantize(), b.dequantize())
+
+
+def _native(a: QTensor, b: QTensor, acc: Accumulator) -> torch.Tensor:
+    if acc.kind != "fp32":
+        raise ValueError("native=True runs torch._scaled_mm: it has no limited-accumulator model")
+    for name, q in (("a", a), ("b", b)):
+        if (
+            q.spec.format not in _NATIVE_FORMATS
+            or q.scales.numel() != 1
+            or q.global_scale is not None
+        ):
+            raise ValueError(
+                f"native=True needs per-tensor e4m3/e5m2 operands; {name} is "
+                f"{q.spec.format} with {q.scales.numel()} scales"
+            )
+    a8 = a.values.to(_NATIVE_FORMATS[a.spec.format])
+    b8 = b.values.to(_NATIVE_FORMATS[b.spec.format]).t().contiguous().t()  # column-major
+    return torch._scaled_mm(
+        a8,
+        b8,
+        scale_a=a.scales.reshape(()).float(),
+        scale_b=b.scales.reshape(()).float(),
+        out_dtype=torch.float32,
+    )
+
+
+def _round_out(out: torch.Tensor, out_format: str | None) -> torch.Tensor:
+    if out_format is None or out_format in ("fp32", "float32"):
+        return out
+    if out_format in ("bf16", "bfloat16"):
+        return out.to(torch.bfloat16).to(torch.float32)
+    if out_format in ("fp16", "float16", "half"):
+        return out.to(torch.float16).to(torch.float32)
+    raise ValueError(f"out_format must be one of {OUT_FORMATS} or None, got {out_format!r}")
