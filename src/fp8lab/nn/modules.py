@@ -27,9 +27,7 @@ def _make_states(recipe: Recipe) -> dict[str, DelayedScaling]:
             if spec is not None and spec.is_delayed:
                 key = state_key(recipe, g, role)
                 if key not in states:
-                    ds = spec.scaling.fresh()
-                    ds.set_format(spec.format)
-                    states[key] = ds
+                    states[key] = DelayedScaling.bind(spec.scaling, spec.format)
     return states
 
 

@@ -160,6 +160,14 @@ class DelayedScaling:
             group=self.group,
         )
 
+    @classmethod
+    def bind(cls, scaling: DelayedScaling, fmt: str | FloatFormat) -> DelayedScaling:
+        """A new stateful object with ``scaling``'s configuration, a zero state and ``fmt``'s
+        maximum: what a module that quantizes one tensor owns (one per tensor)."""
+        ds = scaling.fresh()
+        ds.set_format(fmt)
+        return ds
+
     def __repr__(self) -> str:
         algo = (
             getattr(self.algorithm, "__name__", "callable")

@@ -1,0 +1,19 @@
+"""One check for plain-data configuration: unknown keys are an error that names them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["check_keys"]
+
+
+def check_keys(d: Mapping[str, Any], known: Iterable[str], what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` and the keys of ``d`` outside ``known`` (sorted),
+    with the known keys listed; ``d`` must be a mapping."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{what} must be a table/dict, got {type(d).__name__}")
+    known = set(known)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} keys: {unknown} (known: {sorted(known)})")
