@@ -71,7 +71,9 @@ def te_python_reference(seq, L, algo, margin=0, fmt_max=E4M3_MAX):
         hist = [*hist[1:], hist[0]]
         hist[0] = F32(0)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            sf = F32(F32(fmt_max) / amax) / F32(2.0**margin)
+            # TE's `fp8_max / amax` with a Python float numerator: Tensor.__rdiv__ in eager
+            # PyTorch, amax.reciprocal() * fp8_max (two float32 roundings)
+            sf = F32(F32(F32(1) / amax) * F32(fmt_max)) / F32(2.0**margin)
         if np.isfinite(amax) and amax > 0:
             scale = F32(sf)
         if np.isinf(scale):
@@ -139,6 +141,43 @@ def test_python_path_matches_te_unfused(L, algo):
     got = run(DelayedScaling(history_len=L, algorithm=algo, update_path="python"), SEQ)
     want = te_python_reference(SEQ, L, algo)
     np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_python_path_is_te_eager_reciprocal_times_max():
+    # issue example: amax 3.0, L = 1, e4m3: TE's unfused path gives 0x43155556 (the correctly
+    # rounded quotient 448/3 is 0x43155555, which the fused path keeps)
+    ds = DelayedScaling(history_len=1, update_path="python", fmt="e4m3")
+    ds.observe(3.0)
+    ds.update()
+    assert ds.scale.view(torch.int32).item() == 0x43155556
+    fused = DelayedScaling(history_len=1, fmt="e4m3")
+    fused.observe(3.0)
+    fused.update()
+    assert fused.scale.view(torch.int32).item() == 0x43155555
+
+
+@pytest.mark.parametrize(("fmt", "fmax", "margin", "nguard"),
+                         [("e4m3", 448.0, 0, 0), ("e5m2", 57344.0, 1, 2), ("e4m3", 448.0, 0, 8)])  # fmt: skip
+def test_python_path_equals_torch_eager_over_many_amaxes(fmt, fmax, margin, nguard):
+    # TE _default_sf_compute evaluated by eager torch itself: (fp8_max / amax) / 2**margin,
+    # with the Python float numerator (the path's total margin is margin + nguard)
+    rng = np.random.default_rng(5)
+    amaxes = np.concatenate([
+        rng.random(300, dtype=np.float32) * F32(100) + F32(1e-3),
+        np.exp2(rng.uniform(-120, 120, 300)).astype(np.float32),
+        np.array([3.0, 7.0, 1e-38, 1e-45, 448.0, 6.0], dtype=np.float32),
+    ])  # fmt: skip
+    differ = 0
+    for a in amaxes:
+        ds = DelayedScaling(history_len=1, update_path="python", margin=margin, nguard=nguard)
+        ds.stage(float(a))
+        ds.update(fmt)
+        t = torch.tensor(float(a), dtype=torch.float32)
+        want = (fmax / t) / (2 ** (margin + nguard))
+        want = torch.where(torch.isinf(want), torch.tensor(float(FLT_MAX)), want)
+        assert ds.scale.view(torch.int32).item() == want.view(torch.int32).item(), a
+        differ += int(want.item() != F32(F32(fmax) / a) / F32(2.0 ** (margin + nguard)))
+    assert differ > 50  # the two roundings differ from one division on many amaxes
 
 
 def test_fused_and_python_paths_differ_on_nan_in_window():
