@@ -251,7 +251,7 @@ def test_fused_scale_rules_equal_the_rule_functions(fmt):
 
 def test_fused_scale_kernels_on_nan_amax():
     # quantize never produces a NaN amax (NaN elements are ignored): call the kernels directly
-    from fp8lab.qtensor import _max_rule_scales, _mx_rule_scales
+    from fp8lab.scaling.rule_kernels import _max_rule_scales, _mx_rule_scales
     from fp8lab.scaling import rules
 
     amax = torch.tensor([math.nan, -math.nan, 1.0, math.inf, 0.0])

@@ -1,0 +1,418 @@
+"""Numba kernels of the quantize driver: block amax and the scaled cast onto the element grid.
+
+The scale-rule kernels live beside their rules, in `fp8lab.scaling.rule_kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from numba import njit
+
+from fp8lab._bits import f32_to_u32 as _f32_to_u32
+from fp8lab._bits import u32_to_f32 as _u32_to_f32
+from fp8lab.formats import get_format
+from fp8lab.scaling.granularity import num_blocks, resolve_block
+
+if TYPE_CHECKING:
+    from fp8lab.qtensor.spec import QuantSpec
+
+# ---------------------------------------------------------------------------------- kernels
+# Two passes over x, no full-size temporaries: (1) block amax, NaN ignored; (2) multiply by the
+# block's multiplier in float32 and round onto the grid (fast RNE+saturate path for ExMy formats
+# with subnormals; any other mode writes x*scale and then runs fp8lab.cast in place).
+# The kernels are serial numba loops over contiguous row segments, which LLVM vectorises (AVX2):
+# measured here, a serial pass runs ~5x faster than the same loop under prange, whose thread pool
+# competes with torch's OpenMP threads on this 2-core machine.
+# Blocks taller than one row take their amax in a row-major sweep (one running max per column);
+# blocks narrower than `_NARROW` columns are cast with the block row's multipliers expanded per
+# column, so every row stays one vectorised sweep. The scale rules `max` and MX run as one numba
+# pass over the block amaxes (a dozen small threaded torch ops cost more than the data pass on a
+# busy 2-core machine). Pass (2) can also write the dequantized copy (``dequantized_out``), and
+# both outputs can be caller-owned buffers (``out``): a fresh 32 MB tensor costs ~20 ms in page
+# faults here, the pass into a warm buffer ~5 ms.
+_AMAX_CHUNK = 64
+
+
+@njit(cache=True)
+def _seg_amax_bits(xs):  # pragma: no cover - numba
+    """max |x| of a contiguous segment, on the uint32 bits; NaN (bits > 0x7F800000) counts as 0."""
+    m = np.uint32(0)
+    for i in range(xs.shape[0]):
+        a = xs[i] & np.uint32(0x7FFFFFFF)
+        ok = np.uint32(a <= np.uint32(0x7F800000))
+        m = np.uint32(max(m, a * ok))
+    return m
+
+
+@njit(cache=True)
+def _partial_amax(xu, rows, cols, bm, bk, chunk, out):  # pragma: no cover - numba
+    """out[t, cb] = bits of max |x| over rows [t*chunk, (t+1)*chunk) and column block cb.
+
+    |x| orders like its bits, so this is an integer max; NaN is ignored as TE's ``fmaxf`` does.
+    """
+    nt, nc = out.shape
+    for t in range(nt):
+        r0 = t * chunk
+        r1 = min(r0 + chunk, rows)
+        for cb in range(nc):
+            c0 = cb * bk
+            c1 = min(c0 + bk, cols)
+            m = np.uint32(0)
+            for r in range(r0, r1):
+                m = np.uint32(max(m, _seg_amax_bits(xu[r * cols + c0 : r * cols + c1])))
+            out[t, cb] = m
+
+
+@njit(cache=True)
+def _acc_amax_bits(xs, acc):  # pragma: no cover - numba
+    """acc[i] = max(acc[i], bits of |xs[i]|), NaN counted as 0 (a vectorisable row sweep)."""
+    for i in range(xs.shape[0]):
+        a = xs[i] & np.uint32(0x7FFFFFFF)
+        ok = np.uint32(a <= np.uint32(0x7F800000))
+        acc[i] = np.uint32(max(acc[i], a * ok))
+
+
+@njit(cache=True)
+def _row_block_amax(xu, rows, cols, bm, bk, acc, out):  # pragma: no cover - numba
+    """out[br, cb] = bits of max |x| over block (br, cb), NaN ignored; ``acc``: [cols] scratch.
+
+    Walks rows in memory order: ``acc[c]`` holds the running max of column c over the block row.
+    """
+    nr, nc = out.shape
+    for br in range(nr):
+        acc[:] = 0
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            _acc_amax_bits(xu[r * cols : (r + 1) * cols], acc)
+        for cb in range(nc):
+            m = np.uint32(0)
+            for c in range(cb * bk, min((cb + 1) * bk, cols)):
+                m = np.uint32(max(m, acc[c]))
+            out[br, cb] = m
+
+
+@njit(cache=True)
+def _max_abs_diff(a, b):  # pragma: no cover - numba
+    """max |a - b| over two float32 vectors with NaN -> 0 and inf -> FLT_MAX (torch.nan_to_num)."""
+    big = np.float32(3.4028234663852886e38)
+    m = np.float32(0.0)
+    for i in range(a.shape[0]):
+        d = np.float32(abs(a[i] - b[i]))
+        d = np.float32(0.0) if d != d else d
+        d = big if d > big else d
+        m = max(m, d)
+    return m
+
+
+@njit(cache=True)
+def _seg_mul(xs, os, s):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = xs[i] * s
+
+
+@njit(cache=True)
+def _scale_mul(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
+    for r in range(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_mul(x[c0:c1], of[c0:c1], mult[br, cb])
+
+
+@njit(cache=True, inline="always")
+def _rne_sat(y, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero):
+    """RNE + saturate of a float32 onto an ExMy grid with subnormals (see `_fast_params`).
+
+    Branch-free (selects only) so that the loop around it vectorises.
+    """
+    u = _f32_to_u32(y)
+    a = u & np.uint32(0x7FFFFFFF)
+    sign = u ^ a
+    # normal binades: round the fp32 significand to mbits bits (carry may bump the exponent);
+    # +inf lands on 0x7F800000 and saturates with everything else above max
+    an = min((a + half_m1 + ((a >> shift) & np.uint32(1))) & lowmask, maxbits)
+    # below the smallest normal the quantum is fixed: RNE by the magic-number add
+    asub = _f32_to_u32((abs(y) + magic) - magic)
+    r = an if a >= emin_bits else asub
+    r = a if a > np.uint32(0x7F800000) else r  # NaN stays NaN
+    keep_sign = signed_zero or r != np.uint32(0)
+    sign = sign if keep_sign else np.uint32(0)
+    return _u32_to_f32(np.uint32(sign | r))
+
+
+@njit(cache=True)
+def _seg_cast(
+    xs, os, s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+
+
+@njit(cache=True, inline="always")
+def _rne_consts(mbits, emin_biased):  # pragma: no cover - numba
+    """Bit constants of `_rne_sat` for an ExMy grid: rounding shift, half-ulp - 1, kept-bits
+    mask, and the float32 bits of the smallest normal's exponent."""
+    shift = np.uint32(23 - mbits)
+    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
+    emin_bits = np.uint32(emin_biased) << np.uint32(23)
+    return shift, half_m1, lowmask, emin_bits
+
+
+@njit(cache=True)
+def _scale_cast_rne(
+    x, rows, cols, bm, bk, mult, of, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """of = RNE_saturate(x * mult[block]) onto an ExMy grid with subnormals."""
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
+    for r in range(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_cast(
+                x[c0:c1], of[c0:c1], mult[br, cb], shift, half_m1, lowmask, emin_bits, maxbits,
+                magic, signed_zero,
+            )  # fmt: skip
+
+
+@njit(cache=True)
+def _seg_cast_deq(
+    xs, os, ds, s, inv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+        os[i] = v
+        ds[i] = v * inv
+
+
+@njit(cache=True)
+def _scale_cast_rne_deq(
+    x, rows, cols, bm, bk, mult, inv, of, df, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """`_scale_cast_rne` that also writes ``df = of * inv[block]`` (the dequantized tensor,
+    bit for bit `QTensor.dequantize`) in the same pass."""
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
+    for r in range(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            _seg_cast_deq(
+                x[c0:c1], of[c0:c1], df[c0:c1], mult[br, cb], inv[br, cb], shift, half_m1,
+                lowmask, emin_bits, maxbits, magic, signed_zero,
+            )  # fmt: skip
+
+
+@njit(cache=True)
+def _expand_row(mult_row, bk, cols, out):  # pragma: no cover - numba
+    for c in range(cols):
+        out[c] = mult_row[c // bk]
+
+
+@njit(cache=True)
+def _segv_cast(
+    xs, os, sv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = _rne_sat(
+            xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+        )
+
+
+@njit(cache=True)
+def _segv_cast_deq(
+    xs, os, ds, sv, iv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+        os[i] = v
+        ds[i] = v * iv[i]
+
+
+@njit(cache=True)
+def _scale_cast_rne_narrow(
+    x, rows, cols, bm, bk, mult, inv, of, df, deq, mbits, emin_biased, maxbits, magic, signed_zero
+):  # pragma: no cover - numba
+    """`_scale_cast_rne(_deq)` for narrow blocks (``bk`` of a few columns, e.g. (128, 1)):
+    the block row's multipliers are expanded to one per column once, so each row is one
+    vectorisable sweep instead of ``cols / bk`` tiny segments."""
+    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
+    sv = np.empty(cols, dtype=np.float32)
+    iv = np.empty(cols, dtype=np.float32)
+    for br in range(mult.shape[0]):
+        _expand_row(mult[br], bk, cols, sv)
+        if deq:
+            _expand_row(inv[br], bk, cols, iv)
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            a, b = r * cols, (r + 1) * cols
+            if deq:
+                _segv_cast_deq(
+                    x[a:b], of[a:b], df[a:b], sv, iv, shift, half_m1, lowmask, emin_bits,
+                    maxbits, magic, signed_zero,
+                )  # fmt: skip
+            else:
+                _segv_cast(
+                    x[a:b], of[a:b], sv, shift, half_m1, lowmask, emin_bits, maxbits, magic,
+                    signed_zero,
+                )  # fmt: skip
+
+
+@njit(cache=True)
+def _segv_mul(xs, os, sv):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = xs[i] * sv[i]
+
+
+@njit(cache=True)
+def _scale_mul_narrow(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
+    """`_scale_mul` for narrow blocks (see `_scale_cast_rne_narrow`)."""
+    sv = np.empty(cols, dtype=np.float32)
+    for br in range(mult.shape[0]):
+        _expand_row(mult[br], bk, cols, sv)
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            _segv_mul(x[r * cols : (r + 1) * cols], of[r * cols : (r + 1) * cols], sv)
+
+
+# blocks narrower than this many columns use the expanded-multiplier kernels
+_NARROW = 32
+
+
+def _mul_blocks(x, rows: int, cols: int, m: int, k: int, mult, of) -> None:
+    """of = x * mult[block] over flat float32 arrays (numba; narrow blocks swept per row)."""
+    if k < _NARROW and k < cols:
+        _scale_mul_narrow(x, rows, cols, m, k, mult, of)
+    else:
+        _scale_mul(x, rows, cols, m, k, mult, of)
+
+
+def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
+    """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
+    return _fast_params_for(spec.format, spec.rounding, spec.saturate)
+
+
+@functools.lru_cache(maxsize=64)
+def _fast_params_for(
+    fmt_name: str, rounding: str, saturate: bool
+) -> tuple[int, int, int, np.float32, bool] | None:
+    f = get_format(fmt_name)
+    if (
+        rounding != "nearest_even"
+        or not saturate
+        or f.kind != "exmy"
+        or not f.subnormals
+        or not f.signed
+        or not f.has_zero
+        or f.mbits >= 23
+        or f.emin < -126
+        or f.emin - f.mbits < -149
+    ):
+        return None
+    maxbits = int(np.array(f.max, dtype=np.float32).view(np.uint32))
+    magic = np.float32(2.0 ** (f.emin - f.mbits + 23))
+    return f.mbits, f.emin + 127, maxbits, magic, f.signed_zero
+
+
+def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per-block NaN-ignoring amax of a contiguous float32 [R, C] tensor (numba)."""
+    rows, cols = x2.shape
+    m, k = resolve_block(block, (rows, cols))
+    nr, nc = num_blocks((rows, cols), (m, k))
+    if x2.numel() == 0:
+        return torch.zeros((nr, nc), dtype=torch.float32)
+    if m > 1:
+        # blocks taller than one row: a row-major sweep keeping one running max per column
+        # (a column-wise walk over (128, 1) blocks measured 40 ms on 2048 x 4096, this 2 ms)
+        out = np.empty((nr, nc), dtype=np.uint32)
+        acc = np.empty(cols, dtype=np.uint32)
+        _row_block_amax(x2.view(-1).numpy().view(np.uint32), rows, cols, m, k, acc, out)
+        return torch.from_numpy(out.view(np.float32))
+    chunk = m if m <= _AMAX_CHUNK else math.gcd(m, _AMAX_CHUNK)
+    nt = -(-rows // chunk)
+    part = np.empty((nt, nc), dtype=np.uint32)
+    _partial_amax(x2.view(-1).numpy().view(np.uint32), rows, cols, m, k, chunk, part)
+    pt = torch.from_numpy(part.view(np.float32))
+    per = m // chunk
+    if per == 1:
+        return pt
+    if nt != nr * per:
+        pt = torch.cat([pt, pt.new_zeros((nr * per - nt, nc))])
+    return pt.reshape(nr, per, nc).amax(dim=1)
+
+
+def _scale_cast(
+    x2: torch.Tensor,
+    mult: torch.Tensor,
+    block: tuple[int, int],
+    spec: QuantSpec,
+    generator: torch.Generator | None,
+    out: torch.Tensor | None = None,
+    deq: torch.Tensor | None = None,
+    inv: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C].
+
+    ``out``: a contiguous float32 [R, C] buffer for the values (else allocated). ``deq``: a
+    second buffer that receives ``values * inv[block] (* global_scale)``, bit for bit what
+    `QTensor.dequantize` computes, fused into the cast pass on the fast path.
+    """
+    rows, cols = x2.shape
+    m, k = resolve_block(block, (rows, cols))
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float32)
+    if x2.numel() == 0:
+        return out
+    mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
+    xf = x2.view(-1).numpy()
+    of = out.view(-1).numpy()
+    fp = _fast_params(spec)
+    if fp is not None:
+        mbits, emin_b, maxbits, magic, signed_zero = fp
+        if k < _NARROW and k < cols:
+            inv_np = (
+                mult_np
+                if deq is None
+                else np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+            )
+            dfl = of if deq is None else deq.view(-1).numpy()
+            _scale_cast_rne_narrow(
+                xf, rows, cols, m, k, mult_np, inv_np, of, dfl, deq is not None, mbits,
+                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+            )  # fmt: skip
+            if deq is not None and global_scale is not None:
+                deq.mul_(global_scale)
+            return out
+        if deq is not None:
+            inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+            _scale_cast_rne_deq(
+                xf, rows, cols, m, k, mult_np, inv_np, of, deq.view(-1).numpy(), mbits,
+                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+            )  # fmt: skip
+            if global_scale is not None:
+                deq.mul_(global_scale)
+            return out
+        _scale_cast_rne(
+            xf, rows, cols, m, k, mult_np, of, mbits, np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
+        )  # fmt: skip
+        return out
+    _mul_blocks(xf, rows, cols, m, k, mult_np, of)
+    from fp8lab.formats import cast
+
+    cast(
+        out, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator, out=out
+    )
+    if deq is not None:
+        inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+        _mul_blocks(of, rows, cols, m, k, inv_np, deq.view(-1).numpy())
+        if global_scale is not None:
+            deq.mul_(global_scale)
+    return out

@@ -1,0 +1,160 @@
+"""The quantize driver: `quantize` (block amax -> scale rule -> scaled cast) and `fake_quant`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8lab.formats import FloatFormat
+from fp8lab.qtensor.kernels import _block_amax_fast, _scale_cast
+from fp8lab.qtensor.spec import QuantSpec, ScalingLike, _spec_from_args
+from fp8lab.qtensor.tensor import QTensor
+from fp8lab.scaling import rules as _rules
+from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.granularity import GranularityLike, check_fit, num_blocks, shape_2d
+from fp8lab.scaling.rule_kernels import MX_RULES, max_rule_scales, mx_rule_scales
+
+__all__ = ["fake_quant", "quantize"]
+
+
+def _scales_for(
+    x2: torch.Tensor, spec: QuantSpec, value_for_inf: float = _rules.FLT_MAX
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-block quantization multiplier, per-block scale_inv, global dequant scale)."""
+    sc = spec.scaling
+    block = spec.block
+    nb = num_blocks(tuple(x2.shape), block)
+    if isinstance(sc, float):
+        s = torch.full(nb, sc, dtype=torch.float32)
+        return s, torch.reciprocal(s), None
+    if isinstance(sc, DelayedScaling):
+        amax = _block_amax_fast(x2, (-1, -1)).reshape(())
+        s = sc.scale_for(amax, spec.fmt)
+        sc.observe(amax)
+        s = s.reshape(1, 1)
+        return s, torch.reciprocal(s), None
+    amax = _block_amax_fast(x2, block)
+    if sc == "nvfp4":
+        tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
+        if spec.two_level and tensor_amax is None:
+            tensor_amax = torch.zeros(())
+        s_blk, s_dec, enc = _rules.nvfp4_scales(
+            amax, tensor_amax, spec.fmt, scale_format=spec.scale_format
+        )
+        return enc, s_blk, (s_dec if spec.two_level else None)
+    if sc in MX_RULES:
+        # fused: the torch version is ~15 small ops over the block scales
+        s, inv = mx_rule_scales(amax, sc, spec.fmt)
+        return s, inv, None
+    if sc == "max":
+        # the `max` rule and its reciprocal fused (a handful of torch ops on the block scales
+        # cost more than the amax pass itself on a loaded 2-core machine)
+        s, inv = max_rule_scales(
+            amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
+        )
+        return s, inv, None
+    s = _rules.get_rule(sc)(
+        amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
+    )
+    return s, torch.reciprocal(s), None
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | FloatFormat | QuantSpec = "e4m3",
+    granularity: GranularityLike | None = None,
+    scaling: ScalingLike = None,
+    rounding: str | None = None,
+    *,
+    saturate: bool | None = None,
+    pad: bool | None = None,
+    margin: int | None = None,
+    epsilon: float | None = None,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+    dequantized_out: torch.Tensor | None = None,
+) -> QTensor:
+    """Quantize ``x`` (float tensor, any shape) under a spec.
+
+    ``fmt`` is a format name / `FloatFormat` (then the other arguments build a `QuantSpec`) or a
+    `QuantSpec` (then non-None arguments override its fields). Returns a `QTensor` whose
+    ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
+    the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
+    step). ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
+    converted to float32 (float64 rounds once there; TE multiplies in FP32 as well).
+
+    Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
+    ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),
+    computed in the same pass as the values where the fast kernel applies. Each must be a
+    contiguous float32 CPU tensor of ``x``'s shape; they must not overlap each other (``out``
+    may be ``x`` itself when ``x`` is contiguous float32). The caller owns both buffers.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"fp8lab quantizes on the CPU; got a tensor on {x.device}")
+    spec = _spec_from_args(
+        fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
+    )
+    x = x.detach()
+    s2 = shape_2d(x.shape)
+    check_fit(s2, spec.block, spec.pad)
+    x2 = x.reshape(s2).to(torch.float32).contiguous()
+    # TE: an infinite scale (tiny amax) becomes FLT_MAX per tensor, but the input dtype's max in
+    # the block-scaling kernels (compute_scale_from_types<IType>)
+    vinf = _rules.FLT_MAX
+    if spec.block != (-1, -1) and x.dtype in (torch.bfloat16, torch.float16):
+        vinf = torch.finfo(x.dtype).max
+    out2 = _check_buffer(out, x, "out")
+    deq2 = _check_buffer(dequantized_out, x, "dequantized_out")
+    if out2 is not None and deq2 is not None and _overlap(out2, deq2):
+        raise ValueError("out and dequantized_out must not overlap")
+    s, s_inv, g = _scales_for(x2, spec, vinf)
+    values = _scale_cast(x2, s, spec.block, spec, generator, out2, deq2, s_inv, g)
+    values = values.reshape(x.shape)
+    nb = num_blocks(s2, spec.block)
+    return QTensor(
+        values=values,
+        scales=s_inv.reshape(nb),
+        spec=spec,
+        global_scale=g,
+        scale_multipliers=s.reshape(nb),
+    )
+
+
+def _check_buffer(buf: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """``buf`` as a 2-D [R, C] view after validating it as an output buffer for ``x``."""
+    if buf is None:
+        return None
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous float32 CPU tensor, got {buf.dtype} on {buf.device}"
+            + ("" if buf.is_contiguous() else " (not contiguous)")
+        )
+    if tuple(buf.shape) != tuple(x.shape):
+        raise ValueError(f"{name} has shape {tuple(buf.shape)}, expected {tuple(x.shape)}")
+    if buf.requires_grad:
+        raise ValueError(f"{name} must not require grad")
+    return buf.view(shape_2d(x.shape))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
+
+
+def fake_quant(
+    x: torch.Tensor,
+    fmt: str | FloatFormat | QuantSpec = "e4m3",
+    granularity: GranularityLike | None = None,
+    scaling: ScalingLike = None,
+    rounding: str | None = None,
+    **kw: Any,
+) -> torch.Tensor:
+    """``quantize(x, ...).dequantize()``: float32, ``x``'s shape."""
+    return quantize(x, fmt, granularity, scaling, rounding, **kw).dequantize()

@@ -1,0 +1,212 @@
+"""`QuantSpec`: how to quantize one tensor (frozen configuration), and the argument normaliser
+shared by `quantize` and `fake_quant`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fp8lab.formats import FloatFormat, get_format
+from fp8lab.scaling import rules as _rules
+from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.granularity import (
+    GranularityLike,
+    canonical_granularity,
+    granularity_to_plain,
+    normalize_granularity,
+    transpose_granularity,
+)
+
+__all__ = ["QuantSpec", "ScalingLike"]
+
+ScalingLike = str | float | int | DelayedScaling | None
+
+
+def _default_scaling(block: tuple[int, int]) -> str:
+    if block in ((1, 32), (32, 1)):
+        return "mx_floor"
+    if block in ((1, 16), (16, 1)):
+        return "nvfp4"
+    return "max"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize one tensor. Frozen, hashable, serialisable with `to_dict`/`from_dict`.
+
+    Attributes:
+        format: element format name (`fp8lab.get_format`), e.g. ``"e4m3"``, ``"e5m2"``, ``"e2m1"``.
+        granularity: ``"tensor"``, ``"row"``, ``"col"``, ``"mx"``, ``"mx_col"``, ``"nvfp4"``,
+            ``"nvfp4_col"`` or a block ``(m, k)`` (-1 = full extent); stored canonically (a name
+            if the block has one, else a tuple).
+        scaling: a rule name (``max``, ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``,
+            ``mx_even``, ``mx_rceil``, ``nvfp4``), a fixed float quantization multiplier
+            (``values = cast(x * scaling)``), or a `DelayedScaling` object (per-tensor only).
+            ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
+            ``nvfp4`` for NVFP4 blocks, ``max`` otherwise.
+        rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`); ``None`` = the
+            format's native rule (``nearest_even``; ``nearest_away`` = TA for HiF8).
+        saturate: clamp out-of-range values to ±max (TE's ``__NV_SATFINITE``) instead of Inf/NaN.
+        pad: ragged edge blocks are treated as zero-padded (True) or raise (False).
+        margin: power-of-two margin for the ``max`` family: ``scale = fmt_max * 2**-margin / amax``.
+        epsilon: floor on amax for the ``max`` family (TE ``amax_epsilon``).
+        scale_format: the NVFP4 block-scale format (E4M3).
+        two_level: NVFP4 with the FP32 per-tensor second-level scale (True) or block scales only.
+    """
+
+    format: str = "e4m3"
+    granularity: str | tuple[int, int] = "tensor"
+    scaling: ScalingLike = None
+    rounding: str | None = None
+    saturate: bool = True
+    pad: bool = True
+    margin: int = 0
+    epsilon: float = 0.0
+    scale_format: str = "e4m3"
+    two_level: bool = True
+
+    def __post_init__(self) -> None:
+        fmt = self.format.name if isinstance(self.format, FloatFormat) else self.format
+        get_format(fmt)  # validates
+        object.__setattr__(self, "format", str(fmt))
+        block = normalize_granularity(self.granularity)
+        object.__setattr__(self, "granularity", canonical_granularity(block))
+        sc = self.scaling
+        if sc is None:
+            sc = _default_scaling(block)
+        if isinstance(sc, bool):
+            raise TypeError("scaling must be a rule name, a float or a DelayedScaling, not a bool")
+        if isinstance(sc, str):
+            sc = sc.strip().lower()
+            if sc == "amax":
+                sc = "max"
+            if sc not in _rules.RULE_NAMES:
+                _rules.get_rule(sc)  # raises with the list of names
+        elif isinstance(sc, int | float):
+            sc = float(sc)
+            if not math.isfinite(sc) or sc <= 0:
+                raise ValueError(f"a fixed scale must be a positive finite float, got {sc}")
+        elif isinstance(sc, DelayedScaling):
+            if block != (-1, -1):
+                raise ValueError("DelayedScaling is per-tensor: use granularity='tensor'")
+        else:
+            raise TypeError(
+                f"scaling must be a rule name, a float or a DelayedScaling, got {type(sc).__name__}"
+            )
+        object.__setattr__(self, "scaling", sc)
+        from fp8lab.formats import ROUNDING_MODES, default_rounding
+
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", default_rounding(fmt))
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(
+                f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDING_MODES)}"
+            )
+        get_format(self.scale_format)
+        object.__setattr__(self, "margin", int(self.margin))
+        object.__setattr__(self, "epsilon", float(self.epsilon))
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def fmt(self) -> FloatFormat:
+        return get_format(self.format)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """Normalised block shape ``(m, k)`` (-1 = full extent)."""
+        return normalize_granularity(self.granularity)
+
+    @property
+    def is_delayed(self) -> bool:
+        return isinstance(self.scaling, DelayedScaling)
+
+    def replace(self, **changes: Any) -> QuantSpec:
+        return dataclasses.replace(self, **changes)
+
+    def fresh(self) -> QuantSpec:
+        """This spec with a fresh `DelayedScaling` state (one per tensor); else ``self``."""
+        if isinstance(self.scaling, DelayedScaling):
+            return dataclasses.replace(self, scaling=self.scaling.fresh())
+        return self
+
+    def transposed(self) -> QuantSpec:
+        """The spec with the block axes swapped (for the transposed direction)."""
+        return dataclasses.replace(self, granularity=transpose_granularity(self.granularity))
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str/int/float/bool/list/dict): TOML/JSON friendly."""
+        sc = self.scaling
+        sc_plain: Any = {"delayed": sc.config()} if isinstance(sc, DelayedScaling) else sc
+        return {
+            "format": self.format,
+            "granularity": granularity_to_plain(self.granularity),
+            "scaling": sc_plain,
+            "rounding": self.rounding,
+            "saturate": self.saturate,
+            "pad": self.pad,
+            "margin": self.margin,
+            "epsilon": self.epsilon,
+            "scale_format": self.scale_format,
+            "two_level": self.two_level,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown QuantSpec keys: {sorted(unknown)}")
+        kw = dict(d)
+        g = kw.get("granularity")
+        if isinstance(g, list):
+            kw["granularity"] = tuple(g)
+        sc = kw.get("scaling")
+        if isinstance(sc, dict):
+            if set(sc) != {"delayed"}:
+                raise ValueError(f"scaling dict must be {{'delayed': {{...}}}}, got {sc!r}")
+            kw["scaling"] = DelayedScaling.from_config(sc["delayed"])
+        return cls(**kw)
+
+
+def _spec_from_args(
+    fmt: str | FloatFormat | QuantSpec,
+    granularity: GranularityLike | None,
+    scaling: ScalingLike,
+    rounding: str | None,
+    saturate: bool | None,
+    pad: bool | None,
+    **kw: Any,
+) -> QuantSpec:
+    if isinstance(fmt, QuantSpec):
+        changes: dict[str, Any] = {}
+        for name, v in (
+            ("granularity", granularity),
+            ("scaling", scaling),
+            ("rounding", rounding),
+            ("saturate", saturate),
+            ("pad", pad),
+        ):
+            if v is not None:
+                changes[name] = v
+        changes.update({k: v for k, v in kw.items() if v is not None})
+        return dataclasses.replace(fmt, **changes) if changes else fmt
+    if not isinstance(fmt, str | FloatFormat):
+        raise TypeError(f"fmt must be a format name, FloatFormat or QuantSpec, got {type(fmt)}")
+    args: dict[str, Any] = {
+        "format": fmt.name if isinstance(fmt, FloatFormat) else fmt,
+        "granularity": "tensor" if granularity is None else granularity,
+        "scaling": scaling,
+    }
+    if rounding is not None:
+        args["rounding"] = rounding
+    if saturate is not None:
+        args["saturate"] = saturate
+    if pad is not None:
+        args["pad"] = pad
+    args.update({k: v for k, v in kw.items() if v is not None})
+    return QuantSpec(**args)

@@ -1,0 +1,123 @@
+"""`QTensor`: quantized values, their per-block scales and the spec that made them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp8lab.formats import FloatFormat
+from fp8lab.qtensor.kernels import _mul_blocks
+from fp8lab.qtensor.spec import QuantSpec
+from fp8lab.scaling.granularity import as_2d, expand_blocks, resolve_block, shape_2d
+
+__all__ = ["QTensor"]
+
+
+@dataclass(eq=False)
+class QTensor:
+    """A quantized tensor.
+
+    Attributes:
+        values: float32, the original shape, every element on the format's grid (the *scaled*
+            values: ``x * scale`` after the cast).
+        scales: float32 ``[nr, nc]`` per-block dequantization multipliers (TE ``scale_inv``;
+            for MX exact powers of two, for NVFP4 the E4M3 block scales). Blocks tile the 2-D
+            view ``[R, C]`` of the tensor (`fp8lab.scaling.granularity`).
+        spec: the `QuantSpec` used.
+        global_scale: NVFP4's FP32 tensor-level dequantization scale (``None`` otherwise).
+        retiled: how many re-tilings led to this tensor (0 for a direct quantization).
+        meta: free-form notes (re-tiling source and added error).
+        scale_multipliers: the per-block *quantization* multipliers actually used
+            (``values = cast(x * scale_multipliers)``; TE's ``scale``), same layout as ``scales``.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    spec: QuantSpec
+    global_scale: torch.Tensor | None = None
+    retiled: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    scale_multipliers: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.spec.block
+
+    @property
+    def fmt(self) -> FloatFormat:
+        return self.spec.fmt
+
+    def scale_tensor(self) -> torch.Tensor:
+        """Per-block dequantization multipliers including the NVFP4 tensor scale."""
+        if self.global_scale is None:
+            return self.scales
+        return self.scales * self.global_scale
+
+    def dequantize(self) -> torch.Tensor:
+        """``values * scales`` broadcast over the blocks (float32, the original shape)."""
+        s2 = shape_2d(self.values.shape)
+        sc = self.scales
+        v2 = as_2d(self.values)
+        if sc.numel() == 1:
+            out = v2 * sc.reshape(())
+        elif v2.dtype == torch.float32 and v2.is_contiguous() and v2.numel():
+            # one vectorised pass, no expanded scale tensor
+            out = torch.empty(s2, dtype=torch.float32)
+            m, k = resolve_block(self.block, s2)
+            _mul_blocks(
+                v2.view(-1).numpy(), s2[0], s2[1], m, k,
+                np.ascontiguousarray(sc.to(torch.float32).numpy()), out.view(-1).numpy(),
+            )  # fmt: skip
+        else:
+            out = v2 * expand_blocks(sc, self.block, s2)
+        if self.global_scale is not None:
+            out = out * self.global_scale
+        return out.reshape(self.values.shape)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 bit codes of the element values (`fp8lab.encode`)."""
+        from fp8lab.formats import encode
+
+        return encode(self.values, self.fmt)
+
+    def scale_codes(self) -> torch.Tensor:
+        """E8M0 codes (uint8) of power-of-two scales (MX): ``exponent(scale) + 127``."""
+        b = self.scales.contiguous().view(torch.int32)
+        if bool(((b & 0x007FFFFF) != 0).any()):
+            raise ValueError("scales are not all powers of two; E8M0 codes need an MX rule")
+        code = (b >> 23) & 0xFF
+        return torch.where(torch.isnan(self.scales), 255, code).to(torch.uint8)
+
+    def t(self) -> QTensor:
+        """The transpose of a 2-D quantized tensor (values, scales and block shape swapped)."""
+        if self.values.dim() != 2:
+            raise ValueError(f"t() needs a 2-D QTensor, got shape {tuple(self.values.shape)}")
+        return QTensor(
+            values=self.values.t(),
+            scales=self.scales.t(),
+            spec=self.spec.transposed(),
+            global_scale=self.global_scale,
+            retiled=self.retiled,
+            meta=dict(self.meta),
+            scale_multipliers=None
+            if self.scale_multipliers is None
+            else self.scale_multipliers.t(),
+        )
+
+    @property
+    def T(self) -> QTensor:
+        return self.t()
+
+    def __repr__(self) -> str:
+        return (
+            f"QTensor(shape={tuple(self.values.shape)}, format={self.spec.format!r}, "
+            f"granularity={self.spec.granularity!r}, scales={tuple(self.scales.shape)}, "
+            f"retiled={self.retiled})"
+        )

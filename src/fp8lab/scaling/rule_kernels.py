@@ -1,0 +1,135 @@
+"""Fused numba kernels of the `max` and MX scale rules: one pass over the block amaxes.
+
+Each kernel computes exactly what its rule function in `fp8lab.scaling.rules` computes (the same
+float32 operations / integer steps), plus the reciprocal, in one loop: a dozen small threaded torch
+ops over the block scales cost more than the data pass itself on a busy 2-core machine. The rule
+functions are the definition; tests/scaling/test_rule_kernels.py checks every kernel equal to its
+rule over the whole float32 range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from fp8lab._bits import f32_to_u32 as _f32_to_u32
+from fp8lab._bits import u32_to_f32 as _u32_to_f32
+from fp8lab.formats import FloatFormat, get_format
+from fp8lab.scaling.rules import FLT_MAX
+
+__all__ = ["MX_RULES", "max_rule_scales", "mx_rule_scales"]
+
+MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
+_MX_MODE = {"mx_floor": 0, "mx_ceil": 1, "mx_even": 2, "mx_rceil": 3}
+
+
+def max_rule_scales(
+    amax: torch.Tensor,
+    fmt: str | FloatFormat,
+    *,
+    margin: int = 0,
+    epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1/scale)`` of `fp8lab.scaling.rules.max_scale` (float32, ``amax``'s shape)."""
+    f = get_format(fmt)
+    a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
+    s_np = np.empty(a.shape[0], dtype=np.float32)
+    inv_np = np.empty(a.shape[0], dtype=np.float32)
+    _max_rule_scales(
+        a, np.float32(f.max * 2.0 ** (-int(margin))), np.float32(epsilon),
+        np.float32(value_for_inf), s_np, inv_np,
+    )  # fmt: skip
+    return torch.from_numpy(s_np).reshape(amax.shape), torch.from_numpy(inv_np).reshape(amax.shape)
+
+
+def mx_rule_scales(
+    amax: torch.Tensor, rule: str, fmt: str | FloatFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv)`` of the MX rule ``rule`` (`MX_RULES`) for float32 block amaxes:
+    ``e8m0_to_scale`` and ``e8m0_to_scale_inv`` of `fp8lab.scaling.rules.mx_exponent`."""
+    if rule not in _MX_MODE:
+        raise ValueError(f"unknown MX rule {rule!r}; valid: {', '.join(MX_RULES)}")
+    f = get_format(fmt)
+    a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1).view(np.uint32)
+    s_np = np.empty(a.shape[0], dtype=np.float32)
+    inv_np = np.empty(a.shape[0], dtype=np.float32)
+    recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
+    _mx_rule_scales(a, _MX_MODE[rule], f.emax, f.mbits, recip, s_np, inv_np)
+    return torch.from_numpy(s_np).reshape(amax.shape), torch.from_numpy(inv_np).reshape(amax.shape)
+
+
+@njit(cache=True, error_model="numpy")  # IEEE division: x / 0 -> inf, no exception
+def _max_rule_scales(amax, scaled_max, eps, value_for_inf, s_out, inv_out):  # pragma: no cover
+    """`fp8lab.scaling.rules.max_scale` and its reciprocal in one pass over the block amaxes.
+
+    Same float32 operations as the torch version: ``amax = max(amax, eps)`` (eps > 0 only),
+    one correctly rounded division, amax of 0/inf/NaN -> 1, an infinite scale -> value_for_inf;
+    ``inv = 1 / scale`` correctly rounded (``torch.reciprocal``).
+    """
+    one = np.float32(1.0)
+    for i in range(amax.shape[0]):
+        a = amax[i]
+        if eps > np.float32(0.0) and a < eps:
+            a = eps
+        sc = np.float32(scaled_max / a)
+        if not (np.isfinite(a) and a > np.float32(0.0)):
+            sc = one
+        if np.isinf(sc):
+            sc = value_for_inf
+        s_out[i] = sc
+        inv_out[i] = np.float32(one / sc)
+
+
+@njit(cache=True, inline="always")
+def _pow2(e):  # pragma: no cover - numba
+    """2**e as float32 for integer e in [-149, 127] (exact; subnormal below -126)."""
+    if e >= -126:
+        return _u32_to_f32(np.uint32((e + 127) << 23))
+    return _u32_to_f32(np.uint32(1 << (e + 149)))
+
+
+@njit(cache=True)
+def _mx_rule_scales(amax_bits, mode, emax, mbits, fmax_recip, s_out, inv_out):  # pragma: no cover
+    """The MX rules of `fp8lab.scaling.rules` (`mx_exponent` then `e8m0_to_scale` and
+    `e8m0_to_scale_inv`) in one pass over the block amaxes' bits, with the same integer steps.
+
+    mode: 0 floor, 1 ceil, 2 even, 3 rceil (``fl32(amax * fmax_recip)``). Code 255 -> NaN.
+    """
+    nan = _u32_to_f32(np.uint32(0x7FC00000))
+    for i in range(amax_bits.shape[0]):
+        b = np.int64(amax_bits[i] & np.uint32(0x7FFFFFFF))  # |amax|
+        finite = (b & 0x7F800000) != 0x7F800000
+        bb = np.int64(0)
+        if mode == 3:
+            r = _f32_to_u32(np.float32(_u32_to_f32(np.uint32(b)) * fmax_recip))
+            e = np.int64((r >> np.uint32(23)) & np.uint32(0xFF))
+            mant = np.int64(r & np.uint32(0x007FFFFF))
+            code = e
+            if mant > 0 and e != 0xFE and not (e == 0 and mant <= 0x400000):
+                code = e + 1
+            if e == 0xFF:
+                code = 0xFE if mant == 0 else 0xFF  # inf -> 0xFE, NaN -> 0xFF
+            if r == np.uint32(0):
+                code = 0
+        else:
+            if mode == 0:
+                e = ((b >> 23) & 0xFF) - 127
+            elif mode == 1:
+                e = ((b >> 23) & 0xFF) - 127 + (1 if (b & 0x007FFFFF) != 0 else 0)
+            else:
+                d = 23 - mbits
+                bb = (b + (1 << (d - 1))) & 0x7F800000 if d > 0 else b & 0x7F800000
+                e = ((bb >> 23) & 0xFF) - 127
+            code = min(max(e - emax, -127), 128) + 127
+            if not finite:
+                code = 255
+            if mode == 2 and ((bb >> 23) & 0xFF) == 255:
+                code = 255
+        if code == 255:
+            s_out[i] = nan
+            inv_out[i] = nan
+        else:
+            s_out[i] = _pow2(127 - code)
+            inv_out[i] = _pow2(code - 127)
