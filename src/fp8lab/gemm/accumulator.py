@@ -75,8 +75,13 @@ class Accumulator:
         return cls(**d)
 
     @classmethod
-    def parse(cls, acc: str | Accumulator | dict[str, Any] | None) -> Accumulator:
-        """An `Accumulator` from itself, a kind name, a dict, or None (fp32)."""
+    def parse(
+        cls,
+        acc: str | Accumulator | dict[str, Any] | None,
+        formats: tuple[str, str] | None = None,
+    ) -> Accumulator:
+        """An `Accumulator` from itself, a kind name, a dict, or None (fp32). ``formats``: the
+        operands' element formats (a hardware name picks its row for them)."""
         if acc is None:
             return cls()
         if isinstance(acc, Accumulator):

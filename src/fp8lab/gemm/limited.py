@@ -113,7 +113,34 @@ def _interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.nda
     )
 
 
-def limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
+def c_start(
+    a: QTensor, b: QTensor, c: torch.Tensor | None, promoted: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Where an FP32 addend ``c`` [M, N] enters a tensor-core model: ``(out0, acc0)``.
+
+    Promoted (``promote_every``): c starts the FP32 promoted sum (``out0``). Never promoted: c is
+    the first MMA step's accumulator (``acc0``); the MMA sees unscaled operands, so the scales
+    applied to the output must be 1. Global scales (NVFP4) multiply the whole sum: no c there.
+    """
+    if c is None:
+        return None, None
+    if a.global_scale is not None or b.global_scale is not None:
+        raise ValueError("qmatmul: c is not supported with global (per-tensor FP32) scales")
+    if promoted:
+        return c.clone(), None
+    s = _k_constant_scales(a, "a") * _k_constant_scales(b, "b")
+    if not bool((s == 1).all()):
+        raise ValueError(
+            "qmatmul: c enters the first MMA step of an accumulator without promotion, which "
+            "sees unscaled operands: the operands' scales must be 1 (or set promote_every)"
+        )
+    return None, c
+
+
+def limited(
+    a: QTensor, b: QTensor, acc: Accumulator, kb: int, c: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The limited model over quantized ``a`` [M, K], ``b`` [K, N], plus ``c`` (see `c_start`)."""
     m, k = a.shape
     n = b.shape[1]
     pe = acc.promote_every
@@ -130,7 +157,9 @@ def limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
         )
     drop = 52 - acc.mantissa_bits
     rne = acc.rounding == "nearest_even"
-    out = torch.zeros((m, n), dtype=torch.float32)
+    out0, acc0 = c_start(a, b, c, pe is not None)
+    out = torch.zeros((m, n), dtype=torch.float32) if out0 is None else out0
+    c_np = None if acc0 is None else acc0.double().numpy()
     if m == 0 or n == 0:
         return out
     grp = acc.group
@@ -167,7 +196,7 @@ def limited(a: QTensor, b: QTensor, acc: Accumulator, kb: int) -> torch.Tensor:
         r1 = min(r0 + chunk, m)
         rows = r1 - r0
         acc_np = accbuf[:rows]
-        acc_np[:] = 0.0
+        acc_np[:] = 0.0 if c_np is None else c_np[r0:r1]
         for p0 in range(0, kp, step):
             if pe is not None:
                 t0 = p0 // span

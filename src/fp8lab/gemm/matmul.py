@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.epilogue import epilogue
 from fp8lab.gemm.limited import limited
 from fp8lab.gemm.operands import as_qtensors, check_pair, k_constant_scales
 from fp8lab.qtensor import QTensor, QuantSpec
@@ -23,6 +24,8 @@ def qmatmul(
     accumulator: str | Accumulator | dict[str, Any] | None = "fp32",
     out_format: str | None = None,
     *,
+    bias: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
     spec: QuantSpec | None = None,
     spec_b: QuantSpec | None = None,
     native: bool = False,
@@ -35,6 +38,13 @@ def qmatmul(
             activation spec gives (128, 1) for ``b``).
         accumulator: an `Accumulator`, its kind as a string (``"fp32"``, ``"limited"``) or a dict.
         out_format: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"``: the output's rounding.
+        bias: ``[N]``, added to the scaled FP32 result (before ``out_format``), bit for bit
+            ``out.mul_(scale).add_(bias)``: one FP32 rounding for the scale, one for the bias.
+        c: FP32 ``[M, N]`` addend, ``D = A·B + C`` as the accumulator model adds it: the ``fp32``
+            model adds it to the scaled product with one FP32 addition; the tensor-core models
+            start their promoted FP32 sum with it (``promote_every``) or, never promoted, feed
+            it to the first MMA step (which needs unit K-constant scales: the MMA instruction
+            sees unscaled operands).
         native: use ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, fp32 accumulator).
 
     Raises:
@@ -42,19 +52,37 @@ def qmatmul(
             (e.g. ``b`` tiled along N instead of K: retile it), a limited accumulator without
             promotion over K-varying scales, or ``native`` where it does not apply.
     """
-    acc = Accumulator.parse(accumulator)
     qa, qb = as_qtensors(a, b, spec, spec_b)
+    acc = Accumulator.parse(accumulator, (qa.spec.format, qb.spec.format))
     kb = check_pair(qa, qb)
+    m, n = qa.shape[0], qb.shape[1]
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"qmatmul: bias must have shape [{n}], got {tuple(bias.shape)}")
+    if c is not None:
+        if tuple(c.shape) != (m, n):
+            raise ValueError(f"qmatmul: c must have shape [{m}, {n}], got {tuple(c.shape)}")
+        if native:
+            raise ValueError("qmatmul: native=True takes no c")
+        c = c.detach().to(torch.float32)
     if native:
         out = _native(qa, qb, acc)
     elif acc.kind == "fp32":
-        out = _fp32(qa, qb, kb)
+        out = _fp32(qa, qb, kb, c, bias)
+        bias = None  # applied by _fp32's epilogue
+    elif acc.kind == "limited":
+        out = limited(qa, qb, acc, kb, c)
     else:
-        out = limited(qa, qb, acc, kb)
+        from fp8lab.gemm.fused import fused
+
+        out = fused(qa, qb, acc, kb, c)
+    epilogue(out, None, bias)
     return _round_out(out, out_format)
 
 
-def _fp32(a: QTensor, b: QTensor, kb: int) -> torch.Tensor:
+def _fp32(
+    a: QTensor, b: QTensor, kb: int, c: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """FP32 accumulation; per-tensor scales and the bias in one serial epilogue pass."""
     k = a.shape[1]
     if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
         out = torch.mm(a.values.float(), b.values.float())
@@ -64,9 +92,19 @@ def _fp32(a: QTensor, b: QTensor, kb: int) -> torch.Tensor:
             and a.global_scale is None
             and (b.global_scale is None)
         ):
-            return out.mul_(a.scales.reshape(()) * b.scales.reshape(()))
-        return out.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
-    return torch.mm(a.dequantize(), b.dequantize())
+            scale = (a.scales.reshape(()) * b.scales.reshape(())).float().numpy()
+            if c is None:
+                epilogue(out, scale, bias)
+                return out
+            epilogue(out, scale, None)
+        else:
+            out.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
+    else:
+        out = torch.mm(a.dequantize(), b.dequantize())
+    if c is not None:
+        out.add_(c)
+    epilogue(out, None, bias)
+    return out
 
 
 def _native(a: QTensor, b: QTensor, acc: Accumulator) -> torch.Tensor:
