@@ -176,7 +176,8 @@ def test_python_path_equals_torch_eager_over_many_amaxes(fmt, fmax, margin, ngua
         want = (fmax / t) / (2 ** (margin + nguard))
         want = torch.where(torch.isinf(want), torch.tensor(float(FLT_MAX)), want)
         assert ds.scale.view(torch.int32).item() == want.view(torch.int32).item(), a
-        differ += int(want.item() != F32(F32(fmax) / a) / F32(2.0 ** (margin + nguard)))
+        with np.errstate(over="ignore"):
+            differ += int(want.item() != F32(F32(fmax) / a) / F32(2.0 ** (margin + nguard)))
     assert differ > 50  # the two roundings differ from one division on many amaxes
 
 

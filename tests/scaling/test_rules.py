@@ -180,3 +180,72 @@ def test_rule_registry_errors():
         rules.get_rule("median")
     with pytest.raises(ValueError, match="unknown MX scale mode"):
         rules.mx_exponent(t(1.0), "e4m3", "round")
+
+
+# ------------------------------------------------------------------ MX at the top of float32
+MX_FORMATS = {"e4m3": (8, 3), "e5m2": (15, 2), "e2m3": (2, 3), "e3m2": (4, 2), "e2m1": (2, 1)}
+# issue 11 item 2: the byte of a finite amax whose mantissa rounding carries past 2**127
+CARRY_CODE = {"e4m3": 247, "e5m2": 240, "e2m3": 253, "e3m2": 251, "e2m1": 253}
+
+
+def _top_amaxes(mbits: int) -> list[float]:
+    """FLT_MAX, 1.9375 * 2**127, 2**127, the carry threshold of ``mbits`` and their float32
+    neighbours (exact float32 values as Python floats)."""
+    base = [FLT_MAX, 1.9375 * 2.0**127, 2.0**127, (2.0 - 2.0 ** -(mbits + 1)) * 2.0**127]
+    out = set()
+    for v in base:
+        f = F32(v)
+        out |= {float(f), float(np.nextafter(f, F32(0))), float(np.nextafter(f, F32(np.inf)))}
+    return sorted(v for v in out if math.isfinite(v))
+
+
+def _mx_code_reference(v: float, mode: str, emax: int, mbits: int, fmax: float) -> int:
+    """Exact E8M0 code of a positive finite float32 ``v`` (integer arithmetic on frexp)."""
+    m, e = math.frexp(v)  # v = m * 2**e, m in [0.5, 1)
+    fl = e - 1  # floor(log2 v)
+    pow2 = m == 0.5
+    if mode == "floor":
+        unb = fl
+    elif mode == "ceil":
+        unb = fl if pow2 else fl + 1
+    elif mode == "even":
+        # mantissa 1.f rounded half-up at mbits fraction bits (torchao EVEN), then floor
+        q = math.floor(v / 2.0**fl * 2**mbits + 0.5)
+        unb = fl + (1 if q == 2 ** (mbits + 1) else 0)
+    else:  # rceil: ceil(log2(fl32(v * fl32(1/fmax))))
+        r = float(F32(F32(v) * (F32(1) / F32(fmax))))
+        mr, er = math.frexp(r)
+        return er - 1 + (0 if mr == 0.5 else 1) + 127
+    return min(max(unb - emax, -127), 128) + 127
+
+
+@pytest.mark.parametrize("fmt", list(MX_FORMATS))
+def test_mx_rules_at_the_top_of_the_float32_range(fmt):
+    emax, mbits = MX_FORMATS[fmt]
+    fmax = fp8lab.get_format(fmt).max
+    amaxes = _top_amaxes(mbits)
+    x = torch.tensor(amaxes, dtype=torch.float32)
+    for mode in ("floor", "ceil", "even", "rceil"):
+        got = rules.mx_exponent(x, fmt, mode).tolist()
+        want = [_mx_code_reference(v, mode, emax, mbits, fmax) for v in amaxes]
+        assert got == want, (fmt, mode)
+        assert 255 not in got  # finite amax: never the NaN code
+    # FLT_MAX and 1.9375 * 2**127 carry under EVEN: unbiased exponent 128 - emax_elem
+    for v in (FLT_MAX, 1.9375 * 2.0**127):
+        assert rules.mx_exponent(t(v), fmt, "even").item() == CARRY_CODE[fmt]
+        assert rules.mx_even(t(v), fmt).item() == 2.0 ** (127 - CARRY_CODE[fmt])
+    # a NaN amax (only) gives 255
+    assert rules.mx_exponent(t(math.nan), fmt, "even").item() == 255
+
+
+@pytest.mark.parametrize("fmt", list(MX_FORMATS))
+def test_fused_mx_kernels_at_the_top_of_the_float32_range(fmt):
+    # quantize's fused rule kernels must give the rule functions' scales there too
+    amaxes = torch.tensor(_top_amaxes(MX_FORMATS[fmt][1]), dtype=torch.float32)
+    x = torch.zeros(amaxes.numel(), 32)
+    x[:, 0] = amaxes
+    for mode in ("floor", "ceil", "even", "rceil"):
+        q = fp8lab.quantize(x, fmt, "mx", f"mx_{mode}")
+        code = rules.mx_exponent(amaxes, fmt, mode)
+        assert torch.equal(q.scale_multipliers.reshape(-1), rules.e8m0_to_scale(code)), mode
+        assert torch.equal(q.scales.reshape(-1), rules.e8m0_to_scale_inv(code)), mode

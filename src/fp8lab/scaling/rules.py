@@ -24,6 +24,11 @@ Rules
                microxcaling). Blocks whose amax mantissa exceeds the element max clip.
 ``mx_ceil``    torchao CEIL: ``X = 2**(ceil(log2 amax) - emax_elem)``.
 ``mx_even``    torchao EVEN: amax's mantissa rounded to the element's mantissa width, then floor.
+               A finite amax whose rounding carries past 2**127 (FLT_MAX) takes exponent 128:
+               the finite code ``128 - emax_elem + 127`` (247 for E4M3).
+
+Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but ``mx_rceil``
+(TE: inf -> 254); a finite amax always gets a finite code.
 ``mx_rceil``   cuBLAS / TE MXFP8 / DeepGEMM ``ceil_to_ue8m0``: ``X = 2**ceil(log2(amax/fmt_max))``,
                never clips. The quotient is formed as TE does, ``fl32(amax * fl32(1/fmt_max))``
                (``divide=True`` uses a correctly rounded division, as DeepGEMM's reference does).
@@ -36,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp8lab.formats import FloatFormat, get_format
+from fp8lab.formats import FloatFormat, cast, get_format
 
 FLT_MAX = torch.finfo(torch.float32).max
 _EXP_MASK = 0x7F800000
@@ -166,10 +171,11 @@ def mx_exponent(
         mbits_diff = 23 - f.mbits
         b = _bits(amax)
         b = (b + (1 << (mbits_diff - 1))) & 0x7F800000 if mbits_diff > 0 else b & 0x7F800000
+        # a finite amax whose rounding carries past the largest exponent (FLT_MAX, 1.9375 *
+        # 2**127 for e4m3) gets exponent 128: a finite code (128 - emax_elem + 127, e.g. 247
+        # for e4m3); only a non-finite amax gives 255 (_clamp_code)
         e = ((b >> 23) & 0xFF) - 127
-        # rounding up may carry into the inf/NaN exponent: treat as non-finite like torchao
-        code = _clamp_code(e - emax, amax)
-        return torch.where(((b >> 23) & 0xFF) == 255, torch.full_like(code, 255), code)
+        return _clamp_code(e - emax, amax)
     if mode == "rceil":
         fmax = torch.tensor(f.max, dtype=torch.float32)
         # TE forms fl32(amax * fl32(1/fmt_max)); DeepGEMM's reference divides
@@ -219,10 +225,6 @@ mx_rceil = _mx_rule("rceil")
 # --------------------------------------------------------------------------- NVFP4 two-level
 def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """RNE onto E4M3 with saturation (the block-scale cast)."""
-    try:
-        from fp8lab.formats import cast
-    except ImportError:  # pragma: no cover - formats.cast not landed yet
-        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
     return cast(x, "e4m3", rounding="nearest_even", saturate=True)
 
 
