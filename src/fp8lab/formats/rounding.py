@@ -56,6 +56,7 @@ from numba import njit, prange
 
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats.spec import FloatFormat, get_format
+from fp8lab.formats.straight_through import straight_through
 
 ROUNDING_MODES: tuple[str, ...] = (
     "nearest_even",
@@ -696,7 +697,9 @@ def cast(
     """Round ``x`` onto the grid of ``fmt``; returns a float32 tensor of ``x``'s shape.
 
     Args:
-        x: float32, bfloat16, float16 or float64 CPU tensor (not differentiated through).
+        x: float32, bfloat16, float16 or float64 CPU tensor. Gradients pass straight through
+            (the rounding counts as the identity in backward, `fp8lab.formats.straight_through`)
+            when ``x`` requires grad and grad mode is on.
         fmt: a format name (`fp8lab.format_names()`, or any ``eXmY``) or a `FloatFormat`.
         rounding: one of `ROUNDING_MODES`; ``None`` = the format's native rule
             (``nearest_even``; ``nearest_away``, i.e. TA, for HiF8).
@@ -710,6 +713,8 @@ def cast(
     if mode == 4 and x.dtype == torch.float64:
         raise ValueError("hybrid rounding follows the input dtype: use float32, bf16 or fp16 input")
     p = _params(fmt)
+    if x.requires_grad and torch.is_grad_enabled():
+        return straight_through(x, cast(x.detach(), fmt, rounding, saturate, generator, out))
     x = x.detach()
     if out is not None:
         if out.dtype != torch.float32 or out.shape != x.shape or not out.is_contiguous():

@@ -11,7 +11,7 @@ from fp8lab.qtensor.kernels import _block_amax_fast, _scale_cast
 from fp8lab.qtensor.spec import QuantSpec, ScalingLike, _spec_from_args
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling import rules as _rules
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import delayed_scale
 from fp8lab.scaling.granularity import GranularityLike, check_fit, num_blocks, shape_2d
 from fp8lab.scaling.rule_kernels import MX_RULES, max_rule_scales, mx_rule_scales
 
@@ -28,11 +28,9 @@ def _scales_for(
     if isinstance(sc, float):
         s = torch.full(nb, sc, dtype=torch.float32)
         return s, torch.reciprocal(s), None
-    if isinstance(sc, DelayedScaling):
+    if spec.is_delayed:  # a config alone: a throwaway state (step 0), nothing recorded
         amax = _block_amax_fast(x2, (-1, -1)).reshape(())
-        s = sc.scale_for(amax, spec.fmt)
-        sc.observe(amax)
-        s = s.reshape(1, 1)
+        s = delayed_scale(sc, amax, spec.fmt).reshape(1, 1)
         return s, torch.reciprocal(s), None
     amax = _block_amax_fast(x2, block)
     if sc == "nvfp4":
@@ -81,14 +79,20 @@ def quantize(
     `QuantSpec` (then non-None arguments override its fields). Returns a `QTensor` whose
     ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
     the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
-    step). ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
+    step); with a `DelayedScalingConfig` alone (a preset's spec) step 0's scale comes from a
+    throwaway state and nothing is recorded. ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
     converted to float32 (float64 rounds once there; TE multiplies in FP32 as well).
 
     Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
     ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),
     computed in the same pass as the values where the fast kernel applies. Each must be a
     contiguous float32 CPU tensor of ``x``'s shape; they must not overlap each other (``out``
-    may be ``x`` itself when ``x`` is contiguous float32). The caller owns both buffers.
+    may be ``x`` itself when ``x`` is contiguous float32). The caller owns both buffers;
+    ``dequantized_out`` becomes the QTensor's memoised dequantized copy (`QTensor.dequantize`
+    returns it), so it must not be overwritten while the QTensor is in use.
+
+    Gradients: when ``x`` requires grad (and grad mode is on), `QTensor.dequantize` passes
+    gradients straight through to ``x`` (``QTensor.values`` itself carries none).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
@@ -99,6 +103,8 @@ def quantize(
     spec = _spec_from_args(
         fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
     )
+    # straight-through gradient (QTensor.dequantize): keep the source only when it can carry one
+    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
     x = x.detach()
     s2 = shape_2d(x.shape)
     check_fit(s2, spec.block, spec.pad)
@@ -116,13 +122,17 @@ def quantize(
     values = _scale_cast(x2, s, spec.block, spec, generator, out2, deq2, s_inv, g)
     values = values.reshape(x.shape)
     nb = num_blocks(s2, spec.block)
-    return QTensor(
+    q = QTensor(
         values=values,
         scales=s_inv.reshape(nb),
         spec=spec,
         global_scale=g,
         scale_multipliers=s.reshape(nb),
+        _source=source,
     )
+    if dequantized_out is not None:
+        q._set_dense(dequantized_out)  # the QTensor's memoised dequantized copy (C3)
+    return q
 
 
 def _check_buffer(buf: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -156,5 +166,9 @@ def fake_quant(
     rounding: str | None = None,
     **kw: Any,
 ) -> torch.Tensor:
-    """``quantize(x, ...).dequantize()``: float32, ``x``'s shape."""
+    """``quantize(x, ...).dequantize()``: float32, ``x``'s shape.
+
+    Straight-through gradient: ``d fake_quant(x) / dx`` is taken as 1 everywhere (saturated
+    elements included), as in quantization-aware training; see `fp8lab.formats.straight_through`.
+    """
     return quantize(x, fmt, granularity, scaling, rounding, **kw).dequantize()

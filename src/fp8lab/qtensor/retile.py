@@ -8,7 +8,6 @@ from fp8lab.qtensor.kernels import _max_abs_diff
 from fp8lab.qtensor.quantize import quantize
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
-from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import GranularityLike, transpose_granularity
 
 __all__ = ["retile", "retile_counts"]
@@ -59,7 +58,7 @@ def retile(
     target = spec or q.spec.replace(
         granularity=to if to is not None else transpose_granularity(q.spec.granularity)
     )
-    if isinstance(target.scaling, DelayedScaling):
+    if target.is_delayed:
         raise ValueError("retile does not apply to DelayedScaling (per-tensor) QTensors")
     if source is not None:
         if tuple(source.shape) != tuple(q.shape):
@@ -95,6 +94,6 @@ def _added_error(new: torch.Tensor, old: torch.Tensor) -> float:
     """max |new - old| with NaN ignored and inf counted as FLT_MAX, in one pass."""
     if old.numel() == 0:
         return 0.0
-    a = new.reshape(-1).to(torch.float32).contiguous()
-    b = old.reshape(-1).to(torch.float32).contiguous()
+    a = new.detach().reshape(-1).to(torch.float32).contiguous()
+    b = old.detach().reshape(-1).to(torch.float32).contiguous()
     return float(_max_abs_diff(a.numpy(), b.numpy()))

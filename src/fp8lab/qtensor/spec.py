@@ -8,9 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fp8lab._keys import check_keys
 from fp8lab.formats import FloatFormat, get_format
 from fp8lab.scaling import rules as _rules
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 from fp8lab.scaling.granularity import (
     GranularityLike,
     canonical_granularity,
@@ -21,7 +22,7 @@ from fp8lab.scaling.granularity import (
 
 __all__ = ["QuantSpec", "ScalingLike"]
 
-ScalingLike = str | float | int | DelayedScaling | None
+ScalingLike = str | float | int | DelayedScalingConfig | DelayedScaling | None
 
 
 def _default_scaling(block: tuple[int, int]) -> str:
@@ -43,7 +44,10 @@ class QuantSpec:
             if the block has one, else a tuple).
         scaling: a rule name (``max``, ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``,
             ``mx_even``, ``mx_rceil``, ``nvfp4``), a fixed float quantization multiplier
-            (``values = cast(x * scaling)``), or a `DelayedScaling` object (per-tensor only).
+            (``values = cast(x * scaling)``), or delayed scaling (per-tensor only): a frozen
+            `DelayedScalingConfig` (what recipes hold; each quantize then uses a throwaway
+            state, i.e. step 0) or a stateful `DelayedScaling` (its scale is used and the
+            tensor's amax recorded).
             ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
             ``nvfp4`` for NVFP4 blocks, ``max`` otherwise.
         rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`); ``None`` = the
@@ -77,7 +81,9 @@ class QuantSpec:
         if sc is None:
             sc = _default_scaling(block)
         if isinstance(sc, bool):
-            raise TypeError("scaling must be a rule name, a float or a DelayedScaling, not a bool")
+            raise TypeError(
+                "scaling must be a rule name, a float or a DelayedScaling(Config), not a bool"
+            )
         if isinstance(sc, str):
             sc = sc.strip().lower()
             if sc == "amax":
@@ -88,12 +94,13 @@ class QuantSpec:
             sc = float(sc)
             if not math.isfinite(sc) or sc <= 0:
                 raise ValueError(f"a fixed scale must be a positive finite float, got {sc}")
-        elif isinstance(sc, DelayedScaling):
+        elif isinstance(sc, DelayedScaling | DelayedScalingConfig):
             if block != (-1, -1):
                 raise ValueError("DelayedScaling is per-tensor: use granularity='tensor'")
         else:
             raise TypeError(
-                f"scaling must be a rule name, a float or a DelayedScaling, got {type(sc).__name__}"
+                "scaling must be a rule name, a float or a DelayedScaling(Config), "
+                f"got {type(sc).__name__}"
             )
         object.__setattr__(self, "scaling", sc)
         from fp8lab.formats import ROUNDING_MODES, default_rounding
@@ -122,16 +129,11 @@ class QuantSpec:
 
     @property
     def is_delayed(self) -> bool:
-        return isinstance(self.scaling, DelayedScaling)
+        """Delayed scaling, as configuration or bound to a state (`DelayedScaling.bind`)."""
+        return isinstance(self.scaling, DelayedScaling | DelayedScalingConfig)
 
     def replace(self, **changes: Any) -> QuantSpec:
         return dataclasses.replace(self, **changes)
-
-    def fresh(self) -> QuantSpec:
-        """This spec with a fresh `DelayedScaling` state (one per tensor); else ``self``."""
-        if isinstance(self.scaling, DelayedScaling):
-            return dataclasses.replace(self, scaling=self.scaling.fresh())
-        return self
 
     def transposed(self) -> QuantSpec:
         """The spec with the block axes swapped (for the transposed direction)."""
@@ -141,7 +143,7 @@ class QuantSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str/int/float/bool/list/dict): TOML/JSON friendly."""
         sc = self.scaling
-        sc_plain: Any = {"delayed": sc.config()} if isinstance(sc, DelayedScaling) else sc
+        sc_plain: Any = {"delayed": sc.to_dict()} if self.is_delayed else sc
         return {
             "format": self.format,
             "granularity": granularity_to_plain(self.granularity),
@@ -157,10 +159,7 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown QuantSpec keys: {sorted(unknown)}")
+        check_keys(d, (f.name for f in dataclasses.fields(cls)), "QuantSpec")
         kw = dict(d)
         g = kw.get("granularity")
         if isinstance(g, list):
@@ -169,7 +168,7 @@ class QuantSpec:
         if isinstance(sc, dict):
             if set(sc) != {"delayed"}:
                 raise ValueError(f"scaling dict must be {{'delayed': {{...}}}}, got {sc!r}")
-            kw["scaling"] = DelayedScaling.from_config(sc["delayed"])
+            kw["scaling"] = DelayedScalingConfig.from_dict(sc["delayed"])
         return cls(**kw)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fp8lab.formats import FloatFormat
+from fp8lab.formats.straight_through import straight_through
 from fp8lab.qtensor.kernels import _mul_blocks
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.scaling.granularity import as_2d, expand_blocks, resolve_block, shape_2d
@@ -32,6 +33,11 @@ class QTensor:
         meta: free-form notes (re-tiling source and added error).
         scale_multipliers: the per-block *quantization* multipliers actually used
             (``values = cast(x * scale_multipliers)``; TE's ``scale``), same layout as ``scales``.
+
+    The QTensor owns its dequantized copy: `dequantize` computes it once (or takes the one
+    ``quantize(..., dequantized_out=)`` wrote in the cast pass) and returns that same tensor
+    again; ``t()`` shares it and returns its transpose. The copy is keyed by the layout of
+    ``values`` (assigning new ``values`` recomputes it); nobody may write into it in place.
     """
 
     values: torch.Tensor
@@ -41,6 +47,10 @@ class QTensor:
     retiled: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     scale_multipliers: torch.Tensor | None = None
+    # the memoised dequantized copy, one cell shared with t() copies: [(values layout, tensor)]
+    _dense: list[Any] = field(default_factory=lambda: [None], repr=False)
+    # the high-precision input when it required grad: dequantize() passes gradients to it
+    _source: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -61,7 +71,37 @@ class QTensor:
         return self.scales * self.global_scale
 
     def dequantize(self) -> torch.Tensor:
-        """``values * scales`` broadcast over the blocks (float32, the original shape)."""
+        """``values * scales`` broadcast over the blocks (float32, the original shape).
+
+        Memoised (see the class doc): the same tensor comes back on every call, so never write
+        into it. Straight-through gradient: when the quantized input required grad (and grad
+        mode was on), the result is attached to it with gradient 1 everywhere, as
+        ``torch.fake_quantize_per_tensor_affine`` does inside its range (no clipping mask:
+        saturated elements pass their gradient too).
+        """
+        d = self._dense_copy()
+        if self._source is None:
+            return d
+        return straight_through(self._source, d)
+
+    def _set_dense(self, d: torch.Tensor) -> None:
+        """Adopt ``d`` (bit for bit ``values * scales``) as the memoised dequantized copy."""
+        self._dense[0] = (_layout(self.values), d)
+
+    def _dense_copy(self) -> torch.Tensor:
+        v = self.values
+        held = self._dense[0]
+        if held is not None:
+            key, d = held
+            if key == _layout(v):
+                return d
+            if v.dim() == 2 and key == _layout(v.t()):
+                return d.t()
+        d = self._compute_dense()
+        self._dense[0] = (_layout(v), d)
+        return d
+
+    def _compute_dense(self) -> torch.Tensor:
         s2 = shape_2d(self.values.shape)
         sc = self.scales
         v2 = as_2d(self.values)
@@ -109,6 +149,8 @@ class QTensor:
             scale_multipliers=None
             if self.scale_multipliers is None
             else self.scale_multipliers.t(),
+            _dense=self._dense,
+            _source=None if self._source is None else self._source.t(),
         )
 
     @property
@@ -121,3 +163,7 @@ class QTensor:
             f"granularity={self.spec.granularity!r}, scales={tuple(self.scales.shape)}, "
             f"retiled={self.retiled})"
         )
+
+
+def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return t.data_ptr(), tuple(t.shape), t.stride()

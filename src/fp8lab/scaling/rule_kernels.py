@@ -101,7 +101,6 @@ def _mx_rule_scales(amax_bits, mode, emax, mbits, fmax_recip, s_out, inv_out):  
     for i in range(amax_bits.shape[0]):
         b = np.int64(amax_bits[i] & np.uint32(0x7FFFFFFF))  # |amax|
         finite = (b & 0x7F800000) != 0x7F800000
-        bb = np.int64(0)
         if mode == 3:
             r = _f32_to_u32(np.float32(_u32_to_f32(np.uint32(b)) * fmax_recip))
             e = np.int64((r >> np.uint32(23)) & np.uint32(0xFF))
@@ -119,13 +118,13 @@ def _mx_rule_scales(amax_bits, mode, emax, mbits, fmax_recip, s_out, inv_out):  
             elif mode == 1:
                 e = ((b >> 23) & 0xFF) - 127 + (1 if (b & 0x007FFFFF) != 0 else 0)
             else:
+                # a carry past the largest exponent (amax near FLT_MAX) gives e = 128: the
+                # finite code 128 - emax + 127 (rules.mx_exponent); only inf/NaN amax -> 255
                 d = 23 - mbits
                 bb = (b + (1 << (d - 1))) & 0x7F800000 if d > 0 else b & 0x7F800000
                 e = ((bb >> 23) & 0xFF) - 127
             code = min(max(e - emax, -127), 128) + 127
             if not finite:
-                code = 255
-            if mode == 2 and ((bb >> 23) & 0xFF) == 255:
                 code = 255
         if code == 255:
             s_out[i] = nan
