@@ -8,6 +8,8 @@ import torch
 
 from fp8lab.nn import Linear
 from fp8lab.nn import functional as F8
+from fp8lab.nn._epilogue import epilogue
+from fp8lab.nn.buffers import POOL
 from fp8lab.recipe import get_recipe
 
 RECIPES = ["te-current", "deepseek-v3-fp32", "deepseek-v3", "mxfp8", "bf16", "te-delayed"]
@@ -54,11 +56,11 @@ def test_cached_buffers_give_the_same_bits_as_fresh_ones(name, request):
     torch.manual_seed(1)
     base = torch.nn.Linear(256, 192)
     cached = _steps(Linear.from_linear(copy.deepcopy(base), _recipe(name)), xs, dy)
-    assert F8._POOL.free_bytes > 0  # buffers were returned for reuse
+    assert POOL.free_bytes > 0  # buffers were returned for reuse
     request.getfixturevalue("no_cache")
-    assert F8._POOL.free_bytes == 0
+    assert POOL.free_bytes == 0
     fresh = _steps(Linear.from_linear(copy.deepcopy(base), _recipe(name)), xs, dy)
-    assert F8._POOL.free_bytes == 0  # limit 0: nothing retained
+    assert POOL.free_bytes == 0  # limit 0: nothing retained
     for a, b in zip(cached, fresh, strict=True):
         assert all(_bits_equal(u, v) for u, v in zip(a, b, strict=True)), name
 
@@ -88,7 +90,7 @@ def test_outputs_never_alias_cached_buffers():
     with torch.no_grad():
         y0 = mod(xs[0])
         keep = y0.clone()
-        assert F8._POOL.free_bytes > 0  # no backward will run: buffers returned at once
+        assert POOL.free_bytes > 0  # no backward will run: buffers returned at once
         for x in xs[1:]:
             mod(x)
     assert torch.equal(y0, keep)
@@ -108,9 +110,9 @@ def test_buffer_cache_limit_and_clear():
             F8.buffer_cache_limit(-1)
         xs, dy = _data(seed=5, t=8, i=32, o=16)
         _steps(Linear(32, 16, recipe="te-current"), xs, dy)
-        assert 0 < F8._POOL.free_bytes <= 1 << 20
+        assert 0 < POOL.free_bytes <= 1 << 20
         F8.clear_buffer_cache()
-        assert F8._POOL.free_bytes == 0
+        assert POOL.free_bytes == 0
     finally:
         F8.buffer_cache_limit(old)
 
@@ -133,8 +135,8 @@ def test_gemm_epilogue_equals_torch_mul_then_add():
             if b is not None:
                 want.add_(b)
             got = out.clone()
-            F8._epilogue(got, scale, b)
+            epilogue(got, scale, b)
             assert _bits_equal(got, want), (scale, b is None)
             got_t = out.t().clone().t()  # non-contiguous: torch fallback
-            F8._epilogue(got_t, scale, b)
+            epilogue(got_t, scale, b)
             assert _bits_equal(got_t, want)

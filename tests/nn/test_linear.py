@@ -143,7 +143,9 @@ def test_hif8_delayed_first_step_current_and_interval_in_module():
     mod = Linear(32, 16, bias=False, recipe=rec)
     w0 = mod.weight.detach().clone()
     # standalone objects built from the recipe's own templates
-    ds = {r: getattr(rec, r).scaling.fresh() for r in ("input", "weight", "grad_output")}
+    ds = {
+        r: DelayedScaling.bind(getattr(rec, r).scaling) for r in ("input", "weight", "grad_output")
+    }
     spec = {r: getattr(rec, r).replace(scaling=ds[r]) for r in ds}
     first_scales = []
     for step in range(12):

@@ -14,19 +14,33 @@ Selection (``convert(model, recipe, include=None, exclude=None)``):
   (embedding / output-head names), any Linear whose weight is shared with an ``nn.Embedding``
   (tied head), and the *last* Linear of the model in registration order (the output head of most
   models). Pass ``default_exclude=False`` to quantize those too.
+
+Layers that would not run as modules are never claimed converted:
+
+* ``nn.MultiheadAttention.out_proj``: MHA passes its weight to a functional kernel, so a swapped
+  module would never run. It is left as is with a warning naming it (``strict=True`` raises).
+* ``nn.TransformerEncoderLayer`` (and ``nn.TransformerEncoder``) in eval mode take a fused fast
+  path that reads ``linear1``/``linear2``'s weights directly; for a layer holding converted
+  Linears that fast path is switched off (`unconvert` switches it back on), so eval runs the
+  converted modules.
+
+`convert` warns when it converts nothing. `unconvert` swaps converted layers back to plain
+``torch.nn.Linear`` sharing the same parameters.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import re
-import threading
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Sequence
 
 import torch
 
+from fp8lab.nn.modules import Linear
 from fp8lab.recipe import Recipe, get_recipe
+
+__all__ = ["DEFAULT_EXCLUDE", "convert", "converted", "select_linears", "unconvert"]
 
 Pattern = str | re.Pattern
 Patterns = Pattern | Sequence[Pattern] | None
@@ -47,6 +61,14 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "classifier",
     "*.classifier",
 )
+
+# the attribute through which torch's encoder layer / encoder decide on their fused eval path,
+# and the value that switches it off (the non-fast path does not read it)
+_FAST_PATH_ATTRS = {
+    torch.nn.TransformerEncoderLayer: ("activation_relu_or_gelu", 0),
+    torch.nn.TransformerEncoder: ("use_nested_tensor", False),
+}
+_SAVED = "_fp8lab_fast_path"  # the original value, kept on the module for unconvert
 
 
 def _as_list(patterns: Patterns, what: str) -> list[Pattern]:
@@ -69,25 +91,16 @@ def _match(name: str, pattern: Pattern) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def _is_plain_linear(m: torch.nn.Module) -> bool:
-    from fp8lab.nn.modules import Linear
+def _functional_only(model: torch.nn.Module) -> set[str]:
+    """Linear layers whose parent passes their weight to a functional kernel (MHA out_proj)."""
+    return {
+        f"{n}.out_proj" if n else "out_proj"
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.MultiheadAttention)
+    }
 
-    return isinstance(m, torch.nn.Linear) and not isinstance(m, Linear)
 
-
-def select_linears(
-    model: torch.nn.Module,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    *,
-    default_exclude: bool = True,
-) -> list[str]:
-    """Qualified names of the Linear layers ``convert`` would swap (see the module docstring)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inc, exc = _as_list(include, "include"), _as_list(exclude, "exclude")
-    modules = dict(model.named_modules())
-    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n]
+def _check_patterns(modules: dict, linears: list[str], inc: list, exc: list) -> None:
     for p in inc:
         hits = [n for n in modules if n and _match(n, p)]
         if not hits:
@@ -103,6 +116,18 @@ def select_linears(
     for p in exc:
         if not any(_match(n, p) for n in modules if n):
             raise ValueError(f"exclude pattern {p!r} matches no module")
+
+
+def _selection(
+    model: torch.nn.Module, include: Patterns, exclude: Patterns, default_exclude: bool
+) -> tuple[list[str], list[str]]:
+    """(names to swap, selected names that cannot run as modules)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inc, exc = _as_list(include, "include"), _as_list(exclude, "exclude")
+    modules = dict(model.named_modules())
+    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n]
+    _check_patterns(modules, linears, inc, exc)
     chosen = [n for n in linears if not inc or any(_match(n, p) for p in inc)]
     chosen = [n for n in chosen if not any(_match(n, p) for p in exc)]
     if default_exclude:
@@ -112,7 +137,19 @@ def select_linears(
         if linears:
             dropped.add(linears[-1])
         chosen = [n for n in chosen if n not in dropped]
-    return chosen
+    functional = _functional_only(model)
+    return [n for n in chosen if n not in functional], [n for n in chosen if n in functional]
+
+
+def select_linears(
+    model: torch.nn.Module,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    *,
+    default_exclude: bool = True,
+) -> list[str]:
+    """Qualified names of the Linear layers ``convert`` would swap (see the module docstring)."""
+    return _selection(model, include, exclude, default_exclude)[0]
 
 
 def convert(
@@ -122,19 +159,30 @@ def convert(
     exclude: Patterns = None,
     *,
     default_exclude: bool = True,
+    strict: bool = False,
 ) -> torch.nn.Module:
     """Replace selected ``torch.nn.Linear`` layers of ``model`` in place; returns ``model``.
 
     The new :class:`fp8lab.nn.Linear` modules share the original ``Parameter`` objects, so an
     optimizer built before the conversion keeps working, and carry their qualified name (used by
     :func:`fp8lab.nn.collect_operands`). Layers already converted are re-targeted to ``recipe``.
+    Selected layers that would never run as modules (``MultiheadAttention.out_proj``) are left
+    as they are with a `UserWarning` naming them, or raise ``ValueError`` with ``strict=True``;
+    converting nothing warns.
     """
-    from fp8lab.nn.modules import Linear
-
     rec = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(rec, Recipe):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
-    names = select_linears(model, include, exclude, default_exclude=default_exclude)
+    names, skipped = _selection(model, include, exclude, default_exclude)
+    if skipped:
+        msg = (
+            f"convert: {skipped} not converted: nn.MultiheadAttention passes out_proj's weight "
+            "to a functional kernel, so a converted module would never run (it stays "
+            "high precision)"
+        )
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, UserWarning, stacklevel=2)
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -142,93 +190,50 @@ def convert(
         if isinstance(old, Linear):
             old.set_recipe(rec)
             old.name = name
-        elif _is_plain_linear(old):
+        else:
             setattr(parent, attr, Linear.from_linear(old, rec, name=name))
+    if not names:
+        warnings.warn(
+            f"convert: no Linear layer of {type(model).__name__} was converted to "
+            f"{rec.name!r} (include={include!r}, exclude={exclude!r}, "
+            f"default_exclude={default_exclude})",
+            UserWarning,
+            stacklevel=2,
+        )
+    _set_fast_paths(model)
     return model
 
 
 def converted(model: torch.nn.Module) -> list[str]:
     """Qualified names of the :class:`fp8lab.nn.Linear` layers inside ``model``."""
-    from fp8lab.nn.modules import Linear
-
     return [n for n, m in model.named_modules() if isinstance(m, Linear)]
 
 
-# --------------------------------------------------------------------------- autocast
-class _AutocastState(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[Recipe] = []
-        self.pending: list = []  # modules whose forward-role delayed scaling awaits the exit
+def unconvert(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every :class:`fp8lab.nn.Linear` of ``model`` back to a plain ``torch.nn.Linear``
+    sharing the same ``Parameter`` objects (the scaling state is dropped); returns ``model``.
+    A converted ``model`` itself cannot be replaced in place: it raises ``TypeError``."""
+    if isinstance(model, Linear):
+        raise TypeError("unconvert: model is itself an fp8lab.nn.Linear; use Linear.to_linear()")
+    for name in converted(model):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, getattr(parent, attr).to_linear())
+    _set_fast_paths(model)
+    return model
 
 
-_STATE = _AutocastState()
-
-
-def active_recipe() -> Recipe | None:
-    """Recipe of the innermost active :func:`autocast` that names one, or None."""
-    for r in reversed(_STATE.stack):
-        if r is not _NO_OVERRIDE:
-            return r  # type: ignore[return-value]
-    return None
-
-
-def in_autocast() -> bool:
-    return bool(_STATE.stack)
-
-
-def _defer_forward_update(module: object) -> None:
-    if all(m is not module for m in _STATE.pending):
-        _STATE.pending.append(module)
-
-
-@contextlib.contextmanager
-def autocast(recipe: Recipe | str | None = None, enabled: bool = True) -> Iterator[Recipe | None]:
-    """Run converted modules under ``recipe`` (default: each module's own) inside the block.
-
-    As in Transformer Engine, delayed-scaling amaxes of the forward roles (input, weight)
-    accumulate (max) over all forwards inside the outermost ``autocast`` (micro-batches) and the
-    scales are updated once when it exits (only if grad mode is enabled); outside ``autocast`` they
-    update after each forward. ``enabled=False`` runs converted modules in plain fp32.
-    Nested contexts are allowed; the innermost recipe wins.
-    """
-    if recipe is None and enabled:
-        rec = None
-    elif not enabled:
-        rec = get_recipe("fp32")
-    else:
-        rec = get_recipe(recipe) if isinstance(recipe, str) else recipe
-        if not isinstance(rec, Recipe):
-            raise TypeError(f"recipe must be a Recipe or preset name, got {type(recipe).__name__}")
-    outermost = not _STATE.stack
-    grad_enabled = torch.is_grad_enabled()
-    _STATE.stack.append(rec if rec is not None else _NO_OVERRIDE)
-    try:
-        yield rec
-    finally:
-        _STATE.stack.pop()
-        if outermost:
-            pending, _STATE.pending = _STATE.pending, []
-            if grad_enabled:
-                for m in pending:
-                    m._update_forward_scaling()
-            else:
-                for m in pending:
-                    m._discard_forward_amax()
-
-
-class _NoOverride:
-    """Marker on the autocast stack: an ``autocast()`` without a recipe (keep module recipes)."""
-
-    def __repr__(self) -> str:
-        return "<module recipe>"
-
-
-_NO_OVERRIDE = _NoOverride()
-
-
-def effective_recipe(own: Recipe) -> Recipe:
-    """The recipe a module runs under: the innermost autocast override, else its own."""
-    for r in reversed(_STATE.stack):
-        if r is not _NO_OVERRIDE:
-            return r  # type: ignore[return-value]
-    return own
+def _set_fast_paths(model: torch.nn.Module) -> None:
+    """Switch torch's fused encoder eval path off where it would skip converted layers, and
+    back on where no converted layer remains."""
+    for m in model.modules():
+        spec = next((v for k, v in _FAST_PATH_ATTRS.items() if isinstance(m, k)), None)
+        if spec is None or not hasattr(m, spec[0]):
+            continue
+        attr, off = spec
+        has_converted = any(isinstance(c, Linear) for c in m.modules())
+        if has_converted and _SAVED not in m.__dict__:
+            m.__dict__[_SAVED] = getattr(m, attr)
+            setattr(m, attr, off)
+        elif not has_converted and _SAVED in m.__dict__:
+            setattr(m, attr, m.__dict__.pop(_SAVED))

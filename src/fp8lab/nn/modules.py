@@ -1,38 +1,28 @@
-"""`fp8lab.nn.Linear`: a drop-in ``torch.nn.Linear`` whose three GEMMs run under a recipe."""
+"""`fp8lab.nn.Linear`: a drop-in ``torch.nn.Linear`` whose three GEMMs run under a recipe.
+
+Under ``torch.autocast`` (e.g. ``torch.autocast("cpu", dtype=torch.bfloat16)``) it does what
+Transformer Engine does: the input (and the bias) are cast to the autocast dtype before
+quantization, the GEMMs run as emulated (fp32 accumulation of the recipe's operands) and the
+output is returned in the autocast dtype; the weight is quantized from its own dtype (the fp32
+master weight). ``torch.compile`` treats the layer as opaque (a deliberate graph break: dynamo
+cannot trace the numba kernels), so compiled models run it eagerly and compile around it.
+"""
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 import torch
 
-from fp8lab.nn.convert import _defer_forward_update, effective_recipe, in_autocast
-from fp8lab.nn.functional import GEMM_OPERANDS, LinearPlan, build_plan, linear, state_key
-from fp8lab.recipe import GEMMS, Recipe, get_recipe
+from fp8lab.nn.context import active_recipe
+from fp8lab.nn.function import linear
+from fp8lab.nn.plan import LinearPlan, build_plan
+from fp8lab.nn.state import ScalingState, after_forward
+from fp8lab.recipe import Recipe, get_recipe
 from fp8lab.scaling.delayed import DelayedScaling
 
-_FWD_ROLES = ("input", "weight")
 _RECIPE_KEY = "fp8_recipe"
-
-
-def _make_states(recipe: Recipe) -> dict[str, DelayedScaling]:
-    states: dict[str, DelayedScaling] = {}
-    for g in GEMMS:
-        if recipe.gemm(g).high_precision:
-            continue
-        for role, _ in GEMM_OPERANDS[g]:
-            spec = recipe.spec(g, role)
-            if spec is not None and spec.is_delayed:
-                key = state_key(recipe, g, role)
-                if key not in states:
-                    states[key] = DelayedScaling.bind(spec.scaling, spec.format)
-    return states
-
-
-def _role_of(key: str) -> str:
-    return key.split("_", 1)[1] if key.split("_", 1)[0] in GEMMS else key
 
 
 class Linear(torch.nn.Linear):
@@ -81,11 +71,22 @@ class Linear(torch.nn.Linear):
         new._init_recipe(get_recipe(recipe))
         return new
 
+    def to_linear(self) -> torch.nn.Linear:
+        """A plain ``torch.nn.Linear`` sharing this module's Parameter objects (no scaling state;
+        forward hooks are not carried over)."""
+        lin = torch.nn.Linear.__new__(torch.nn.Linear)
+        torch.nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = self.in_features, self.out_features
+        lin.weight = self.weight
+        lin.bias = self.bias
+        lin.train(self.training)
+        return lin
+
     # ------------------------------------------------------------------ recipe and state
     def _init_recipe(self, recipe: Recipe) -> None:
         self.recipe = recipe
-        self._states = _make_states(recipe)
-        self._other_states: dict[str, dict[str, DelayedScaling]] = {}
+        self._state = ScalingState(recipe)
+        self._other_states: dict[str, ScalingState] = {}  # autocast(recipe) overrides
         self._plans: dict[str, LinearPlan] = {}
 
     def set_recipe(self, recipe: Recipe | str) -> None:
@@ -95,27 +96,23 @@ class Linear(torch.nn.Linear):
     @property
     def scaling_states(self) -> dict[str, DelayedScaling]:
         """The delayed-scaling objects of this module's recipe, by state key."""
-        return dict(self._states)
+        return dict(self._state.by_key)
 
-    def _states_for(self, recipe: Recipe) -> dict[str, DelayedScaling]:
+    def _state_for(self, recipe: Recipe) -> ScalingState:
         if recipe is self.recipe or recipe == self.recipe:
-            return self._states
+            return self._state
         fp = recipe.fingerprint()
         if fp not in self._other_states:
-            self._other_states[fp] = _make_states(recipe)
+            self._other_states[fp] = ScalingState(recipe)
         return self._other_states[fp]
 
-    def _plan(self, recipe: Recipe) -> LinearPlan:
+    def _plan(self, recipe: Recipe) -> tuple[LinearPlan, ScalingState]:
+        state = self._state_for(recipe)
         fp = recipe.fingerprint()
         plan = self._plans.get(fp)
         if plan is None or plan.name != self.name:
-            states = self._states_for(recipe)
-            plan = build_plan(
-                recipe, states, self.name, after_backward=functools.partial(_update_grad, states)
-            )
-            plan.extra["states"] = states
-            self._plans[fp] = plan
-        return plan
+            plan = self._plans[fp] = build_plan(recipe, state, self.name)
+        return plan, state
 
     def __getstate__(self) -> dict[str, Any]:
         # plans hold bound state objects: rebuild them after copy.deepcopy / pickle
@@ -124,22 +121,18 @@ class Linear(torch.nn.Linear):
         state["_plans"] = {}
         return state
 
-    def _pending_states(self) -> list[dict[str, DelayedScaling]]:
-        return [self._states, *self._other_states.values()]
+    def update_forward(self) -> None:
+        """Update the forward roles' delayed scaling (every recipe this module has run)."""
+        for st in (self._state, *self._other_states.values()):
+            st.update_forward()
 
-    def _update_forward_scaling(self) -> None:
-        for states in self._pending_states():
-            for key, ds in states.items():
-                if _role_of(key) in _FWD_ROLES:
-                    ds.update()
-
-    def _discard_forward_amax(self) -> None:
-        for states in self._pending_states():
-            for key, ds in states.items():
-                if _role_of(key) in _FWD_ROLES and ds.measuring:
-                    ds.stage(0.0)
+    def discard_forward(self) -> None:
+        """Forget the forward roles' staged amaxes (no update)."""
+        for st in (self._state, *self._other_states.values()):
+            st.discard_forward()
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
@@ -148,16 +141,10 @@ class Linear(torch.nn.Linear):
             )
         if not x.is_floating_point():
             raise TypeError(f"{self.name or 'Linear'}: input must be floating point, got {x.dtype}")
-        recipe = effective_recipe(self.recipe)
-        plan = self._plan(recipe)
-        y = linear(x, self.weight, self.bias, plan)
-        if plan.extra["states"]:
-            if in_autocast():
-                _defer_forward_update(self)
-            elif torch.is_grad_enabled():
-                self._update_forward_scaling()
-            else:
-                self._discard_forward_amax()
+        plan, state = self._plan(active_recipe(self.recipe))
+        y = linear(x, self.weight, self.bias, plan, state)
+        if state:
+            after_forward(self)
         return y
 
     def extra_repr(self) -> str:
@@ -168,7 +155,7 @@ class Linear(torch.nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         fp = self.recipe.fingerprint().encode()
         destination[prefix + _RECIPE_KEY] = torch.tensor(list(fp), dtype=torch.uint8)
-        for key, ds in self._states.items():
+        for key, ds in self._state.by_key.items():
             for field_name, t in ds.state_dict().items():
                 destination[f"{prefix}fp8_{key}_{field_name}"] = t
 
@@ -185,7 +172,7 @@ class Linear(torch.nn.Linear):
                     f"{where}: state was saved under another recipe; this module runs "
                     f"{self.recipe.name!r}. Saved recipe numerics: {_short(saved)}"
                 )
-            for key, ds in self._states.items():
+            for key, ds in self._state.by_key.items():
                 fields = ds.state_dict()
                 need = [f"{prefix}fp8_{key}_{f}" for f in fields]
                 missing = [k for k in need if k not in state_dict]
@@ -208,7 +195,7 @@ class Linear(torch.nn.Linear):
                 ds.load_state_dict(new)
             known = {rk} | {
                 f"{prefix}fp8_{key}_{f}"
-                for key, ds in self._states.items()
+                for key, ds in self._state.by_key.items()
                 for f in ds.state_dict()
             }
             extra = sorted(k for k in ours if k not in known)
@@ -220,12 +207,6 @@ class Linear(torch.nn.Linear):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]
-
-
-def _update_grad(states: dict[str, DelayedScaling]) -> None:
-    for key, ds in states.items():
-        if _role_of(key) == "grad_output":
-            ds.update()
 
 
 def _short(fingerprint: str) -> str:

@@ -1,0 +1,155 @@
+"""`LinearPlan`: a recipe resolved once for one module, every per-call decision precomputed.
+
+For each GEMM (``fprop`` y = x·Wᵀ, ``dgrad`` dx = dy·W, ``wgrad`` dW = (xᵀ·dy)ᵀ) and each of its
+two operands an `OperandPlan`: the spec bound to the module's delayed-scaling state and
+transposed when the GEMM reduces the operand along its first axis (re-tiling: ``1x128`` ->
+``128x1``), or the GEMM's high-precision rounding, and how the backward obtains the operand from
+the forward's (`Reuse`):
+
+* ``SAME``: the earlier GEMM's operand serves as is (the same rounding, fp32 as is, or the same
+  quantization: per-tensor x for fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad);
+* ``RETILE``: ``save_for_backward="quantized"`` and only the blocks differ: re-tile the earlier
+  quantized tensor (DeepSeek-V3, arXiv 2412.19437 §3.3: dequantize, re-quantize into new tiles);
+* ``SOURCE``: keep the fp32 tensor and prepare it afresh (``save_for_backward="high_precision"``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from fp8lab.gemm import Accumulator
+from fp8lab.nn.state import ScalingState, state_key
+from fp8lab.qtensor import QuantSpec
+from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
+from fp8lab.scaling.granularity import resolve_block
+
+__all__ = ["GemmPlan", "LinearPlan", "OperandPlan", "Reuse", "build_plan"]
+
+#: (earlier GEMM, later GEMM, role): the operand a backward GEMM may take from an earlier one
+CHAINS = (
+    ("fprop", "dgrad", "weight"),
+    ("fprop", "wgrad", "input"),
+    ("dgrad", "wgrad", "grad_output"),
+)
+
+
+class Reuse(enum.Enum):
+    """How a later GEMM obtains its operand from the earlier GEMM's (see the module doc)."""
+
+    SAME = "same"
+    RETILE = "retile"
+    SOURCE = "source"
+
+
+@dataclass(frozen=True)
+class OperandPlan:
+    """One operand of one GEMM: ``spec`` (bound, GEMM orientation; None: not quantized) or the
+    GEMM's ``high_precision`` rounding (``"fp32"``/``"bf16"``/``"fp16"``; None: quantized or
+    fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role (None for the
+    first use). ``retile_source``: a later GEMM re-tiles this operand's quantized values, so its
+    dequantized copy is written while quantizing. ``layer``: the module's name (collection)."""
+
+    gemm: str
+    role: str
+    spec: QuantSpec | None
+    high_precision: str | None
+    first_axis: bool
+    fp32_accumulate: bool
+    reuse: Reuse | None
+    retile_source: bool
+    layer: str | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.high_precision is None and self.spec is not None
+
+    def wants_dense(self, shape: tuple[int, ...]) -> bool:
+        """Will the dequantized operand be needed: re-tiling's input, or an fp32-accumulated GEMM
+        whose scales vary along K (it runs on the dequantized operands)."""
+        if self.retile_source:
+            return True
+        if not self.fp32_accumulate or len(shape) != 2 or self.spec is None:
+            return False
+        k_axis = 0 if self.first_axis else 1
+        return resolve_block(self.spec.block, (shape[0], shape[1]))[k_axis] < shape[k_axis]
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM: its accumulator and its two operands by role."""
+
+    name: str
+    accumulator: Accumulator
+    operands: tuple[OperandPlan, OperandPlan]
+
+    def __getitem__(self, role: str) -> OperandPlan:
+        for op in self.operands:
+            if op.role == role:
+                return op
+        raise KeyError(f"{role!r} is not an operand of {self.name}")
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """A recipe resolved for one module and one `ScalingState`: the three GEMMs."""
+
+    recipe: Recipe
+    name: str | None
+    fprop: GemmPlan
+    dgrad: GemmPlan
+    wgrad: GemmPlan
+
+
+def _bound_spec(recipe: Recipe, state: ScalingState, gemm: str, role: str) -> QuantSpec | None:
+    if recipe.gemm(gemm).high_precision:
+        return None
+    s = recipe.spec(gemm, role)
+    if s is not None and s.is_delayed:
+        s = s.replace(scaling=state.by_key[state_key(recipe, gemm, role)])
+    if s is not None and dict(GEMM_OPERANDS[gemm])[role]:
+        s = s.transposed()
+    return s
+
+
+def _reuse(recipe: Recipe, specs: dict, src: str, dst: str, role: str) -> Reuse:
+    hp_src, hp_dst = recipe.gemm(src).high_precision, recipe.gemm(dst).high_precision
+    s_src, s_dst = specs[(src, role)], specs[(dst, role)]
+    quantized_src = hp_src is None and s_src is not None
+    if hp_dst is not None:
+        return Reuse.SAME if hp_src == hp_dst else Reuse.SOURCE
+    if s_dst is None:
+        return Reuse.SAME if hp_src is None and s_src is None else Reuse.SOURCE
+    if quantized_src and s_src == s_dst:
+        return Reuse.SAME
+    if recipe.save_for_backward == "quantized" and quantized_src:
+        return Reuse.RETILE
+    return Reuse.SOURCE
+
+
+def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> LinearPlan:
+    """Resolve ``recipe`` for a module whose delayed-scaling objects are ``state``."""
+    specs = {(g, r): _bound_spec(recipe, state, g, r) for g in GEMMS for r, _ in GEMM_OPERANDS[g]}
+    reuse = {(dst, role): _reuse(recipe, specs, src, dst, role) for src, dst, role in CHAINS}
+    retile_sources = {
+        (src, role) for src, dst, role in CHAINS if reuse[(dst, role)] is Reuse.RETILE
+    }
+    gemms = {}
+    for g in GEMMS:
+        cfg = recipe.gemm(g)
+        ops = tuple(
+            OperandPlan(
+                gemm=g,
+                role=role,
+                spec=specs[(g, role)],
+                high_precision=cfg.high_precision,
+                first_axis=first_axis,
+                fp32_accumulate=cfg.accumulator.kind == "fp32",
+                reuse=reuse.get((g, role)),
+                retile_source=(g, role) in retile_sources,
+                layer=name,
+            )
+            for role, first_axis in GEMM_OPERANDS[g]
+        )
+        gemms[g] = GemmPlan(g, cfg.accumulator, ops)  # type: ignore[arg-type]
+    return LinearPlan(recipe=recipe, name=name, **gemms)
