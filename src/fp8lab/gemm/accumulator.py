@@ -1,4 +1,5 @@
-"""`Accumulator`: how a GEMM sums its products (frozen configuration; see `fp8lab.gemm`)."""
+"""`Accumulator`: how a GEMM sums its products (frozen configuration; see `fp8lab.gemm`), and the
+named tensor-core parameter sets (`accumulators`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,67 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ACCUMULATOR_KINDS", "ACC_ROUNDINGS", "Accumulator"]
+__all__ = [
+    "ACCUMULATOR_KINDS",
+    "ACC_ROUNDINGS",
+    "C_ENTRIES",
+    "HARDWARE",
+    "Accumulator",
+    "accumulators",
+]
 
-ACCUMULATOR_KINDS = ("fp32", "limited")
+ACCUMULATOR_KINDS = ("fp32", "limited", "fused")
 ACC_ROUNDINGS = ("toward_zero", "nearest_even")
+C_ENTRIES = ("aligned", "after")
+
+_KM = (
+    "Khattak & Mikaitis, 'Accurate Models of NVIDIA Tensor Cores', arXiv 2512.07004 "
+    "(github.com/north-numerical-computing/MATLAB-tensor-core, models/{}.m, validated on the GPU)"
+)
+_MMASIM = "Xie et al., MMA-Sim, arXiv 2511.10909"
+_FP8 = ("e4m3", "e5m2")
+_HALF = ("bf16", "fp16")
+
+# name -> rows: (operand formats, group G, alignment bits F (None: exact), FP32 output fraction
+# bits, c entry, exponent floor of the alignment, source, note)
+_ROWS: dict[str, tuple[tuple[Any, ...], ...]] = {
+    "h100": (
+        (_FP8, 32, 13, 13, "aligned", -133, _KM.format("H100TC"), ""),
+        (_HALF, 16, 25, 23, "aligned", -133, _KM.format("H100TC"), ""),
+    ),
+    "ada": (
+        (_FP8, 16, 13, 13, "aligned", -132, _KM.format("AdaTC"), "a k32 MMA is two chained k16 steps"),
+        (_HALF, 8, 24, 23, "aligned", -132, _KM.format("AdaTC"), ""),
+    ),
+    "b200": (
+        (_FP8, 32, None, 23, "after", -133, _KM.format("B200TC") + "; published B200 mma.sync "
+         "measurements", "32 products summed exactly, RZ to FP32, then c added with one FP32 RNE "
+         "addition"),
+        (_HALF, 16, 25, 23, "aligned", -133, _KM.format("B200TC"), ""),
+    ),
+    "b200-tcgen05": (
+        (_FP8, 32, 25, 23, "aligned", -133, _MMASIM, "tcgen05 f8f6f4 per MMA-Sim; not confirmed "
+         "by published measurements"),
+    ),
+}  # fmt: skip
+_ALIASES = {"h200": "h100", "l40s": "ada"}
+HARDWARE = ("h100", "h200", "ada", "l40s", "b200", "b200-tcgen05")
+
+
+def accumulators() -> list[dict[str, Any]]:
+    """The named tensor-core accumulator models, one row per (name, operand formats): ``name``,
+    ``same_as`` (an alias's model), ``formats``, ``group``, ``align_bits`` (None: exact),
+    ``out_bits``, ``c_entry``, ``exp_floor``, ``source``, ``note``."""
+    rows = []
+    for name in HARDWARE:
+        base = _ALIASES.get(name, name)
+        for fmts, g, f, fo, ce, fl, src, note in _ROWS[base]:
+            rows.append({
+                "name": name, "same_as": base if base != name else None, "formats": fmts,
+                "group": g, "align_bits": f, "out_bits": fo, "c_entry": ce, "exp_floor": fl,
+                "source": src, "note": note,
+            })  # fmt: skip
+    return rows
 
 
 @dataclass(frozen=True)
@@ -17,16 +75,26 @@ class Accumulator:
     """How a GEMM accumulates. Frozen; `to_dict`/`from_dict` round-trip through TOML/JSON.
 
     Attributes:
-        kind: ``"fp32"`` (products exact, FP32 sums) or ``"limited"`` (Hopper FP8 tensor core).
+        kind: ``"fp32"`` (products exact, FP32 sums), ``"limited"`` (the fast approximate Hopper
+            model: exact group sums cut to ``mantissa_bits``), ``"fused"`` (the hardware-exact
+            fused block FMA of `fp8lab.gemm.fused`), or a hardware name (``"h100"``, ``"h200"``,
+            ``"ada"``, ``"l40s"``, ``"b200"``, ``"b200-tcgen05"``): ``fused`` with that GPU's
+            row for the operands' formats (`resolve`).
         mantissa_bits: fraction bits kept by the limited accumulator (13 = DeepSeek's "about 14
             bits" counting the leading one; e8m13 per other measurements).
-        group: products summed per MMA step before the accumulator is truncated (32 = WGMMA K).
-        promote_every: K elements between promotions of the limited accumulator into FP32 with
-            the K group's scales (DeepSeek N_C = 128); ``None`` never promotes (TE fast accum).
-        rounding: how the limited accumulator drops bits: ``toward_zero`` (measured) or
-            ``nearest_even``.
-        per_product: DeepSeek §3.5.2's wording: each product aligned to the group's largest
-            exponent and truncated before the sum (slower reference variant).
+        group: products per MMA step (limited: summed before the cut; fused: G of one fused step).
+        promote_every: K elements between promotions of the tensor-core accumulator into FP32
+            with the K group's scales (DeepSeek N_C = 128); ``None`` never promotes.
+        rounding: how the limited accumulator drops bits: ``toward_zero`` or ``nearest_even``.
+        per_product: limited only: DeepSeek §3.5.2's wording (slower reference variant).
+        align_bits: fused: F, the fraction bits kept below the step's largest exponent when the
+            terms are aligned (``None``: exact sum).
+        out_bits: fused: fraction bits of the step's normalised FP32 result (13 = "e8m13").
+        out_rounding: fused: ``toward_zero`` (FP32 destinations) or ``nearest_even`` (FP16).
+        c_entry: fused: ``"aligned"`` (c is a term of the alignment) or ``"after"`` (c added to
+            the rounded product sum with one FP32 round-to-nearest addition: B200 mma.sync).
+        exp_floor: fused: lower bound of the alignment exponent E (-133; Ada/L40S -132).
+        hardware: the GPU name this fused model came from (rows: `accumulators`).
     """
 
     kind: str = "fp32"
@@ -35,12 +103,24 @@ class Accumulator:
     promote_every: int | None = None
     rounding: str = "toward_zero"
     per_product: bool = False
+    align_bits: int | None = 13
+    out_bits: int = 13
+    out_rounding: str = "toward_zero"
+    c_entry: str = "aligned"
+    exp_floor: int = -133
+    hardware: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kind in HARDWARE:
+            object.__setattr__(self, "hardware", self.kind)
+            object.__setattr__(self, "kind", "fused")
         if self.kind not in ACCUMULATOR_KINDS:
             raise ValueError(
-                f"accumulator kind must be one of {ACCUMULATOR_KINDS}, got {self.kind!r}"
+                f"accumulator kind must be one of {ACCUMULATOR_KINDS} or a GPU name "
+                f"{HARDWARE}, got {self.kind!r}"
             )
+        if self.hardware is not None and self.hardware not in HARDWARE:
+            raise ValueError(f"accumulator hardware must be one of {HARDWARE}, got {self.hardware!r}")
         if not 1 <= int(self.mantissa_bits) <= 23:
             raise ValueError(f"mantissa_bits must be in [1, 23], got {self.mantissa_bits}")
         if int(self.group) < 1:
@@ -56,12 +136,55 @@ class Accumulator:
             raise ValueError(
                 f"accumulator rounding must be one of {ACC_ROUNDINGS}, got {self.rounding!r}"
             )
-        object.__setattr__(self, "mantissa_bits", int(self.mantissa_bits))
-        object.__setattr__(self, "group", int(self.group))
+        if self.out_rounding not in ACC_ROUNDINGS:
+            raise ValueError(
+                f"out_rounding must be one of {ACC_ROUNDINGS}, got {self.out_rounding!r}"
+            )
+        if self.c_entry not in C_ENTRIES:
+            raise ValueError(f"c_entry must be one of {C_ENTRIES}, got {self.c_entry!r}")
+        if self.align_bits is not None and not 1 <= int(self.align_bits) <= 40:
+            raise ValueError(f"align_bits must be in [1, 40] or None (exact), got {self.align_bits}")
+        if not 1 <= int(self.out_bits) <= 23:
+            raise ValueError(f"out_bits must be in [1, 23], got {self.out_bits}")
+        if not -149 <= int(self.exp_floor) <= -100:
+            raise ValueError(f"exp_floor must be in [-149, -100], got {self.exp_floor}")
+        for f in ("mantissa_bits", "group", "out_bits", "exp_floor"):
+            object.__setattr__(self, f, int(getattr(self, f)))
+        if self.align_bits is not None:
+            object.__setattr__(self, "align_bits", int(self.align_bits))
+
+    def resolve(self, fmt_a: str, fmt_b: str) -> Accumulator:
+        """This accumulator for operands of element formats ``fmt_a`` x ``fmt_b``: a hardware
+        name picks its row (ValueError for formats without one); other kinds are returned as is."""
+        if self.hardware is None:
+            return self
+        base = _ALIASES.get(self.hardware, self.hardware)
+        for fmts, g, f, fo, ce, fl, _src, _note in _ROWS[base]:
+            if fmt_a in fmts and fmt_b in fmts and (fmts == _FP8 or fmt_a == fmt_b):
+                return dataclasses.replace(
+                    self, group=g, align_bits=f, out_bits=fo, out_rounding="toward_zero",
+                    c_entry=ce, exp_floor=fl,
+                )  # fmt: skip
+        have = [r[0] for r in _ROWS[base]]
+        raise ValueError(
+            f"accumulator {self.hardware!r} has no model for {fmt_a} x {fmt_b} operands (its "
+            f"tensor-core rows take {have}; 16-bit operands must share one format)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; ``promote_every=None`` is omitted (TOML has no null)."""
+        """Plain data: the fields of this kind; ``promote_every=None`` is omitted (TOML has no
+        null), a hardware model is its name (plus promote_every)."""
         d = dataclasses.asdict(self)
+        if self.hardware is not None:
+            d = {"kind": self.hardware, "promote_every": self.promote_every}
+        elif self.kind == "fused":
+            for f in ("mantissa_bits", "rounding", "per_product", "hardware"):
+                del d[f]
+            if d["align_bits"] is None:
+                d["align_bits"] = "exact"
+        else:
+            for f in ("align_bits", "out_bits", "out_rounding", "c_entry", "exp_floor", "hardware"):
+                del d[f]
         if d["promote_every"] is None:
             del d["promote_every"]
         return d
@@ -72,6 +195,8 @@ class Accumulator:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown Accumulator keys: {sorted(unknown)}")
+        if d.get("align_bits") == "exact":
+            d = {**d, "align_bits": None}
         return cls(**d)
 
     @classmethod
@@ -80,14 +205,18 @@ class Accumulator:
         acc: str | Accumulator | dict[str, Any] | None,
         formats: tuple[str, str] | None = None,
     ) -> Accumulator:
-        """An `Accumulator` from itself, a kind name, a dict, or None (fp32). ``formats``: the
-        operands' element formats (a hardware name picks its row for them)."""
+        """An `Accumulator` from itself, a kind or GPU name, a dict, or None (fp32).
+        ``formats``: the operands' element formats; a GPU name is resolved to its row for them."""
         if acc is None:
-            return cls()
-        if isinstance(acc, Accumulator):
-            return acc
-        if isinstance(acc, str):
-            return cls(kind=acc)
-        if isinstance(acc, dict):
-            return cls.from_dict(acc)
-        raise TypeError(f"accumulator must be a kind name, Accumulator or dict, got {type(acc)}")
+            out = cls()
+        elif isinstance(acc, Accumulator):
+            out = acc
+        elif isinstance(acc, str):
+            out = cls(kind=acc)
+        elif isinstance(acc, dict):
+            out = cls.from_dict(acc)
+        else:
+            raise TypeError(
+                f"accumulator must be a kind name, Accumulator or dict, got {type(acc)}"
+            )
+        return out if formats is None else out.resolve(*formats)

@@ -14,7 +14,7 @@ from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
 from fp8lab.qtensor import QTensor
 
-__all__ = ["limited"]
+__all__ = ["c_start", "check_promotion", "interval_scales", "limited"]
 
 _ROW_CHUNK = 64  # output rows per pass of the limited model
 _BATCH_K = 512  # K elements per batched group-sum GEMM
@@ -96,7 +96,7 @@ def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover -
                 acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
 
 
-def _interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+def interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 scales of a per (row, promotion interval) [M, T] and of b per (interval, column)
     [T, N] for the intervals of ``span`` K elements up to ``kp`` (padding reuses the last)."""
     bma, bka = _blocks(a)
@@ -111,6 +111,23 @@ def _interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.nda
         np.ascontiguousarray(sa.float().numpy()),
         np.ascontiguousarray(sb.float().numpy()),
     )
+
+
+def check_promotion(acc: Accumulator, kb: int, k: int, what: str) -> None:
+    """K-varying scales (blocks of ``kb`` < ``k`` along K) need a promotion interval dividing
+    the block: the tensor-core accumulator sees unscaled operands."""
+    pe = acc.promote_every
+    if pe is None and kb < k:
+        raise ValueError(
+            f"{what} accumulation without promotion applies the scales to the output, but these "
+            f"operands' scales change every {kb} elements along K: set promote_every to a "
+            f"multiple of group={acc.group} dividing {kb} (DeepSeek: 128)"
+        )
+    if pe is not None and kb < k and kb % pe:
+        raise ValueError(
+            f"promote_every={pe} does not divide the operands' K scale block ({kb}): the "
+            "promoted partial sums would straddle two scale groups"
+        )
 
 
 def c_start(
@@ -144,17 +161,7 @@ def limited(
     m, k = a.shape
     n = b.shape[1]
     pe = acc.promote_every
-    if pe is None and kb < k:
-        raise ValueError(
-            f"limited accumulation without promotion applies the scales to the output, but these "
-            f"operands' scales change every {kb} elements along K: set promote_every to a "
-            f"multiple of group={acc.group} dividing {kb} (DeepSeek: 128)"
-        )
-    if pe is not None and kb < k and kb % pe:
-        raise ValueError(
-            f"promote_every={pe} does not divide the operands' K scale block ({kb}): the "
-            "promoted partial sums would straddle two scale groups"
-        )
+    check_promotion(acc, kb, k, "limited")
     drop = 52 - acc.mantissa_bits
     rne = acc.rounding == "nearest_even"
     out0, acc0 = c_start(a, b, c, pe is not None)
@@ -188,7 +195,7 @@ def limited(
     if not acc.per_product:
         gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
     if pe is not None:
-        sa_all, sb_all = _interval_scales(a, b, kp, span)
+        sa_all, sb_all = interval_scales(a, b, kp, span)
     else:
         unit_a = np.ones((chunk, max(nst, 1)), dtype=np.float32)
         unit_b = np.ones((max(nst, 1), n), dtype=np.float32)

@@ -8,6 +8,7 @@ import torch
 
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.epilogue import epilogue
+from fp8lab.gemm.fused import fused
 from fp8lab.gemm.limited import limited
 from fp8lab.gemm.operands import as_qtensors, check_pair, k_constant_scales
 from fp8lab.qtensor import QTensor, QuantSpec
@@ -72,8 +73,6 @@ def qmatmul(
     elif acc.kind == "limited":
         out = limited(qa, qb, acc, kb, c)
     else:
-        from fp8lab.gemm.fused import fused
-
         out = fused(qa, qb, acc, kb, c)
     epilogue(out, None, bias)
     return _round_out(out, out_format)

@@ -1,0 +1,381 @@
+"""The ``fused`` accumulator: NVIDIA tensor cores' fused block FMA, bit for bit.
+
+The published model (Khattak & Mikaitis, "Accurate Models of NVIDIA Tensor Cores", arXiv
+2512.07004, validated against H100/H200/Ada/L40S/B200 outputs; Xie et al., MMA-Sim, arXiv
+2511.10909). One MMA step takes ``G`` products ``p_i = a_i * b_i`` and the FP32 accumulator
+``c``:
+
+1. Each operand is ``x = s_x * 2**e_x`` with ``e_x = max(floor(log2|x|), emin)`` of its format
+   (subnormals keep ``|s| < 1``). A product keeps exponent ``e_a + e_b`` and its exact
+   significand ``s_a * s_b`` in ``[0, 4)``: it is not renormalised. Zero products are no terms.
+   A nonzero ``c`` is a term with ``e_c = max(floor(log2|c|), -126)`` (FP32's own emin: a
+   subnormal c keeps ``|s| < 1``, as in the authors' model); a zero ``c`` is no term.
+2. ``E`` = the largest exponent among the terms, floored at ``exp_floor`` (-133; Ada -132).
+3. Every term is truncated toward zero to a multiple of ``2**(E - F)`` (``F = align_bits``).
+4. The truncated terms are summed exactly (no carry limit); an exact zero is +0. The sum is
+   normalised and rounded to ``out_bits`` fraction bits (toward zero; ``nearest_even`` for FP16
+   destinations) with FP32's exponent range: exponent floor -126 (results below 2**-126 keep
+   the quantum ``2**(-126 - out_bits)``), and a magnitude >= 2**128 is ±inf.
+5. Over K the steps chain: the next step's ``c`` is this step's result.
+
+``c_entry="after"`` (B200 ``mma.sync`` FP8): the G products are summed exactly, rounded toward
+zero to ``out_bits`` (23), then ``c`` is added with one FP32 round-to-nearest-even addition.
+``align_bits=None`` is that exact sum.
+
+Promotion (``promote_every = N_C``): after every N_C K elements the step result is added to an
+FP32 total with the K group's scales, ``total += (sa * sb) * acc``, and the chain restarts at 0
+(DeepSeek-V3's promotion, DeepGEMM's ``final_accum += scale * accum``); the last, shorter
+interval is promoted too. Without promotion the chain's result is multiplied by the K-constant
+scales at the end (as cuBLAS's epilogue does).
+
+Two kernels compute the model. ``_step64`` is the reference transcription (float64, one output
+element and one step at a time); ``_fused_fast`` is the FP8 fast path: float32 SIMD over a tile
+of output columns, exact because every term ``trunc(a * b * 2**(F - E))`` is an integer below
+2**15 and their sum below 2**24 (checked by `fast_path_applies`); lanes whose ``E`` is out of its
+safe range (no nonzero product and a tiny or huge ``c``) fall back to ``_step64``. Both are
+tested against an exact-rational transcription of the steps above (tests/gemm/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from fp8lab._bits import f32_to_u32, u32_to_f32
+from fp8lab._bits import f64_to_u64 as f64_bits
+from fp8lab.formats import get_format
+from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.limited import c_start, check_promotion, interval_scales
+from fp8lab.gemm.operands import k_constant_scales
+from fp8lab.qtensor import QTensor
+
+__all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
+
+_NT = 64  # output columns per tile of the fast kernel (a tile's b rows stay in L1)
+_RB = 16  # output rows per job of the fast kernel
+_LO = np.float32(2.0**-100)  # 2**E outside (_LO, _HI): a lane of the fast kernel falls back
+_HI = np.float32(2.0**100)
+
+
+def pow2_exponents(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``2**e_x`` per element (float64), ``e_x = max(floor(log2|x|), emin(fmt))``; 0 for zeros."""
+    v = values.to(torch.float64)
+    bits = v.view(torch.int64) & 0x7FF0000000000000
+    p = bits.view(torch.float64)  # 2**floor(log2|x|) (0 for zeros and float64 subnormals)
+    p = torch.clamp_min(p, 2.0 ** get_format(fmt).emin)
+    return torch.where(v == 0, torch.zeros_like(p), p)
+
+
+@njit(cache=True)
+def _round_out(v, out_bits, rne):  # pragma: no cover - numba
+    """float64 ``v`` (exact) rounded to ``out_bits`` fraction bits, FP32 range -> float32."""
+    if v == 0.0:
+        return np.float32(0.0)
+    e = np.int64((f64_bits(abs(v)) >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+    q = max(e, -126) - out_bits
+    x = v * 2.0 ** (-q)  # exact: a power of two
+    x = np.rint(x) if rne else np.trunc(x)
+    r = x * 2.0**q
+    if abs(r) >= 2.0**128:
+        return np.float32(np.inf) if r > 0 else np.float32(-np.inf)
+    if r == 0.0:  # a nonzero value truncated away keeps its sign (IEEE RZ)
+        return np.float32(-0.0) if v < 0 else np.float32(0.0)
+    return np.float32(r)
+
+
+@njit(cache=True)
+def _prev_toward_zero(m, out_bits):  # pragma: no cover - numba
+    """The largest value below ``m`` > 0 on the FP32 grid of ``out_bits`` fraction bits."""
+    e = np.int64((f64_bits(m) >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+    if m == 2.0**e and e - 1 >= -126:
+        return m - 2.0 ** (e - 1 - out_bits)
+    return m - 2.0 ** (max(e, -126) - out_bits)
+
+
+@njit(cache=True)
+def _exact_sum_rz(xs, n, out_bits):  # pragma: no cover - numba
+    """Exact sum of float64 ``xs[:n]`` rounded toward zero to ``out_bits`` (FP32 range).
+
+    Shewchuk's non-overlapping partials: the exact sum is ``hi + rest`` with ``|rest|`` below
+    one ulp of ``hi``, so it truncates like ``hi`` unless ``hi`` sits on the output grid and
+    ``rest`` points toward zero."""
+    parts = np.empty(n + 1, dtype=np.float64)
+    m = 0
+    for i in range(n):
+        x = xs[i]
+        j = 0
+        for t in range(m):
+            y = parts[t]
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                parts[j] = lo
+                j += 1
+            x = hi
+        parts[j] = x
+        m = j + 1
+    hi = parts[m - 1] if m > 0 else 0.0
+    rest = 0.0
+    for t in range(m - 1):
+        rest += parts[t]
+    if hi == 0.0:
+        return np.float32(0.0)
+    r = _round_out(hi, out_bits, False)
+    if np.float64(r) == hi and rest != 0.0 and (rest < 0.0) != (hi < 0.0):
+        p = _prev_toward_zero(abs(hi), out_bits)
+        r = np.float32(p if hi > 0 else -p) if p != 0.0 else np.float32(0.0)
+    return r
+
+
+@njit(cache=True)
+def _step64(c, va, pa, vb, pb, r, n, k0, k1, f_bits, out_bits, rne, c_after, floor_p):
+    """One fused MMA step for output (r, n) over K range [k0, k1): the reference kernel.
+
+    ``f_bits < 0``: exact sum (then RZ to ``out_bits``). Returns the float32 result."""  # noqa: D401
+    c64 = np.float64(c)
+    if f_bits < 0:
+        xs = np.empty(k1 - k0, dtype=np.float64)
+        for k in range(k0, k1):
+            xs[k - k0] = np.float64(va[r, k]) * np.float64(vb[k, n])
+        s = _exact_sum_rz(xs, k1 - k0, out_bits)
+        return s + np.float32(c) if c_after else s
+    p = 0.0
+    for k in range(k0, k1):
+        if va[r, k] != 0 and vb[k, n] != 0:
+            p = max(p, np.float64(pa[r, k]) * np.float64(pb[k, n]))
+    aligned = not c_after and c64 != 0.0
+    if aligned and np.isfinite(c64):
+        e_c = np.int64((f64_bits(abs(c64)) >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+        p = max(p, 2.0 ** max(e_c, -126))
+    elif aligned:  # inf/nan accumulator: the hardware propagates it
+        return np.float32(c64 + 0.0 * p)
+    if p == 0.0:  # no terms
+        return np.float32(0.0) + np.float32(c) if c_after else np.float32(0.0)
+    p = max(p, floor_p)
+    scl = 2.0**f_bits / p
+    s = np.trunc(c64 * scl) + 0.0 if aligned else 0.0
+    for k in range(k0, k1):
+        s += np.trunc(np.float64(va[r, k]) * np.float64(vb[k, n]) * scl)
+    res = _round_out(s / scl, out_bits, rne)
+    return res + np.float32(c) if c_after else res
+
+
+@njit(parallel=True, cache=True)
+def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
+                   floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
+    """The model with `_step64` for every step: acc [M, N] float32 holds c in and the chain's
+    last result out; with ``gpp`` > 0 (groups per promotion) steps are promoted into ``out``."""
+    m, k = va.shape
+    ncols = vb.shape[1]
+    ng = (k + group - 1) // group
+    for r in prange(m):
+        for n in range(ncols):
+            a = acc[r, n]
+            for g in range(ng):
+                k0 = g * group
+                a = _step64(a, va, pa, vb, pb, r, n, k0, min(k0 + group, k), f_bits, out_bits,
+                            rne, c_after, floor_p)  # fmt: skip
+                if gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1):
+                    t = g // gpp
+                    out[r, n] += (sa[r, t] * sb[t, n]) * a
+                    a = np.float32(0.0)
+            acc[r, n] = a
+
+
+@njit(parallel=True, cache=True)
+def _fused_fast(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp):
+    """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
+    SIMD across a tile of output columns; same contract as `_fused_general`."""  # pragma: no cover
+    m, k = va.shape
+    ncols = vb.shape[1]
+    ng = (k + group - 1) // group
+    ntiles = (ncols + _NT - 1) // _NT
+    nrb = (m + _RB - 1) // _RB
+    scale_f = np.float32(2.0**f_bits)
+    inv_f = np.float32(2.0**-f_bits)
+    mask = np.uint32((0xFFFFFFFF << (23 - out_bits)) & 0xFFFFFFFF)
+    expo = np.uint32(0x7F800000)
+    for job in prange(ntiles * nrb):
+        n0 = (job % ntiles) * _NT
+        r0 = (job // ntiles) * _RB
+        w = min(n0 + _NT, ncols) - n0
+        big_p = np.empty(_NT, dtype=np.float32)
+        scl = np.empty(_NT, dtype=np.float32)
+        s = np.empty(_NT, dtype=np.float32)
+        cin = np.empty(_NT, dtype=np.float32)
+        for g in range(ng):
+            k0 = g * group
+            k1 = min(k0 + group, k)
+            promote = gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1)
+            for r in range(r0, min(r0 + _RB, m)):
+                ar = acc[r, n0 : n0 + w]
+                # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term)
+                for j in range(w):
+                    cin[j] = ar[j]
+                    big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
+                for kk in range(k0, k1):
+                    pak = pa[r, kk]
+                    if pak != 0:
+                        pbk = pb[kk, n0 : n0 + w]
+                        for j in range(w):
+                            big_p[j] = max(big_p[j], pak * pbk[j])
+                # pass 2: the terms truncated to multiples of 2**(E - F), summed exactly in
+                # units of 2**(E - F); "+ 0" makes an exact zero +0
+                for j in range(w):
+                    scl[j] = scale_f / big_p[j]
+                    s[j] = np.trunc(cin[j] * scl[j]) + np.float32(0.0)
+                for kk in range(k0, k1):
+                    av = va[r, kk]
+                    if av != 0:
+                        vbk = vb[kk, n0 : n0 + w]
+                        for j in range(w):
+                            s[j] += np.trunc(av * vbk[j] * scl[j])
+                # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal)
+                # float32 sum; scaling back by 2**(E - F) is exact (or overflows to inf)
+                bad = 0
+                for j in range(w):
+                    bp = big_p[j]
+                    bad += (bp <= _LO) | (bp >= _HI)
+                    ar[j] = u32_to_f32(np.uint32(f32_to_u32(s[j]) & mask)) * (bp * inv_f)
+                if bad:  # no nonzero product and c tiny, huge or not finite: the reference
+                    for j in range(w):
+                        if big_p[j] <= _LO or big_p[j] >= _HI:
+                            ar[j] = _step64(cin[j], va, pa, vb, pb, r, n0 + j, k0, k1, f_bits,
+                                            out_bits, False, False, floor_p)  # fmt: skip
+                if promote:
+                    t = g // gpp
+                    srt = sa[r, t]
+                    outr = out[r, n0 : n0 + w]
+                    sbt = sb[t, n0 : n0 + w]
+                    for j in range(w):
+                        outr[j] += (srt * sbt[j]) * ar[j]
+                        ar[j] = np.float32(0.0)
+
+
+@njit(parallel=True, cache=True)
+def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
+    """Row-wise dot products ``va[s] . vbt[:, s]`` chained over K steps (c: [S], in and out)."""
+    n, k = va.shape
+    ng = (k + group - 1) // group
+    for r in prange(n):
+        a = c[r]
+        for g in range(ng):
+            k0 = g * group
+            a = _step64(a, va, pa, vbt, pbt, r, r, k0, min(k0 + group, k), f_bits, out_bits,
+                        rne, c_after, floor_p)  # fmt: skip
+        c[r] = a
+
+
+def fast_path_applies(acc: Accumulator, fmt_a: str, fmt_b: str) -> bool:
+    """Is `_fused_fast` exact for this model and these operand formats: FP8 operands (products
+    exact in float32, ``E`` >= -28), aligned ``c``, RZ output, and float32 sums that stay exact
+    (every term below ``2**(F + 2)``, ``G + 1`` of them below 2**24)."""
+    if acc.align_bits is None or acc.c_entry != "aligned" or acc.out_rounding != "toward_zero":
+        return False
+    if fmt_a not in ("e4m3", "e5m2") or fmt_b not in ("e4m3", "e5m2"):
+        return False
+    return (acc.group + 1) * 2 ** (acc.align_bits + 2) <= 2**24
+
+
+def fused(
+    a: QTensor,
+    b: QTensor,
+    acc: Accumulator,
+    kb: int,
+    c: torch.Tensor | None = None,
+    fast: bool | None = None,
+) -> torch.Tensor:
+    """The fused model over quantized ``a`` [M, K], ``b`` [K, N] (+ FP32 ``c`` [M, N]).
+
+    ``acc`` must be resolved (`Accumulator.resolve`). ``fast``: None picks the fast kernel
+    where it applies; False forces the reference kernel (tests)."""
+    m, k = a.shape
+    n = b.shape[1]
+    pe = acc.promote_every
+    check_promotion(acc, kb, k, "fused")
+    out0, acc0 = c_start(a, b, c, pe is not None)
+    out = torch.zeros((m, n), dtype=torch.float32) if out0 is None else out0.contiguous()
+    if m == 0 or n == 0:
+        return out
+    fa, fb = a.spec.format, b.spec.format
+    use_fast = fast_path_applies(acc, fa, fb) if fast is None else fast
+    if use_fast and not fast_path_applies(acc, fa, fb):
+        raise ValueError(f"the fast fused kernel does not apply to {acc} on {fa} x {fb}")
+    dt = torch.float32 if use_fast else torch.float64
+    va = a.values.to(dt).contiguous()
+    vb = b.values.to(dt).contiguous()
+    pa = pow2_exponents(a.values, fa).to(dt).contiguous()
+    pb = pow2_exponents(b.values, fb).to(dt).contiguous()
+    accbuf = (
+        torch.zeros((m, n), dtype=torch.float32) if acc0 is None else acc0.clone().contiguous()
+    )
+    gpp = 0 if pe is None else pe // acc.group
+    if pe is not None:
+        sa, sb = interval_scales(a, b, k, pe)
+    else:
+        sa, sb = np.ones((m, 1), np.float32), np.ones((1, n), np.float32)
+    floor_p = 2.0**acc.exp_floor
+    args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(), sa, sb)
+    if use_fast:
+        _fused_fast(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp)
+    else:
+        f_bits = -1 if acc.align_bits is None else acc.align_bits
+        _fused_general(*args, acc.group, f_bits, acc.out_bits,
+                       acc.out_rounding == "nearest_even", acc.c_entry == "after", floor_p,
+                       gpp)  # fmt: skip
+    if pe is not None:
+        if a.global_scale is not None or b.global_scale is not None:
+            g = torch.ones(())
+            for q in (a, b):
+                if q.global_scale is not None:
+                    g = g * q.global_scale
+            out.mul_(g)
+        return out
+    return accbuf.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
+
+
+def fused_dot(
+    a_vals: torch.Tensor,
+    b_vals: torch.Tensor,
+    acc: Accumulator | str,
+    formats: tuple[str, str] = ("e4m3", "e4m3"),
+    c: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A batch of dot products through a fused (hardware) accumulator model, unscaled.
+
+    Args:
+        a_vals, b_vals: ``[S, K]`` float tensors whose elements are already on the grids of
+            ``formats`` (the values of a QTensor, not dequantized); row ``s`` of ``a_vals``
+            and of ``b_vals`` form dot product ``s``, summed in K order, ``group`` products per
+            MMA step, steps chained (no promotion: promote outside by splitting K).
+        acc: a fused `Accumulator` or a GPU name (``"h100"``, ...), resolved for ``formats``.
+        formats: the element formats of ``a_vals`` and ``b_vals``.
+        c: optional FP32 ``[S]`` accumulators entering the first step.
+
+    Returns:
+        float32 ``[S]``, bit for bit what `qmatmul` computes for ``a[s] @ b[s]`` with unit scales.
+    """
+    acc = Accumulator.parse(acc, formats)
+    if acc.kind != "fused":
+        raise ValueError(f"fused_dot takes a fused/GPU accumulator, got kind {acc.kind!r}")
+    if a_vals.dim() != 2 or a_vals.shape != b_vals.shape:
+        raise ValueError(
+            f"fused_dot needs two [S, K] tensors of one shape, got {tuple(a_vals.shape)} and "
+            f"{tuple(b_vals.shape)}"
+        )
+    s = a_vals.shape[0]
+    out = torch.zeros(s, dtype=torch.float32) if c is None else c.to(torch.float32).clone()
+    if out.shape != (s,):
+        raise ValueError(f"fused_dot: c must have shape [{s}], got {tuple(c.shape)}")
+    va = a_vals.to(torch.float64).contiguous()
+    vb = b_vals.to(torch.float64).contiguous()
+    pa = pow2_exponents(va, formats[0])
+    pb = pow2_exponents(vb, formats[1])
+    f_bits = -1 if acc.align_bits is None else acc.align_bits
+    _dots(va.numpy(), pa.numpy(), vb.numpy().T, pb.numpy().T, out.numpy(), acc.group, f_bits,
+          acc.out_bits, acc.out_rounding == "nearest_even", acc.c_entry == "after",
+          2.0**acc.exp_floor)  # fmt: skip
+    return out
