@@ -9,6 +9,18 @@ from typer.testing import CliRunner
 
 from fp8lab.cli import app
 
+
+def _hardware_landed() -> bool:
+    """True once fp8lab.gemm runs the h100 tensor-core model (issue 12)."""
+    from fp8lab.lab.snr import SnrConfig, run
+
+    try:
+        return run(SnrConfig(length=32, samples=1, accumulator="h100")).result.shape == (1,)
+    except (ValueError, TypeError, ImportError):
+        return False
+
+
+HARDWARE = _hardware_landed()
 runner = CliRunner()
 
 
@@ -37,7 +49,8 @@ def test_json_schema_and_sweep() -> None:
         assert len(run["snr_db"]) == 20
         assert run["p10_db"] <= run["median_db"] <= run["p90_db"]
         c = run["config"]
-        assert c["accumulator"] == "e4m3-ieee" and c["scale_target"] == 240.0  # defaults resolved
+        # defaults resolved (the CLI sums in FP32 by default since issue 11 item 17)
+        assert c["accumulator"] == "fp32" and c["scale_target"] == 240.0
         assert c["seed"] == 5 and c["scaling"] == 64.0
     assert {(r["config"]["length"], r["config"]["promote_every"]) for r in data["runs"]} == {
         (64, None), (64, 32), (128, None), (128, 32)
@@ -78,6 +91,8 @@ def test_block_scaling_flags() -> None:
         (["--rounding", "sideways"], "unknown rounding"),
         (["--format", "e9m9"], "unknown format"),
         (["--preset", "nope"], "unknown preset"),
+        (["--accumulator", "h999"], "accumulator model of fp8lab.gemm"),
+        (["--accumulator", "limited", "--acc-rounding", "toward_zero"], "its own rounding"),
     ],
 )
 def test_bad_input_is_a_clear_error(args: list[str], match: str) -> None:
@@ -89,9 +104,56 @@ def test_bad_input_is_a_clear_error(args: list[str], match: str) -> None:
 
 def test_accumulator_overflow_warns() -> None:
     # auto scaling maps amax to 448: products reach 448^2 and clamp in an e4m3 accumulator
-    res = _run("--length", "64", "--samples", "5")
+    res = _run("--length", "64", "--samples", "5", "--accumulator", "e4m3")
     assert res.exit_code == 0
     assert "overflowed the e4m3 accumulator" in res.stderr
+
+
+def test_defaults_give_a_meaningful_first_result() -> None:
+    # all defaults used to sum in the element format: 100 % overflow and exactly 0 dB
+    res = _run("--json")
+    assert res.exit_code == 0, res.output
+    assert "overflowed" not in res.stderr
+    (run,) = json.loads(res.stdout)["runs"]
+    c = run["config"]
+    assert (c["format"], c["scaling"], c["accumulator"], c["length"]) == (
+        "e4m3",
+        "auto",
+        "fp32",
+        1024,
+    )
+    assert len(run["snr_db"]) == 200
+    # E4M3's 3 mantissa bits: ~25-30 dB per dot product, far from 0 dB and from exact
+    assert 20.0 < run["median_db"] < 40.0
+    assert run["below_0db_fraction"] < 0.05
+    table = _run("--samples", "20")
+    assert table.exit_code == 0 and "fp32" in table.stdout and "overflowed" not in table.stderr
+
+
+def test_tensor_core_model_accumulator() -> None:
+    res = _run(
+        "--length", "512", "--samples", "6", "--accumulator", "limited,fp64",
+        "--promote-every", "none,128", "--json",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)["runs"]
+    assert {(r["config"]["accumulator"], r["config"]["promote_every"]) for r in runs} == {
+        ("limited", None), ("limited", 128), ("fp64", None), ("fp64", 128)
+    }  # fmt: skip
+    for r in runs:
+        if r["config"]["accumulator"] == "limited":
+            assert r["config"]["acc_rounding"] is None  # the model fixes its own rounding
+        assert r["median_db"] > 15
+
+
+@pytest.mark.skipif(not HARDWARE, reason="fp8lab.gemm has no h100 model yet")
+def test_hardware_accumulator_names() -> None:
+    for name in ("h100", "h200", "ada", "l40s", "b200", "b200-tcgen05"):
+        res = _run("--length", "256", "--samples", "4", "--accumulator", name, "--json")
+        assert res.exit_code == 0, (name, res.output)
+        assert json.loads(res.stdout)["runs"][0]["config"]["accumulator"] == name
+    res = _run("--samples", "2", "--format", "e4m3-ieee", "--accumulator", "h100")
+    assert res.exit_code == 2 and "Traceback" not in res.output
 
 
 def test_table_and_plot(tmp_path) -> None:

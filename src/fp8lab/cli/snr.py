@@ -1,7 +1,8 @@
-"""``fp8lab snr``: the dot-product SNR study (seed 000) from the command line.
+"""``fp8lab snr``: the dot-product SNR study from the command line.
 
+The study is the one of the blog article "从DeepSeek V3看FP8训练的挑战" and its simfloat notebook.
 Every axis takes a comma list and the runs are the cartesian product; ``--preset seed000``
-reproduces all of seed 000's figures (PNGs + a Markdown table + JSON in ``--out``).
+reproduces all of the article's figures (PNGs + a Markdown table + JSON in ``--out``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,18 @@ import typer
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
 
 a, b ~ N(0, sigma); per sample SNR = 10*log10(ref^2 / (ref - result)^2) dB. Axes given as comma
-lists are swept (cartesian product). With --block every block of a and b gets its own scale
+lists are swept (cartesian product). The defaults (E4M3 elements scaled per vector, amax -> 448,
+an FP32 running sum) show the element quantisation alone; --accumulator e4m3 / e8m8 / limited /
+h100 adds the accumulation error. With --block every block of a and b gets its own scale
 (amax -> --scale-target) and each block's partial sum is de-scaled and promoted into float64
 (--promote-every defaults to the block; a larger multiple keeps adding de-scaled block partials in
 the accumulator format). Exact results (infinite SNR) are null in --json.
 """
+
+
+#: FP32 sums by default: an element-format (E4M3) accumulator overflows at once under the
+#: default scaling (products reach 448^2), which made the first result 0 dB
+DEFAULT_ACCUMULATOR = "fp32"
 
 
 def _split(value: str, name: str) -> list[str]:
@@ -182,7 +190,7 @@ def register(app: typer.Typer) -> None:
             "exact",
             "--correlation-model",
             help="exact: b = rho*z1 + sqrt(1-rho^2)*z2 (corr = rho); "
-            "simple: the seed's b = rho*z1 + (1-rho)*z2.",
+            "simple: the simfloat notebook's b = rho*z1 + (1-rho)*z2.",
         ),
         fmt: str = typer.Option("e4m3", "--format", help="Element format(s)."),
         rounding: str = typer.Option("nearest_even", "--rounding", help="Element rounding."),
@@ -195,14 +203,18 @@ def register(app: typer.Typer) -> None:
         scale_target: float | None = typer.Option(
             None, "--scale-target", help="Value amax maps to (default: the format's max)."
         ),
-        accumulator: str | None = typer.Option(
-            None,
+        accumulator: str = typer.Option(
+            DEFAULT_ACCUMULATOR,
             "--accumulator",
-            help="Format of products and running sum (default: the element format; e.g. "
-            "e8m8, fp32; fp64 = exact).",
+            help="Format of products and running sum, rounded after every addition (e.g. "
+            "e4m3, e8m8, bf16, fp32; fp64 = exact), or a tensor-core model of fp8lab.gemm "
+            "summing MMA groups (limited; GPU names such as h100, h200, ada, l40s, b200, "
+            "b200-tcgen05).",
         ),
         acc_rounding: str | None = typer.Option(
-            None, "--acc-rounding", help="Accumulator rounding (default: --rounding)."
+            None,
+            "--acc-rounding",
+            help="Rounding of a format accumulator (default: --rounding).",
         ),
         promote_every: str = typer.Option(
             "none",
@@ -213,15 +225,18 @@ def register(app: typer.Typer) -> None:
             True, "--saturate/--no-saturate", help="Clamp overflow to +-max."
         ),
         pooled: bool = typer.Option(
-            False, "--pooled", help="Also report seed 000's pooled SNR (sum ref^2 / sum err^2)."
+            False,
+            "--pooled",
+            help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2).",
         ),
         json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
         plot: Path | None = typer.Option(None, "--plot", help="Write histograms to this PNG."),
         preset: str | None = typer.Option(
             None,
             "--preset",
-            help="A named study (writes figures + table + JSON to --out): seed000, or "
-            "seed000-asrun (as the seed's notebook ran it, bugs included).",
+            help="A named study (writes figures + table + JSON to --out): seed000 (every figure "
+            "of the blog article '从DeepSeek V3看FP8训练的挑战'), or seed000-asrun (as its "
+            "simfloat notebook ran them, bugs included).",
         ),
         out: Path = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset."),
     ) -> None:

@@ -1,8 +1,10 @@
 """Figures and tables of the dot-product SNR study (`fp8lab.lab.snr`).
 
-Histograms follow seed 000's figures: one panel per vector length (or rho), the series of a panel
-drawn as side-by-side bars over shared bins, SNR in dB on the x axis, sample counts on the y axis.
+Histograms follow the figures of the blog article "从DeepSeek V3看FP8训练的挑战" (its simfloat
+notebook): one panel per vector length (or rho), the series of a panel drawn as side-by-side
+bars over shared bins, SNR in dB on the x axis, sample counts on the y axis.
 Infinite SNR (an exact result) is drawn at `fp8lab.lab.snr.PLOT_CAP_DB` and noted in the panel.
+The report reads the lab's results; the lab never imports this module.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def plot_panels(
     """Write a row of histogram panels ``[(panel title, [(label, result), ...]), ...]`` as PNG.
 
     ``metric``: ``"snr_db"`` (per-sample SNR) or ``"abs_error"`` (``|reference - result|``, as
-    in seed 000's first figures)."""
+    in the article's first figures)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)

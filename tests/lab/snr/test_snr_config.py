@@ -1,0 +1,56 @@
+"""`SnrConfig` validation: clear errors naming the bad field, resolved defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8lab.lab.snr import SnrConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"length": 1000, "block": 128}, "not divisible by block"),
+        ({"rho": 1.0}, r"rho must be in \[0, 1\)"),
+        ({"rho": -0.1}, r"rho must be in \[0, 1\)"),
+        ({"scaling": 64.0, "block": 128}, "fixed scaling"),
+        ({"block": 128, "promote_every": 192}, "multiple of block"),
+        ({"correlation_model": "pearson"}, "correlation_model"),
+        ({"format": "e9m9"}, "unknown format"),
+        ({"accumulator": "nope"}, "unknown format"),
+        ({"scale_target": 500.0}, "exceeds the max"),
+        ({"scaling": 0.0}, "positive"),
+        ({"length": 0}, "positive"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SnrConfig(**kwargs)
+
+
+def test_block_defaults_promotion_to_the_block() -> None:
+    assert SnrConfig(block=128).promote_every == 128
+    assert SnrConfig(block=128, promote_every=512).promote_every == 512
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulator": "limited", "acc_rounding": "toward_zero"}, "fixes its own rounding"),
+        ({"accumulator": "limited", "block": 64, "promote_every": 128}, "must equal block"),
+        ({"accumulator": "h999"}, "accumulator model of fp8lab.gemm"),
+    ],
+)
+def test_model_accumulator_configs_raise_clear_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SnrConfig(**kwargs)
+
+
+def test_accumulator_kinds_are_told_apart() -> None:
+    assert SnrConfig(accumulator="limited").uses_model
+    assert SnrConfig(accumulator="limited", block=64).promote_every == 64
+    for name in (None, "fp32", "e8m8", "fp64"):
+        assert not SnrConfig(accumulator=name).uses_model
+    d = SnrConfig(accumulator="limited").to_dict()
+    assert d["accumulator"] == "limited" and d["acc_rounding"] is None
+    assert SnrConfig().to_dict()["accumulator"] == "e4m3"  # the library default stays
