@@ -125,3 +125,39 @@ def test_no_grad_paths_keep_no_graph():
     # the forward values are the no-grad ones, bit for bit
     assert same_bits(fp8lab.fake_quant(x, "e4m3").detach(), fp8lab.fake_quant(x.detach(), "e4m3"))
     assert same_bits(fp8lab.cast(x, "e5m2").detach(), fp8lab.cast(x.detach(), "e5m2"))
+
+
+# ------------------------------------------------------------------ E8M0 scale codes
+def test_scale_codes_of_every_e8m0_code_incl_the_subnormal_code_0():
+    # issue 11 item 3: code 0 (2**-127) is a float32 subnormal; it used to raise
+    from fp8lab import QTensor, QuantSpec
+    from fp8lab.scaling import rules
+
+    codes = torch.arange(256, dtype=torch.int32)
+    q = QTensor(
+        values=torch.zeros(256, 32),
+        scales=rules.e8m0_to_scale_inv(codes).reshape(256, 1),
+        spec=QuantSpec("e4m3", "mx"),
+    )
+    assert torch.equal(q.scale_codes().reshape(-1), codes.to(torch.uint8))
+
+
+def test_scale_codes_of_zero_and_tiny_blocks():
+    q = fp8lab.quantize(torch.zeros(1, 32), "e4m3", "mx", "mx_floor")
+    assert q.scale_codes().tolist() == [[0]]
+    x = torch.zeros(3, 64)
+    x[1, :32] = 2.0**-140
+    x[2, 32:] = 1.0
+    for rule in ("mx_floor", "mx_ceil", "mx_even", "mx_rceil"):
+        q = fp8lab.quantize(x, "e4m3", "mx", rule)
+        want = torch.frexp(q.scales)[1] - 1 + 127  # exact exponent of a power of two
+        assert torch.equal(q.scale_codes(), want.to(torch.uint8)), rule
+
+
+def test_scale_codes_refuse_other_scales():
+    from fp8lab import QTensor, QuantSpec
+
+    for bad in (3.0, -2.0, 0.0, math.inf, 2.0**-128):
+        q = QTensor(values=torch.zeros(1, 32), scales=torch.tensor([[bad]]), spec=QuantSpec())
+        with pytest.raises(ValueError, match="powers of two"):
+            q.scale_codes()

@@ -128,12 +128,26 @@ class QTensor:
         return encode(self.values, self.fmt)
 
     def scale_codes(self) -> torch.Tensor:
-        """E8M0 codes (uint8) of power-of-two scales (MX): ``exponent(scale) + 127``."""
-        b = self.scales.contiguous().view(torch.int32)
-        if bool(((b & 0x007FFFFF) != 0).any()):
-            raise ValueError("scales are not all powers of two; E8M0 codes need an MX rule")
-        code = (b >> 23) & 0xFF
-        return torch.where(torch.isnan(self.scales), 255, code).to(torch.uint8)
+        """E8M0 codes (uint8) of power-of-two scales (MX): ``exponent(scale) + 127``.
+
+        Code 0 is ``2**-127``, a float32 subnormal (bits ``0x00400000``); NaN gives 255. Any other
+        scale (not a positive power of two in ``[2**-127, 2**127]``) raises ``ValueError``.
+        """
+        sc = self.scales.to(torch.float32).contiguous()
+        b = sc.view(torch.int32)
+        expf = (b >> 23) & 0xFF  # b >= 0 below: the sign bit is not in expf
+        normal = (b >= 0) & (expf > 0) & (expf < 255) & ((b & 0x007FFFFF) == 0)
+        code0 = b == 0x00400000  # 2**-127: E8M0's smallest value is a float32 subnormal
+        nan = torch.isnan(sc)
+        bad = ~(normal | code0 | nan)
+        if bool(bad.any()):
+            example = float(sc[bad].reshape(-1)[0])
+            raise ValueError(
+                f"scales are not all powers of two in [2**-127, 2**127] (e.g. {example!r}); "
+                "E8M0 codes need an MX rule"
+            )
+        code = torch.where(code0, 0, expf)
+        return torch.where(nan, 255, code).to(torch.uint8)
 
     def t(self) -> QTensor:
         """The transpose of a 2-D quantized tensor (values, scales and block shape swapped)."""
