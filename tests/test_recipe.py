@@ -1,13 +1,17 @@
 """fp8lab.recipe: presets, queries, derivations, TOML/JSON round trip, bad input."""
 
 import dataclasses
+import hashlib
 import tomllib
 
+import numpy as np
 import pytest
+import torch
 
 import fp8lab
 from fp8lab.qtensor import QuantSpec
-from fp8lab.recipe import GEMMS, GemmConfig, Recipe, get_recipe, recipes
+from fp8lab.recipe import GEMMS, GemmConfig, Recipe, RecipeFileError, get_recipe, recipes
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 EXPECTED = [
     "fp32",
@@ -117,3 +121,185 @@ def test_bad_recipe_fields():
         Recipe(loss_scaling="sometimes")
     with pytest.raises(ValueError, match=r"\.toml or \.json"):
         get_recipe("fp32").save("recipe.yaml")
+
+
+# ------------------------------------------------------------------ configuration, not state
+def test_quantizing_with_a_preset_spec_leaves_presets_and_other_callers_unchanged():
+    # issue 11 item 4: presets are immutable configuration; the history belongs to whoever
+    # quantizes, so a caller quantizing under a preset spec writes into nobody's state
+    preset = get_recipe("te-delayed")
+    before, h = preset.to_dict(), hash(preset)
+    mine = DelayedScaling.bind(preset.input.scaling, "e4m3")  # another caller's own state
+    ref = DelayedScaling.bind(preset.input.scaling, "e4m3")  # the same caller, undisturbed
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        y = torch.randn(16, 32, generator=g) * (step + 1)
+        q_mine = fp8lab.quantize(y, preset.input.replace(scaling=mine))
+        # someone else quantizes huge tensors under the shared preset's spec in between
+        for big in (1e4, 1e6):
+            qb = fp8lab.quantize(y * big, get_recipe("te-delayed").input)
+            assert qb.scales.item() == 1.0  # step 0 of a throwaway state (first_step="unit")
+        q_ref = fp8lab.quantize(y, preset.input.replace(scaling=ref))
+        assert torch.equal(q_mine.values, q_ref.values) and torch.equal(q_mine.scales, q_ref.scales)
+        mine.update()
+        ref.update()
+        assert torch.equal(mine.amax_history, ref.amax_history)
+    sc = get_recipe("te-delayed").input.scaling
+    assert isinstance(sc, DelayedScalingConfig) and not hasattr(sc, "amax_history")
+    assert get_recipe("te-delayed") is preset and preset.to_dict() == before and hash(preset) == h
+    # first_step="current" presets: a throwaway state gives current scaling with the margin
+    hd = get_recipe("hif8-delayed").input
+    x = torch.tensor([3.0, -1.0])
+    q = fp8lab.quantize(x, hd)
+    s = float(np.float32(fp8lab.get_format("hif8").max * 2.0**-8) / np.float32(3.0))
+    assert q.scale_multipliers.item() == s
+    assert fp8lab.quantize(x, hd).scale_multipliers.item() == s  # nothing was recorded
+
+
+def test_recipe_holds_configuration_only_and_compares_as_data():
+    ds = DelayedScaling(history_len=16, margin=1)
+    ds.observe(5.0)
+    r = Recipe(name="mine", input=QuantSpec("e4m3", scaling=ds), weight="e4m3")
+    assert r.input.scaling == ds.cfg and isinstance(r.input.scaling, DelayedScalingConfig)
+    back = Recipe.from_toml(r.to_toml())
+    assert back == r and hash(back) == hash(r)
+    assert (
+        r.with_override("dgrad", "weight", QuantSpec("e5m2", scaling=ds))
+        .dgrad.overrides[0][1]
+        .scaling
+        == ds.cfg
+    )
+    for name in EXPECTED:  # dataclass equality and hashing, no serialisation involved
+        p = get_recipe(name)
+        assert Recipe.from_json(p.to_json()) == p and hash(Recipe.from_json(p.to_json())) == hash(p)
+
+
+# sha256[:16] of each preset's fingerprint before save_for_backward's default changed (run
+# directories resume on the fingerprint). te-delayed-hopper is left out: its accumulator model
+# is being changed on purpose.
+PRESET_FINGERPRINTS = {
+    "bf16": "eb27dc2bcbcac15d",
+    "deepseek-v3": "824765465c5b8045",
+    "fp16-amp": "bc3d30ebd232293a",
+    "fp32": "d514ac1651d3e08e",
+    "hif8-current": "d58126ec0bd7e773",
+    "hif8-delayed": "169c58b34aa2ac5c",
+    "mxfp8": "86fffb55113c6585",
+    "nvfp4": "269a370df028ee6b",
+    "te-current": "4ae7ca2ff421cf26",
+    "te-delayed": "4a58486ca4a539b7",
+}
+
+
+def test_save_for_backward_defaults_to_high_precision_and_presets_keep_theirs():
+    assert Recipe().save_for_backward == "high_precision"  # TE / torchao behaviour
+    assert Recipe.from_dict({"name": "x"}).save_for_backward == "high_precision"
+    hp = {"mxfp8", "nvfp4"}
+    for name in EXPECTED:
+        want = "high_precision" if name in hp else "quantized"
+        assert get_recipe(name).save_for_backward == want, name
+    for name, digest in PRESET_FINGERPRINTS.items():
+        fp = get_recipe(name).fingerprint().encode()
+        assert hashlib.sha256(fp).hexdigest()[:16] == digest, name
+
+
+# ------------------------------------------------------------------ recipe files
+BAD_FILES = [
+    ("r.toml", 'attention = "yes"\n', ["[top level]", "'attention'", "bool", "'yes'"]),
+    ("r.toml", 'loss_scale = "1e4"\n', ["[top level]", "'loss_scale'", "number"]),
+    ("r.toml", 'save_for_backward = "fp8"\n', ["save_for_backward", "fp8"]),
+    ("r.toml", 'optimiser_state = "fp32"\n', ["[top level]", "unknown Recipe keys", "optimiser"]),
+    ("r.toml", '[input]\nformat = "e4m3"\nsaturate = "no"\n', ["[input]", "'saturate'", "bool"]),
+    ("r.toml", '[input]\nformat = "e4m3"\nmargin = true\n', ["[input]", "'margin'", "integer"]),
+    ("r.toml", '[weight]\nformatt = "e4m3"\n', ["[weight]", "unknown QuantSpec keys", "formatt"]),
+    ("r.toml", '[weight]\nformat = "e9m9"\n', ["[weight]", "e9m9"]),
+    ("r.toml", '[input]\ngranularity = [1, "x"]\n', ["[input]", "'granularity'"]),
+    (
+        "r.toml",
+        '[input]\nformat = "e4m3"\n[input.scaling.delayed]\nhistory_len = "16"\n',
+        ["[input.scaling.delayed]", "'history_len'", "integer"],
+    ),
+    (
+        "r.toml",
+        '[input]\nformat = "e4m3"\n[input.scaling.delayed]\nhistory = 16\n',
+        ["[input.scaling.delayed]", "unknown DelayedScaling keys", "history"],
+    ),
+    (
+        "r.toml",
+        '[input]\nformat = "e4m3"\n[input.scaling.delayd]\nhistory_len = 16\n',
+        ["[input.scaling]", "delayd"],
+    ),
+    ("r.toml", "[fprop]\nhigh_precision = 16\n", ["[fprop]", "'high_precision'", "string"]),
+    (
+        "r.toml",
+        '[dgrad.accumulator]\nkind = "limited"\nmantissa_bits = 13.5\n',
+        ["[dgrad.accumulator]", "'mantissa_bits'"],
+    ),
+    ("r.toml", '[dgrad.accumulator]\nkind = "fp64"\n', ["[dgrad.accumulator]", "fp64"]),
+    (
+        "r.toml",
+        "[dgrad.overrides.grad_output]\nformat = 3\n",
+        ["[dgrad.overrides.grad_output]", "'format'"],
+    ),
+    ("r.toml", '[dgrad.overrides.bias]\nformat = "e4m3"\n', ["[dgrad.overrides]", "bias"]),
+    ("r.toml", "attention = \n", ["not valid TOML"]),
+    ("r.json", '{"attention": "yes"}', ["[top level]", "'attention'"]),
+    ("r.json", '{"attention": tru}', ["not valid JSON"]),
+    ("r.json", "[1, 2]", ["must be a table"]),
+]
+
+
+@pytest.mark.parametrize(("fname", "text", "needles"), BAD_FILES)
+def test_recipe_file_errors_name_the_file_table_and_key(tmp_path, fname, text, needles):
+    p = tmp_path / fname
+    p.write_text(text, encoding="utf-8")
+    with pytest.raises(RecipeFileError) as err:
+        Recipe.load(p)
+    msg = str(err.value)
+    assert str(p) in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert isinstance(err.value, ValueError)  # the CLI's bad-input class
+
+
+def test_missing_recipe_file_is_no_such_recipe_file(tmp_path):
+    with pytest.raises(RecipeFileError, match=r"no such recipe file.*nothere\.toml"):
+        Recipe.load(tmp_path / "nothere.toml")
+    with pytest.raises(RecipeFileError, match="cannot read recipe file"):
+        (tmp_path / "dir.toml").mkdir()
+        Recipe.load(tmp_path / "dir.toml")
+
+
+def test_good_recipe_file_with_every_table(tmp_path):
+    text = """name = "mine"
+attention = true
+loss_scaling = "static"
+loss_scale = 1024
+[input]
+format = "e4m3"
+granularity = [1, 128]
+scaling = "pow2_down"
+[weight]
+format = "e4m3"
+[weight.scaling.delayed]
+history_len = 16
+algorithm = "most_recent"
+[grad_output]
+format = "e5m2"
+scaling = 2.0
+[dgrad]
+high_precision = "bf16"
+[wgrad.accumulator]
+kind = "limited"
+promote_every = 128
+[fprop.overrides.weight]
+format = "e5m2"
+"""
+    p = tmp_path / "mine.toml"
+    p.write_text(text, encoding="utf-8")
+    r = Recipe.load(p)
+    assert r.attention is True and r.loss_scale == 1024.0 and r.input.granularity == (1, 128)
+    assert r.weight.scaling == DelayedScalingConfig(history_len=16, algorithm="most_recent")
+    assert r.grad_output.scaling == 2.0 and r.dgrad.high_precision == "bf16"
+    assert r.wgrad.accumulator.promote_every == 128 and r.fprop.override("weight").format == "e5m2"
+    assert Recipe.from_toml(r.to_toml()) == r

@@ -174,3 +174,21 @@ def test_fused_error_stats_agree_with_the_pair_functions() -> None:
         assert finite["sqnr_db"] == pytest.approx(stats.sqnr_db(xs, qs), rel=1e-9)
         assert finite["cosine"] == pytest.approx(stats.cosine(xs, qs), rel=1e-9)
         assert finite["rel_error"] == pytest.approx(stats.rel_error(xs, qs), rel=1e-9)
+
+
+def test_steady_spec_of_a_recipe_config_includes_nguard() -> None:
+    # a preset's delayed spec (frozen config) is measured at delayed scaling's steady state:
+    # what a DelayedScaling reaches after one update on the same tensor, margin + nguard
+    import fp8lab
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 48, generator=g) * 3
+    for name in ("hif8-delayed", "te-delayed"):
+        spec = fp8lab.get_recipe(name).input
+        ds = DelayedScaling.bind(spec.scaling, spec.format)
+        ds.observe(x.abs().max())
+        ds.update()
+        q = fp8lab.quantize(x, spec.replace(scaling=ds))
+        want = stats.error_stats(x, q.dequantize(), spec.format, q.values)
+        assert stats.tensor_stats(x, spec) == want, name
+        assert ds.step == 1  # the statistics did not record into any state

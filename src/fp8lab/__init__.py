@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "fake_quant": "fp8lab.qtensor",
     "retile": "fp8lab.qtensor",
     "DelayedScaling": "fp8lab.scaling",
+    "DelayedScalingConfig": "fp8lab.scaling",
     # L2 GEMM and recipes
     "Accumulator": "fp8lab.gemm",
     "qmatmul": "fp8lab.gemm",

@@ -3,15 +3,19 @@
 A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It describes:
 
 * per tensor **role** -- ``input`` (activation), ``weight``, ``grad_output`` -- a `QuantSpec`
-  (format, granularity, scaling rule or `DelayedScaling`, rounding), or ``None`` (kept fp32);
-* per **GEMM** of a linear layer (seed 001) -- ``fprop`` ``y = x Wᵀ``, ``dgrad`` ``dx = dy W``,
+  (format, granularity, scaling rule or delayed-scaling *configuration*, rounding), or ``None``
+  (kept fp32);
+* per **GEMM** of a linear layer (NVIDIA developer blog "探索 FP8 训练中 Debug 思路与技巧") --
+  ``fprop`` ``y = x Wᵀ``, ``dgrad`` ``dx = dy W``,
   ``wgrad`` ``dW = dyᵀ x`` -- a `GemmConfig`: the `Accumulator`, an optional high-precision
   override (``"fp32"``, ``"bf16"``, ``"fp16"``: both operands merely rounded to that format) and
-  optional per-(GEMM, role) spec overrides (seed 001's cure: current scaling for ``grad_output``
-  in ``dgrad`` only, while the same gradient feeds ``wgrad`` under the delayed spec);
-* what is saved for backward (``"quantized"``: the forward's quantized operands, re-tiled from
-  the quantized values where the backward GEMM needs other blocks, as DeepSeek-V3 does;
-  ``"high_precision"``: the fp32 operands, re-quantized in backward, TE's ``backward_override``);
+  optional per-(GEMM, role) spec overrides (that blog's cure: current scaling for
+  ``grad_output`` in ``dgrad`` only, while the same gradient feeds ``wgrad`` under the delayed
+  spec);
+* what is saved for backward (``"high_precision"``, the default: the fp32 operands, quantized
+  again in backward, as TE and torchao do; ``"quantized"``: the forward's quantized operands,
+  re-tiled from the quantized values where the backward GEMM needs other blocks, as DeepSeek-V3
+  does);
 * whether attention's two matmuls are quantized (``attention``, off by default like TE's fp8_dpa);
 * the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
 
@@ -21,6 +25,13 @@ the GEMM that reduces along its *last* axis (fprop for input and weight, dgrad f
 A GEMM that reduces along the first axis (dgrad for weight, wgrad for both operands) uses the
 transposed blocks: ``(1, 128)`` becomes ``(128, 1)``, ``"row"`` becomes ``"col"`` (re-tiling).
 Per-(GEMM, role) overrides follow the same convention.
+
+A recipe is configuration only: a `DelayedScaling` given in a spec is stored as its frozen
+`DelayedScalingConfig`; the scaling state belongs to whoever quantizes (`fp8lab.nn.Linear`, or
+the user through `DelayedScaling.bind`). Presets are therefore immutable and shareable.
+
+Recipe files (`Recipe.load`) are type-checked key by key; every error (`RecipeFileError`) names
+the file, the table and the key.
 """
 
 from __future__ import annotations
@@ -34,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8lab._keys import check_keys
 from fp8lab.gemm import Accumulator
 from fp8lab.qtensor import QuantSpec
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = [
     "GEMMS",
@@ -44,6 +56,7 @@ __all__ = [
     "ROLES",
     "GemmConfig",
     "Recipe",
+    "RecipeFileError",
     "get_recipe",
     "recipes",
 ]
@@ -63,19 +76,28 @@ LOSS_SCALINGS = ("none", "static", "dynamic")
 OPTIMIZER_STATES = ("fp32", "bf16", "fp16", "fp8", "e4m3", "e5m2")
 
 
+class RecipeFileError(ValueError):
+    """A recipe file (or plain-data recipe) that cannot be read: names the file, table and key."""
+
+
 def _spec(value: Any, what: str) -> QuantSpec | None:
-    if value is None or isinstance(value, QuantSpec):
-        return value
+    """A `QuantSpec` holding configuration only (a `DelayedScaling`'s state is dropped)."""
+    if value is None:
+        return None
     if isinstance(value, Mapping):
-        return QuantSpec.from_dict(dict(value))
-    if isinstance(value, str):
-        return QuantSpec(format=value)
-    raise TypeError(
-        f"{what}: expected a QuantSpec, dict or format name, got {type(value).__name__}"
-    )
+        value = QuantSpec.from_dict(dict(value))
+    elif isinstance(value, str):
+        value = QuantSpec(format=value)
+    elif not isinstance(value, QuantSpec):
+        raise TypeError(
+            f"{what}: expected a QuantSpec, dict or format name, got {type(value).__name__}"
+        )
+    if isinstance(value.scaling, DelayedScaling):
+        value = value.replace(scaling=value.scaling.cfg)
+    return value
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class GemmConfig:
     """How one GEMM (fprop, dgrad or wgrad) runs.
 
@@ -129,9 +151,7 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GemmConfig:
-        unknown = set(d) - {"accumulator", "high_precision", "overrides"}
-        if unknown:
-            raise ValueError(f"unknown GemmConfig keys: {sorted(unknown)}")
+        check_keys(d, ("accumulator", "high_precision", "overrides"), "GemmConfig")
         return cls(
             accumulator=Accumulator.parse(d.get("accumulator")),
             high_precision=d.get("high_precision"),
@@ -139,12 +159,11 @@ class GemmConfig:
         )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Recipe:
     """A complete simulated low-precision training recipe (see the module docstring).
 
-    Equality and hashing compare the serialised form (`to_dict`), so a recipe equals its TOML or
-    JSON round trip even though `DelayedScaling` templates are objects.
+    Frozen configuration: equal to its TOML or JSON round trip, hashable.
     """
 
     name: str = "custom"
@@ -154,7 +173,7 @@ class Recipe:
     fprop: GemmConfig = field(default_factory=GemmConfig)
     dgrad: GemmConfig = field(default_factory=GemmConfig)
     wgrad: GemmConfig = field(default_factory=GemmConfig)
-    save_for_backward: str = "quantized"
+    save_for_backward: str = "high_precision"
     attention: bool = False
     optimizer_state: str = "fp32"
     master_weights: str = "fp32"
@@ -225,7 +244,8 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
     def with_high_precision(self, *gemms: str, precision: str = "bf16") -> Recipe:
-        """Copy with ``gemms`` run in high precision (seed 001's per-GEMM bisection)."""
+        """Copy with ``gemms`` run in high precision (the per-GEMM bisection of NVIDIA's
+        developer blog "探索 FP8 训练中 Debug 思路与技巧")."""
         ch = {g: dataclasses.replace(self.gemm(g), high_precision=precision) for g in gemms}
         return dataclasses.replace(self, **ch)
 
@@ -267,30 +287,32 @@ class Recipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown Recipe keys: {sorted(unknown)}; valid: {sorted(names)}")
-        kw = dict(d)
-        for g in GEMMS:
-            if g in kw:
-                kw[g] = GemmConfig.from_dict(kw[g])
-        return cls(**kw)
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "recipe") -> Recipe:
+        """Inverse of `to_dict`, type-checked key by key: a `RecipeFileError` (a ValueError)
+        names ``where`` (e.g. the file), the table and the key of a bad or unknown entry."""
+        return _recipe_from_plain(d, where)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> Recipe:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, *, where: str = "recipe") -> Recipe:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RecipeFileError(f"{where}: not valid JSON: {exc}") from None
+        return cls.from_dict(d, where=where)
 
     def to_toml(self) -> str:
         return _dump_toml(self.to_dict())
 
     @classmethod
-    def from_toml(cls, text: str) -> Recipe:
-        return cls.from_dict(tomllib.loads(text))
+    def from_toml(cls, text: str, *, where: str = "recipe") -> Recipe:
+        try:
+            d = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise RecipeFileError(f"{where}: not valid TOML: {exc}") from None
+        return cls.from_dict(d, where=where)
 
     def save(self, path: str | Path) -> None:
         """Write ``.toml`` or ``.json`` (by suffix)."""
@@ -304,12 +326,21 @@ class Recipe:
 
     @classmethod
     def load(cls, path: str | Path) -> Recipe:
+        """Read a ``.toml`` or ``.json`` recipe file. Every problem is a `RecipeFileError`
+        naming the file: "no such recipe file", unreadable, not TOML/JSON, or a bad table/key."""
         p = Path(path)
+        if p.suffix not in (".toml", ".json"):
+            raise ValueError(f"recipe files end in .toml or .json, got {p.name!r}")
+        if not p.exists():
+            raise RecipeFileError(f"no such recipe file: {str(p)!r}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeFileError(f"cannot read recipe file {str(p)!r}: {exc}") from None
+        where = f"recipe file {str(p)!r}"
         if p.suffix == ".toml":
-            return cls.from_toml(p.read_text(encoding="utf-8"))
-        if p.suffix == ".json":
-            return cls.from_json(p.read_text(encoding="utf-8"))
-        raise ValueError(f"recipe files end in .toml or .json, got {p.name!r}")
+            return cls.from_toml(text, where=where)
+        return cls.from_json(text, where=where)
 
     def fingerprint(self) -> str:
         """Canonical JSON of the numerics (name and prose excluded): equal iff same numerics.
@@ -324,20 +355,12 @@ class Recipe:
             object.__setattr__(self, "_fingerprint", cached)
         return cached
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Recipe):
-            return NotImplemented
-        return self.to_dict() == other.to_dict()
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.to_dict(), sort_keys=True))
-
     def __repr__(self) -> str:
         def spec_str(s: QuantSpec | None) -> str:
             if s is None:
                 return "fp32"
             sc = s.scaling
-            if isinstance(sc, DelayedScaling):
+            if isinstance(sc, DelayedScaling | DelayedScalingConfig):
                 sc_s = (
                     f"delayed(h={sc.history_len}, {sc.algorithm}, margin={sc.margin}"
                     + (f", interval={sc.interval}" if sc.interval != 1 else "")
@@ -385,6 +408,140 @@ class Recipe:
             + ")"
         )
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plain data -> Recipe
+# expected plain-data types per key: TOML/JSON values (objects built in Python pass too)
+_NUMBER = (int, float)
+_TYPE_NAMES = {str: "a string", bool: "a bool (true/false)", int: "an integer", float: "a number"}
+
+
+def _plain_types(cls: type, overrides: Mapping[str, tuple[type, ...]]) -> dict[str, tuple]:
+    """Key -> accepted types of a frozen dataclass's plain form: ``overrides``, else the type of
+    the field's default (a float field takes ints too; a None default is not checked)."""
+    out: dict[str, tuple] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            out[f.name] = overrides[f.name]
+            continue
+        d = f.default
+        if isinstance(d, bool | int | str):
+            out[f.name] = (type(d),)
+        elif isinstance(d, float):
+            out[f.name] = _NUMBER
+    return out
+
+
+def _what(types: tuple[type, ...]) -> str:
+    return " or ".join(_TYPE_NAMES.get(t, "a table" if t is Mapping else t.__name__) for t in types)
+
+
+def _check_table(
+    d: Any, types: Mapping[str, tuple], known: Any, what: str, where: str, table: str
+) -> None:
+    """Unknown keys (`check_keys`) and each known key's type, errors naming where/table/key."""
+    if not isinstance(d, Mapping):
+        raise RecipeFileError(f"{where}: [{table}] must be a table, got {d!r}")
+    try:
+        check_keys(d, known, what)
+    except ValueError as exc:
+        raise RecipeFileError(f"{where}: [{table}] {exc}") from None
+    for key, v in d.items():
+        t = types.get(key)
+        # bool is an int in Python: an int key must not take true/false, nor a number key
+        ok = t is None or (isinstance(v, t) and not (isinstance(v, bool) and bool not in t))
+        if not ok:
+            raise RecipeFileError(
+                f"{where}: [{table}] key {key!r}: expected {_what(t)}, got {v!r} "
+                f"({type(v).__name__})"
+            )
+
+
+def _build(where: str, table: str, make: Any, *args: Any) -> Any:
+    """``make(*args)`` with a constructor's ValueError/TypeError prefixed by where and table."""
+    try:
+        return make(*args)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, RecipeFileError):
+            raise
+        raise RecipeFileError(f"{where}: [{table}] {exc}") from None
+
+
+def _granularity_ok(g: Any) -> bool:
+    return isinstance(g, str) or (
+        isinstance(g, list | tuple)
+        and len(g) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in g)
+    )
+
+
+def _spec_from_plain(v: Any, where: str, table: str) -> Any:
+    """A role or override entry: a format name, a QuantSpec, or a type-checked spec table."""
+    if v is None or isinstance(v, str | QuantSpec):
+        return _build(where, table, _spec, v, table)
+    types = _plain_types(
+        QuantSpec,
+        {
+            "granularity": (str, list, tuple),
+            "scaling": (str, *_NUMBER, Mapping, DelayedScalingConfig, DelayedScaling),
+            "rounding": (str,),
+        },
+    )
+    known = [f.name for f in dataclasses.fields(QuantSpec)]
+    _check_table(v, types, known, "QuantSpec", where, table)
+    if "granularity" in v and not _granularity_ok(v["granularity"]):
+        raise RecipeFileError(
+            f"{where}: [{table}] key 'granularity': expected a name or [rows, cols], "
+            f"got {v['granularity']!r}"
+        )
+    sc = v.get("scaling")
+    if isinstance(sc, Mapping):
+        _check_table(sc, {"delayed": (Mapping,)}, ["delayed"], "scaling", where, f"{table}.scaling")
+        types = _plain_types(DelayedScalingConfig, {})
+        known = [f.name for f in dataclasses.fields(DelayedScalingConfig)]
+        t = f"{table}.scaling.delayed"
+        _check_table(sc.get("delayed", {}), types, known, "DelayedScaling", where, t)
+    return _build(where, table, _spec, dict(v), table)
+
+
+def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
+    if isinstance(v, GemmConfig):
+        return v
+    types = {"accumulator": (str, Mapping, Accumulator), "high_precision": (str,)}
+    types["overrides"] = (Mapping,)
+    _check_table(v, types, types, "GemmConfig", where, g)
+    acc = v.get("accumulator")
+    if isinstance(acc, Mapping):
+        at = _plain_types(Accumulator, {})
+        known = [f.name for f in dataclasses.fields(Accumulator)]
+        _check_table(acc, at, known, "Accumulator", where, f"{g}.accumulator")
+    acc = _build(where, f"{g}.accumulator", Accumulator.parse, acc)
+    ov = v.get("overrides", {})
+    _check_table(ov, {}, ROLES, "override role", where, f"{g}.overrides")
+    overrides = {r: _spec_from_plain(s, where, f"{g}.overrides.{r}") for r, s in ov.items()}
+    return _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides)
+
+
+def _recipe_from_plain(d: Any, where: str) -> Recipe:
+    """`Recipe.from_dict`: every table and key checked, errors naming where/table/key."""
+    types = _plain_types(
+        Recipe,
+        {
+            **{r: (str, Mapping, QuantSpec) for r in ROLES},
+            **{g: (Mapping, GemmConfig) for g in GEMMS},
+            "loss_scale": _NUMBER,
+        },
+    )
+    known = [f.name for f in dataclasses.fields(Recipe)]
+    _check_table(d, types, known, "Recipe", where, "top level")
+    kw = dict(d)
+    for r in ROLES:
+        if r in kw:
+            kw[r] = _spec_from_plain(kw[r], where, r)
+    for g in GEMMS:
+        if g in kw:
+            kw[g] = _gemm_from_plain(kw[g], where, g)
+    return _build(where, "top level", lambda: Recipe(**kw))
 
 
 # ---------------------------------------------------------------------------- TOML writer
@@ -437,44 +594,50 @@ def _hp(precision: str) -> dict[str, GemmConfig]:
     return {g: GemmConfig(high_precision=precision) for g in GEMMS}
 
 
-def _te_delayed() -> DelayedScaling:
-    return DelayedScaling(history_len=1024, algorithm="max", margin=0)
+def _te_delayed() -> DelayedScalingConfig:
+    return DelayedScalingConfig(history_len=1024, algorithm="max", margin=0)
 
 
 def _build_presets() -> dict[str, Recipe]:
-    te_src = (
-        "NVIDIA Transformer Engine transformer_engine/common/recipe/__init__.py "
-        "(reference/transformer-engine.md §1-2)"
-    )
+    te_src = "NVIDIA Transformer Engine transformer_engine/common/recipe/__init__.py"
+    hif8_src = '"HiFloat8:高性能训练之路" (GCC / Huawei, 2025-12-19); HiFloat8 arXiv 2409.16626'
+    mixed_src = '"混合精度训练:FP16、BF16、FP8深度对比"'
+    # save_for_backward is stated by every preset: the dataclass default changed to
+    # "high_precision" and a preset's fingerprint (run directories resume on it) must not
     limited_fast = Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=None)
     ds_acc = Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=128)
-    hif8_round = "nearest_away"  # HiF8's native TA rounding (formats.md §1.5)
+    hif8_round = "nearest_away"  # HiF8's native TA rounding (arXiv 2409.16626)
     p: list[Recipe] = [
         Recipe(
             name="fp32",
             **_hp("fp32"),
+            save_for_backward="quantized",
             description="Everything in fp32: the reference; fp8lab.nn.Linear == torch.nn.Linear.",
             source="baseline",
         ),
         Recipe(
             name="bf16",
             **_hp("bf16"),
+            save_for_backward="quantized",
             description="GEMM operands rounded to bf16 (RNE), fp32 accumulation and output.",
-            source="standard BF16 mixed precision (seed 002 §3; emulated in fp32, see design.md)",
+            source=f"standard BF16 mixed precision ({mixed_src}; emulated in fp32, docs/design.md)",
         ),
         Recipe(
             name="fp16-amp",
             **_hp("fp16"),
+            save_for_backward="quantized",
             loss_scaling="dynamic",
             loss_scale=2.0**16,
             description="fp16 operands, fp32 accumulation, dynamic loss scaling (2^16, x2/2000, x0.5).",
-            source="Micikevicius et al. 2018 'Mixed Precision Training'; seed 002 §3.2",
+            source="Micikevicius et al., 'Mixed Precision Training', arXiv 1710.03740; "
+            + mixed_src,
         ),
         Recipe(
             name="te-delayed",
             input=_e("e4m3", scaling=_te_delayed()),
             weight=_e("e4m3", scaling=_te_delayed()),
             grad_output=_e("e5m2", scaling=_te_delayed()),
+            save_for_backward="quantized",
             description="TE DelayedScaling(): HYBRID (E4M3 fwd, E5M2 grads), per-tensor, amax "
             "history 1024, max, margin 0; fp32 accumulation in all GEMMs.",
             source=te_src + " DelayedScaling",
@@ -485,6 +648,7 @@ def _build_presets() -> dict[str, Recipe]:
             weight=_e("e4m3", scaling=_te_delayed()),
             grad_output=_e("e5m2", scaling=_te_delayed()),
             fprop=GemmConfig(accumulator=limited_fast),
+            save_for_backward="quantized",
             description="te-delayed with Hopper's fast (limited, never promoted, ~13-bit) FP8 "
             "accumulation in fprop (TE _2X_ACC_FPROP=False); dgrad/wgrad split-accumulate (fp32).",
             source=te_src + " module/base.py _2X_ACC_*; formats.md §4.4",
@@ -494,6 +658,7 @@ def _build_presets() -> dict[str, Recipe]:
             input=_e("e4m3"),
             weight=_e("e4m3"),
             grad_output=_e("e5m2"),
+            save_for_backward="quantized",
             description="TE Float8CurrentScaling(): HYBRID, per-tensor scale fmt_max/amax of the "
             "current tensor; fp32 accumulation.",
             source=te_src + " Float8CurrentScaling",
@@ -507,11 +672,12 @@ def _build_presets() -> dict[str, Recipe]:
             dgrad=GemmConfig(accumulator=ds_acc),
             wgrad=GemmConfig(accumulator=ds_acc),
             optimizer_state="bf16",
+            save_for_backward="quantized",
             description="DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles "
             "(128x1 for wgrad, re-tiled from the quantized values), weights 128x128 blocks, "
             "online amax/448 scales; limited accumulation promoted to fp32 every 128; BF16 AdamW "
             "moments, FP32 master weights. Embedding and output head stay high precision.",
-            source="arXiv 2412.19437v2 §3.3, §3.5.2 (reference/formats.md §4)",
+            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2",
         ),
         Recipe(
             name="mxfp8",
@@ -522,24 +688,26 @@ def _build_presets() -> dict[str, Recipe]:
             description="TE MXFP8BlockScaling(): E4M3 everywhere, 1x32 blocks with E8M0 scales "
             "rounded up (rceil, never clips); rowwise and columnwise copies quantized "
             "independently from the high-precision tensor.",
-            source=te_src + " MXFP8BlockScaling; quantize_mxfp8.cuh (transformer-engine.md §2.4)",
+            source=te_src + " MXFP8BlockScaling; TE quantize_mxfp8.cuh",
         ),
         Recipe(
             name="hif8-current",
             input=_e("hif8", rounding=hif8_round),
             weight=_e("hif8", rounding=hif8_round),
             grad_output=_e("hif8", rounding=hif8_round),
+            save_for_backward="quantized",
             description="HiFloat8 on all tensors, per-tensor current scaling, TA rounding.",
-            source="seed 003 §5.1; arXiv 2409.16626",
+            source=hif8_src,
         ),
         Recipe(
             name="hif8-delayed",
             input=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
             weight=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
             grad_output=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
+            save_for_backward="quantized",
             description="HiFloat8 per-tensor delayed scaling: amax measured every 5 steps "
             "(interval 5), guard margin Nguard=8 binades, first step current scaling.",
-            source="seed 003 §1.2, §5.2 (interval 5, Nguard 8-12 for HiF8)",
+            source=hif8_src + " (interval 5, Nguard 8-12 for HiF8)",
         ),
         Recipe(
             name="nvfp4",
@@ -550,14 +718,14 @@ def _build_presets() -> dict[str, Recipe]:
             description="TE NVFP4BlockScaling(): E2M1 elements, 1x16 blocks with E4M3 scales "
             "under an FP32 tensor scale, 16x16 weight blocks, stochastic rounding of grads. "
             "The random Hadamard transform is not modelled.",
-            source=te_src + " NVFP4BlockScaling; reference_nvfp4.py (transformer-engine.md §2.6)",
+            source=te_src + " NVFP4BlockScaling; TE reference_nvfp4.py",
         ),
     ]
     return {r.name: r for r in p}
 
 
-def _hif8_delayed() -> DelayedScaling:
-    return DelayedScaling(
+def _hif8_delayed() -> DelayedScalingConfig:
+    return DelayedScalingConfig(
         history_len=1024, algorithm="max", margin=0, interval=5, nguard=8, first_step="current"
     )
 
@@ -580,8 +748,9 @@ def recipes() -> list[str]:
 def get_recipe(name: str | Recipe) -> Recipe:
     """The preset ``name`` (a `Recipe` passes through). Unknown names raise, listing valid ones.
 
-    A preset holds `DelayedScaling` *templates*; modules take fresh state objects from them, so a
-    preset can be shared by any number of layers and runs.
+    Presets are immutable configuration (delayed scaling as a frozen `DelayedScalingConfig`):
+    quantizing under a preset's spec never changes the preset; each quantizing module owns its
+    state (`DelayedScaling.bind`), so a preset can be shared by any number of layers and runs.
     """
     if isinstance(name, Recipe):
         return name

@@ -20,9 +20,11 @@ plain cast, scale 1). SQNR can look fine while most small values underflow (the 
 carry the energy): read ``sqnr_db`` and ``underflow_pct`` together. Values are plain Python
 floats and may be ``inf``/``nan`` (`json_safe` turns them into None for JSON).
 
-``tensor_stats`` never touches `DelayedScaling` state: a delayed spec is measured at its steady
-state (current scaling with its margin, `steady_spec`). To measure what a live delayed scale
-did, quantize yourself and pass the pair: ``error_stats(x, q.dequantize(), fmt, q.values)``.
+A delayed-scaling spec (a recipe's configuration, or a spec bound to a `DelayedScaling`) is
+measured at its steady state, `steady_spec`: the scale delayed scaling reaches on a tensor that
+does not change, ``fmt_max * 2**-(margin + nguard) / amax``; no scaling state is read or
+written. To measure what a live delayed scale did, quantize yourself and pass the pair:
+``error_stats(x, q.dequantize(), fmt, q.values)``.
 
 Spec strings (`parse_spec` -> `fp8lab.QuantSpec`; quantization itself is `fp8lab.quantize`):
 ``FORMAT`` (a plain cast, scale 1), ``FORMAT:GRAN`` with GRAN ``tensor``, ``row``, ``col``,
@@ -336,14 +338,14 @@ def _blocks(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def steady_spec(spec: Any) -> Any:
-    """A spec usable for one-off statistics: a `DelayedScaling` spec becomes current scaling
-    (``"max"``) with the same margin -- delayed scaling's steady state on a tensor that does not
-    change -- so that statistics never touch (or depend on) live delayed-scaling state."""
-    from fp8lab.scaling.delayed import DelayedScaling
-
+    """The spec one-off statistics measure: a delayed-scaling spec (config or bound state)
+    becomes current scaling (``"max"``) with its total margin ``margin + nguard`` -- delayed
+    scaling's steady state on a tensor that does not change (step 0's scale of 1.0 would say
+    nothing about the recipe); other specs pass through (`parse_spec`)."""
     spec = parse_spec(spec)
-    if isinstance(spec.scaling, DelayedScaling):
-        return dataclasses.replace(spec, scaling="max", margin=spec.scaling.margin)
+    if spec.is_delayed:
+        sc = spec.scaling
+        return dataclasses.replace(spec, scaling="max", margin=sc.margin + sc.nguard)
     return spec
 
 

@@ -1,6 +1,6 @@
 """L1: how a tensor is scaled before a cast — granularity, scale rules, delayed scaling."""
 
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig, DelayedScalingState
 from fp8lab.scaling.granularity import (
     NAMED_GRANULARITIES,
     block_amax,
@@ -34,6 +34,8 @@ __all__ = [
     "RULE_NAMES",
     "SCALE_RULES",
     "DelayedScaling",
+    "DelayedScalingConfig",
+    "DelayedScalingState",
     "block_amax",
     "canonical_granularity",
     "e8m0_to_scale",

@@ -75,7 +75,7 @@ FIRST_STEPS = ("unit", "current")
 UPDATE_PATHS = ("fused", "python")
 STATE_KEYS = ("scale", "amax_history", "step", "initialized", "fmt_max")
 
-__all__ = ["DelayedScaling", "DelayedScalingConfig", "DelayedScalingState"]
+__all__ = ["DelayedScaling", "DelayedScalingConfig", "DelayedScalingState", "delayed_scale"]
 
 
 @dataclass(frozen=True)
@@ -282,10 +282,6 @@ class DelayedScaling:
         ds._init(cfg, group, fmt)
         return ds
 
-    def fresh(self) -> DelayedScaling:
-        """A new object with this configuration and a zero state (`bind`)."""
-        return DelayedScaling.bind(self)
-
     def config(self) -> dict[str, Any]:
         """The configuration as plain data (`DelayedScalingConfig.to_dict`)."""
         return self.cfg.to_dict()
@@ -476,3 +472,18 @@ class DelayedScaling:
             st.initialized.fill_(1)
         st.step += 1
         return st.scale.clone()
+
+
+def delayed_scale(
+    scaling: DelayedScalingConfig | DelayedScaling, amax: torch.Tensor, fmt: str | FloatFormat
+) -> torch.Tensor:
+    """The multiplier for one quantize of a tensor whose amax is ``amax`` (float32 scalar).
+
+    A `DelayedScaling` gives its current scale and records ``amax`` (`observe`); a config alone
+    gives step 0's scale from a throwaway state (1.0, or current scaling with
+    ``first_step="current"``) and records nothing anywhere.
+    """
+    ds = scaling if isinstance(scaling, DelayedScaling) else DelayedScaling.bind(scaling)
+    s = ds.scale_for(amax, fmt)
+    ds.observe(amax)
+    return s
