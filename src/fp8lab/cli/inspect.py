@@ -3,18 +3,21 @@
 Reads safetensors files, or PyTorch checkpoints through ``torch.load(weights_only=True)`` only
 (arbitrary pickles are never executed). Every floating tensor found (nested dicts/lists are
 walked, names joined with dots) is quantized under each ``--spec`` / ``--recipe`` and reported
-with `fp8lab.stats` (SQNR, cosine, relative error, underflow %, saturation %, amax, range).
+with `fp8lab.stats` (SQNR, cosine, relative error, underflow %, saturation %, amax, range), with
+its count of NaN and Inf elements. Empty floating tensors are listed, not measured.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-import sys
+import pickle
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from fp8lab.cli._common import clear_errors, console
 
 DEFAULT_SPECS = ("e4m3:tensor", "e4m3:128x128", "mxfp8")
 
@@ -25,7 +28,16 @@ FILE: a .safetensors file or a PyTorch checkpoint loadable with torch.load(weigh
 e4m3:128x128, e4m3:1x128) or mxfp8, mxfp8_e5m2, mxfp6, mxfp4, nvfp4. --recipe takes a recipe name
 (fp8lab.recipe) and uses its weight spec (delayed scaling measured at its steady state).
 Default specs: e4m3:tensor, e4m3:128x128, mxfp8. SQNR "inf" means the quantized tensor is exact.
+Exit code 2 for a missing, empty, unreadable or unsafe file.
 """
+
+#: what fp8lab reads instead of a pickle it refuses
+READS = (
+    "fp8lab reads .safetensors files and PyTorch checkpoints of plain tensors, numbers, strings, "
+    "dicts and lists (torch.load with weights_only=True) and never unpickles other objects; "
+    "save the tensors with safetensors.torch.save_file(state_dict, 'model.safetensors') "
+    "where the file is trusted"
+)
 
 
 class CheckpointError(ValueError):
@@ -48,13 +60,27 @@ def load_tensors(path: str | Path) -> dict[str, Any]:
     Raises `CheckpointError` (a ValueError) with the reason for a missing, unreadable or
     corrupt file, or one that needs full unpickling.
     """
-    import torch
 
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file")
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a checkpoint file")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file, expected a checkpoint file")
+    try:
+        if path.stat().st_size == 0:  # also /proc files, which report size 0
+            raise CheckpointError(
+                f"{path}: cannot read as a checkpoint: the file is empty (0 bytes)"
+            )
+        return _load(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    import torch
+
     if path.suffix == ".safetensors" or _is_safetensors(path):
         from safetensors.torch import load_file
 
@@ -66,7 +92,14 @@ def load_tensors(path: str | Path) -> dict[str, Any]:
             ) from None
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, RuntimeError (bad zip), EOFError, ...
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: not offered
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled Python objects that loading would have to run "
+            f"(torch.load(weights_only=True) stops there). {READS}."
+        ) from None
+    except OSError:
+        raise
+    except Exception as exc:  # RuntimeError (bad zip), EOFError, ...
         text = str(exc).strip()
         reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
         raise CheckpointError(
@@ -123,12 +156,15 @@ def inspect_file(
 
     tensors = load_tensors(path)
     report: dict[str, Any] = {"file": str(path), "specs": [n for n, _ in specs], "tensors": []}
-    skipped = []
+    skipped, empty = [], []
     for name, t in tensors.items():
         if pattern and not fnmatch.fnmatch(name, pattern):
             continue
-        if not t.is_floating_point() or t.numel() == 0:
+        if not t.is_floating_point():
             skipped.append(name)
+            continue
+        if t.numel() == 0:
+            empty.append(name)
             continue
         t = t.detach().to("cpu")
         entry: dict[str, Any] = {
@@ -139,6 +175,8 @@ def inspect_file(
             "amax": stats.amax(t),
             "dynamic_range": stats.dynamic_range(t),
             "nonzero_pct": 100.0 * int((t != 0).sum()) / t.numel(),
+            "nan_count": int(t.isnan().sum()),
+            "inf_count": int(t.isinf().sum()),
             "specs": {},
         }
         for sname, spec in specs:
@@ -154,9 +192,11 @@ def inspect_file(
             entry["specs"][sname] = row
         report["tensors"].append(entry)
     report["skipped_non_float"] = skipped
+    report["empty_float"] = empty
     if not report["tensors"]:
         what = f" matching {pattern!r}" if pattern else ""
-        raise ValueError(f"{path}: no floating-point tensors{what} to inspect")
+        only = f" (only empty ones: {', '.join(empty)})" if empty else ""
+        raise ValueError(f"{path}: no floating-point tensors{what} to inspect{only}")
     return stats.json_safe(report)
 
 
@@ -165,27 +205,39 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _print_report(report: dict[str, Any], per_block: bool) -> None:
-    from rich.console import Console
+    """A rich table that fits 80 columns and more: one row per tensor x spec, the tensor's name
+    folded (never cut) and its shape, dtype, amax, range and NaN/Inf counts below the name."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"fp8lab inspect {report['file']}")
-    for col in ("tensor", "shape", "dtype", "amax", "range", "spec"):
-        table.add_column(col)
-    for col in ("SQNR dB", "cosine", "rel err", "underflow %", "sat %"):
-        table.add_column(col, justify="right")
+    table = Table(
+        title=f"fp8lab inspect {_escape(report['file'])}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        caption="uflow % = nonzeros flushed to 0; sat % = values clamped to the largest",
+        caption_justify="left",
+    )
+    table.add_column("tensor", overflow="fold", ratio=1, min_width=10)
+    table.add_column("spec", overflow="fold", min_width=8)
+    for col in ("SQNR dB", "cosine", "rel err", "uflow %", "sat %"):
+        table.add_column(col, justify="right", no_wrap=True)
     if per_block:
-        table.add_column("min blk SQNR", justify="right")
+        table.add_column("min blk dB", justify="right", no_wrap=True)
     for t in report["tensors"]:
-        first = True
-        for sname, s in t["specs"].items():
+        about = [
+            "x".join(map(str, t["shape"])) + f" {t['dtype']}",
+            f"amax {_num(t['amax'], '.4g')}, range {_num(t['dynamic_range'], '.1f')}",
+        ]
+        if t["nan_count"] or t["inf_count"]:
+            about.append(f"[bold red]NaN {t['nan_count']}, Inf {t['inf_count']}[/]")
+        for i, (sname, s) in enumerate(t["specs"].items()):
             sq = "inf (exact)" if s["exact"] else _num(s["sqnr_db"], ".2f")
+            name = _escape(t["name"]) + "\n[dim]" + "\n".join(about) + "[/]" if i == 0 else ""
             row = [
-                t["name"] if first else "",
-                "x".join(map(str, t["shape"])) if first else "",
-                t["dtype"] if first else "",
-                _num(t["amax"], ".4g") if first else "",
-                _num(t["dynamic_range"], ".1f") if first else "",
-                sname,
+                name,
+                _escape(sname),
                 sq,
                 _num(s["cosine"], ".6f"),
                 _num(s["rel_error"], ".3g"),
@@ -195,11 +247,22 @@ def _print_report(report: dict[str, Any], per_block: bool) -> None:
             if per_block:
                 v = s.get("min_block_sqnr_db")
                 row.append("inf" if v is None and s["exact"] else _num(v, ".2f"))
-            table.add_row(*row)
-            first = False
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+            table.add_row(*row, end_section=i == len(t["specs"]) - 1)
+    console().print(table)
+    bad = [t["name"] for t in report["tensors"] if t["nan_count"] or t["inf_count"]]
+    if bad:
+        typer.echo(f"{len(bad)} tensor(s) hold NaN or Inf: {', '.join(bad)}")
+    if report["empty_float"]:
+        names = ", ".join(report["empty_float"])
+        typer.echo(f"{len(report['empty_float'])} empty floating tensor(s), not measured: {names}")
     if report["skipped_non_float"]:
         typer.echo(f"skipped {len(report['skipped_non_float'])} non-floating tensors")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def _parse_block(value: str | None) -> tuple[int, int] | None:
@@ -232,13 +295,12 @@ def register(app: typer.Typer) -> None:
         ),
         json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     ) -> None:
-        try:
-            specs = resolve_specs(list(spec), list(recipe))
-            report = inspect_file(file, specs, tensors, _parse_block(per_block))
-        except (ValueError, TypeError, KeyError) as exc:
-            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            typer.echo(f"Error: {msg}", err=True)
-            raise typer.Exit(2) from None
+        with clear_errors():
+            try:
+                specs = resolve_specs(list(spec), list(recipe))
+                report = inspect_file(file, specs, tensors, _parse_block(per_block))
+            except (TypeError, KeyError) as exc:
+                raise ValueError(exc.args[0] if exc.args else str(exc)) from None
         if json_out:
             typer.echo(json.dumps(report, allow_nan=False))
         else:

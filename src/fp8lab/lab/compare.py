@@ -1,17 +1,26 @@
-"""Several recipes side by side: one initial model, one batch order, one report.
+"""Several recipes side by side: one initial model, one batch order, one set of results.
 
-``compare(cfg, recipes, baseline, out_dir)`` trains every recipe with :func:`train_run` (one after
-another, or ``jobs`` at a time in separate processes), then summarises each run against the
-baseline and writes ``summary.json``, ``metrics.csv`` and the report. Output layout::
+``run_comparison(cfg, recipes, baseline, out_dir)`` validates everything first (recipes, config,
+corpus, output directory), then trains every recipe with :func:`train_run` (one after another,
+or ``jobs`` at a time in separate processes), summarises each run against the baseline, writes
+the data files and returns a :class:`ComparisonResult`; ``compare(...)`` returns its summary. The
+report (figures, ``report.md`` / ``report.html``) is written from that result by
+``fp8lab.report.training.write_report``, which the ``fp8lab compare`` command calls. Layout::
 
-    OUT/config.json             the lab config + baseline (a different config is refused)
+    OUT/config.json             the lab config + baseline + corpus hash (a different one is refused)
     OUT/runs/<recipe>/          metrics.jsonl, stats.jsonl, checkpoint.pt, run.json
     OUT/metrics.csv             every step of every recipe
     OUT/summary.json            the --json summary (schema_version 1) + per-recipe extras
-    OUT/report.html, report.md, figures/*.png
+    OUT/report.html, report.md, figures/*.png   (written by the report layer)
 
 Rerunning with the same OUT resumes each unfinished run from its checkpoint (bit-identical to an
-uninterrupted run); finished runs are read back, not retrained.
+uninterrupted run); finished runs are read back, not retrained. Nothing is written before every
+input has been checked, an OUT holding no run yet may be reused under another configuration, and
+a non-empty OUT that fp8lab did not make is refused (its files are never overwritten).
+
+A run is diverged when its losses are not finite or its final validation loss exceeds
+ln(vocabulary) (worse than a uniform guess). A diverged baseline makes every relative gap
+meaningless: the summary then says ``"baseline_diverged": true`` and every gap is null.
 
 The lab defines its own negative control, :data:`NEGATIVE_CONTROL` (E4M3 gradients with a fixed
 scale of 1, i.e. no scaling): small gradients flush to zero, so the quantized layers barely learn
@@ -21,21 +30,26 @@ and the lab must report it as clearly worse than the baseline.
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
 import multiprocessing as mp
 import queue
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8lab.lab.data import load_corpus
+from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.train import (
+    CHECKPOINT,
     ConfigMismatchError,
     LabConfig,
-    config_diff,
+    corpus_config,
+    diverged_loss,
+    mismatch_message,
     read_metrics,
     read_stats,
     recipe_settings,
@@ -77,8 +91,9 @@ def lab_recipes() -> dict[str, Any]:
             "cast to E4M3 with a fixed scale of 1 (no scaling, no loss scaling). Gradients of a "
             "mean loss are ~1e-4..1e-6, below E4M3's smallest subnormal 2^-9, so they flush to "
             "zero and the quantized layers barely learn.",
-            source="fp8lab training lab; the 'E4M3 gradient underflow' row of "
-            "reference/published-results.md §3",
+            source="fp8lab training lab; gradient underflow without scaling: Micikevicius et "
+            "al., 'Mixed Precision Training', arXiv 1710.03740; E5M2 for gradients: 'FP8 "
+            "Formats for Deep Learning', arXiv 2209.05433",
         )
     }
 
@@ -91,7 +106,9 @@ def resolve_recipe(name: str) -> Any:
     if name in own:
         return own[name]
     p = Path(name)
-    if p.suffix in (".toml", ".json") and p.is_file():
+    if p.suffix in (".toml", ".json"):
+        if not p.is_file():
+            raise ValueError(f"no such recipe file: {name}")
         return Recipe.load(p)
     if name in recipes():
         return get_recipe(name)
@@ -179,7 +196,9 @@ def set_threads(threads: int) -> None:
     Both matter: recipes running in parallel processes each start numba's pool too, and an
     oversubscribed pool makes the parallel cast kernels several times slower on 2 cores.
     """
-    if threads <= 0:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
+    if threads == 0:
         return
     import numba
     import torch
@@ -202,24 +221,66 @@ def _worker(name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any) 
                 "event": "error",
                 "recipe": name,
                 "message": f"{type(exc).__name__}: {exc}",
+                "text": str(exc),
+                # an expected error (bad input, full disk) is raised again as such in the parent
+                "kind": "value" if isinstance(exc, ValueError) else "os" if isinstance(exc, OSError)
+                else "other",
+                "errno": getattr(exc, "errno", None),
                 "traceback": traceback.format_exc(),
             }
-        )
+        )  # fmt: skip
 
 
-def _check_out_dir(out: Path, cfg: LabConfig, baseline: str) -> None:
-    meta = {"lab": cfg.to_dict(), "baseline": baseline}
+def _read_own_config(path: Path) -> dict[str, Any] | None:
+    """The config.json fp8lab compare wrote into an output directory, or None (absent, or a
+    file of someone else's)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and {"lab", "baseline"} <= set(d) else None
+
+
+def _has_runs(out: Path) -> bool:
+    runs = out / "runs"
+    return runs.is_dir() and any(
+        (d / CHECKPOINT).exists() or (d / "run.json").exists() for d in runs.iterdir()
+    )
+
+
+def prepare_out_dir(out: Path, cfg: LabConfig, baseline: str, corpus: Corpus) -> None:
+    """Create ``out`` (or check it can be continued) and write its ``config.json``.
+
+    Refused (ValueError): ``out`` is a file; ``out`` is a non-empty directory fp8lab did not
+    make; ``out`` holds runs made under another configuration, baseline or training text. A
+    directory holding no run yet (e.g. a failed start) is reused under the new configuration.
+    """
+    meta = {"lab": cfg.to_dict(), "baseline": baseline, "corpus": corpus_config(corpus)}
     path = out / "config.json"
-    if path.exists():
-        old = json.loads(path.read_text())
-        diff = config_diff(old, meta)
-        if diff:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory; choose another output directory")
+    if out.is_dir() and any(out.iterdir()):
+        old = _read_own_config(path)
+        if old is None:
+            raise ValueError(
+                f"{out}: a non-empty directory not made by fp8lab compare (no fp8lab "
+                "config.json); refusing to write into it: choose a new or empty directory"
+            )
+        why = mismatch_message(old, meta)
+        if why and _has_runs(out):
             raise ConfigMismatchError(
                 f"{out} holds a comparison made with a different configuration; refusing to "
-                f"mix them (choose another --out). Differences: {'; '.join(diff[:8])}"
+                f"mix them (choose another --out). {why}"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        raise ValueError(
+            f"cannot write the output directory {out}: {exc.strerror or exc}"
+        ) from None
 
 
 def run_recipes(
@@ -229,12 +290,16 @@ def run_recipes(
     jobs: int = 1,
     threads: int = 0,
     callback: Callback | None = None,
+    corpus: Corpus | None = None,
 ) -> None:
-    """Train (or resume) each recipe into ``out/runs/<name>``; ``jobs`` > 1 uses processes."""
+    """Train (or resume) each recipe into ``out/runs/<name>``; ``jobs`` > 1 uses processes.
+
+    An error of a recipe is raised again as ValueError (bad input, corrupt checkpoint) or
+    OSError (e.g. a full disk) naming the recipe, anything else as RuntimeError."""
     emit = callback or (lambda e: None)
     if jobs <= 1:
         set_threads(threads)
-        corpus = load_corpus(cfg.data, cfg.model.block_size)
+        corpus = corpus or load_corpus(cfg.data, cfg.model.block_size)
         for name in names:
             train_run(resolve_recipe(name), cfg, corpus, out / "runs" / name, callback=emit)
         return
@@ -286,6 +351,10 @@ def run_recipes(
             p.join()
     if errors:
         first = next((e for e in errors if "traceback" in e), errors[0])
+        if first.get("kind") == "value":
+            raise ValueError(f"recipe {first['recipe']!r}: {first['text']}")
+        if first.get("kind") == "os":
+            raise OSError(first["errno"], f"recipe {first['recipe']!r}: {first['text']}")
         raise RuntimeError(
             f"recipe {first['recipe']!r} failed: {first['message']}\n{first.get('traceback', '')}"
         )
@@ -311,15 +380,26 @@ def _rel_gap(value: float | None, base: float | None) -> float | None:
     return g if math.isfinite(g) else None
 
 
+def _diverged(s: dict[str, Any], vocab_size: int) -> bool:
+    # the loss rule again: run.json files written before it existed say diverged: false
+    if s["diverged"]:
+        return True
+    return diverged_loss(s["final_train_loss"], s["final_val_loss"], vocab_size)
+
+
 def summarize_comparison(
     cfg: LabConfig, names: Sequence[str], baseline: str, out: Path
 ) -> dict[str, Any]:
-    """The summary: the ``--json`` schema (schema_version, baseline, recipes{...}) + ``details``
-    (spikes, step time, memory, settings) for the report."""
+    """The summary: the ``--json`` schema (schema_version, baseline, baseline_diverged,
+    recipes{...}) + ``details`` (spikes, step time, memory, settings) for the report.
+
+    Gaps are null for a diverged recipe, and for every recipe when the baseline diverged."""
     runs = {n: json.loads((out / "runs" / n / "run.json").read_text()) for n in names}
     metrics = {n: read_metrics(out / "runs" / n) for n in names}
     base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
     base_final = runs[baseline]["summary"]["final_val_loss"]
+    vocab = cfg.model.vocab_size
+    base_diverged = _diverged(runs[baseline]["summary"], vocab)
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for n in names:
@@ -329,13 +409,14 @@ def summarize_comparison(
             for r in metrics[n]
             if "val_loss" in r and r["step"] in base_val
         ]
-        diverged = bool(s["diverged"]) or s["final_val_loss"] is None
+        diverged = _diverged(s, vocab)
+        no_gap = diverged or base_diverged
         finite_gaps = [g for g in gaps if g is not None]
         table[n] = {
             "final_train_loss": s["final_train_loss"],
             "final_val_loss": s["final_val_loss"],
-            "rel_gap_pct": None if diverged else _rel_gap(s["final_val_loss"], base_final),
-            "max_rel_gap_pct": max(finite_gaps) if finite_gaps and not diverged else None,
+            "rel_gap_pct": None if no_gap else _rel_gap(s["final_val_loss"], base_final),
+            "max_rel_gap_pct": max(finite_gaps) if finite_gaps and not no_gap else None,
             "skipped_steps": s["skipped_steps"],
             "tokens_per_s": s["tokens_per_s"],
             "diverged": diverged,
@@ -352,14 +433,19 @@ def summarize_comparison(
     return {
         "schema_version": SCHEMA_VERSION,
         "baseline": baseline,
+        "baseline_diverged": base_diverged,
         "recipes": table,
         "details": details,
     }
 
 
+JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "recipes")
+
+
 def json_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """Exactly the ``--json`` schema of issue 6 (no extras)."""
-    return {k: summary[k] for k in ("schema_version", "baseline", "recipes")}
+    """The ``--json`` schema (schema_version 1; ``baseline_diverged`` added since, fields are
+    only ever added), without the report's extras."""
+    return {k: summary[k] for k in JSON_KEYS if k in summary}
 
 
 def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
@@ -375,6 +461,61 @@ def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
     return path
 
 
+@dataclass
+class ComparisonResult:
+    """What a comparison produced, as plain data: everything the report is written from."""
+
+    out: Path
+    summary: dict[str, Any]  # see summarize_comparison
+    metrics: dict[str, list[dict[str, Any]]]  # recipe -> per-step records
+    stats: dict[str, list[dict[str, Any]]]  # recipe -> operand statistics rows
+    lab_config: dict[str, Any]  # LabConfig.to_dict()
+
+
+def run_comparison(
+    cfg: LabConfig,
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    baseline: str = DEFAULT_BASELINE,
+    out_dir: str | Path = "runs/compare",
+    jobs: int = 1,
+    threads: int = 0,
+    callback: Callback | None = None,
+) -> ComparisonResult:
+    """Train every recipe of ``recipes`` (the baseline is added if missing) into ``out_dir``,
+    write ``summary.json`` and ``metrics.csv`` there and return the results.
+
+    Everything is checked before anything is written: recipe names and files, ``jobs``,
+    ``threads``, the config (:meth:`LabConfig.check`), the corpus and the output directory
+    (:func:`prepare_out_dir`); a bad one raises ValueError (FileNotFoundError for a missing
+    data path)."""
+    names = list(dict.fromkeys(recipes))
+    if not names:
+        raise ValueError("no recipes given")
+    for n in [*names, baseline]:
+        resolve_recipe(n)  # fail fast on a typo, before any training
+    if baseline not in names:
+        names.insert(0, baseline)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
+    cfg.check()
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    out = Path(out_dir)
+    prepare_out_dir(out, cfg, baseline, corpus)
+    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus)
+    summary = summarize_comparison(cfg, names, baseline, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_metrics_csv(names, out)
+    return ComparisonResult(
+        out=out,
+        summary=summary,
+        metrics={n: read_metrics(out / "runs" / n) for n in names},
+        stats={n: read_stats(out / "runs" / n) for n in names},
+        lab_config=cfg.to_dict(),
+    )
+
+
 def compare(
     cfg: LabConfig,
     recipes: Sequence[str] = DEFAULT_RECIPES,
@@ -383,35 +524,7 @@ def compare(
     jobs: int = 1,
     threads: int = 0,
     callback: Callback | None = None,
-    report: bool = True,
-    command: str | None = None,
 ) -> dict[str, Any]:
-    """Train every recipe of ``recipes`` (the baseline is added if missing), write metrics and
-    the report into ``out_dir``, return the summary (see :func:`summarize_comparison`)."""
-    names = list(dict.fromkeys(recipes))
-    if not names:
-        raise ValueError("no recipes given")
-    for n in [*names, baseline]:
-        resolve_recipe(n)  # fail fast on a typo, before any training
-    if baseline not in names:
-        names.insert(0, baseline)
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
-    out = Path(out_dir)
-    _check_out_dir(out, cfg, baseline)
-    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback)
-    summary = summarize_comparison(cfg, names, baseline, out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    write_metrics_csv(names, out)
-    if report:
-        from fp8lab.report.training import write_report
-
-        write_report(
-            out,
-            summary,
-            {n: read_metrics(out / "runs" / n) for n in names},
-            {n: read_stats(out / "runs" / n) for n in names},
-            cfg.to_dict(),
-            command=command,
-        )
-    return summary
+    """:func:`run_comparison`, returning only the summary (see :func:`summarize_comparison`).
+    The report is not written here: ``fp8lab.report.training.write_report`` does that."""
+    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback).summary

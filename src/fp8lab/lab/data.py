@@ -14,6 +14,7 @@ order, and a resumed run continues with exactly the batches an uninterrupted one
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
 from dataclasses import dataclass, field
@@ -47,13 +48,27 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Corpus:
-    """A byte corpus split into train and validation tokens (uint8 tensors)."""
+    """A byte corpus split into train and validation tokens (uint8 tensors).
+
+    ``fingerprint``: SHA-256 (hex) of the train and validation bytes, computed when empty; a run
+    records it so that resuming on a changed text is refused (the path alone proves nothing).
+    """
 
     name: str
     sources: tuple[str, ...]
     train: torch.Tensor
     val: torch.Tensor
     extra: dict = field(default_factory=dict, compare=False)
+    fingerprint: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            h = hashlib.sha256()
+            for part in (self.train, self.val):
+                data = part.contiguous().numpy().tobytes()
+                h.update(len(data).to_bytes(8, "little"))  # the split is part of the content
+                h.update(data)
+            object.__setattr__(self, "fingerprint", h.hexdigest())
 
     @property
     def n_bytes(self) -> int:
@@ -116,6 +131,8 @@ def _expand(paths: tuple[str, ...]) -> list[Path]:
             files.extend(found)
         elif p.is_file():
             files.append(p)
+        elif p.exists():  # /dev/null, a pipe, a socket: nothing to train on
+            raise ValueError(f"{p}: not a regular file or folder")
         else:
             raise FileNotFoundError(f"{p}: no such file or folder")
     return files

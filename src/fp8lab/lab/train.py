@@ -13,26 +13,32 @@ a recipe (``None`` = plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``
 Guarantees: the initial weights depend on ``train.seed`` only (the model is built and
 initialised before the recipe converts it), batch ``i`` is the same for every recipe, and
 rerunning with the same ``run_dir`` continues from the checkpoint with bit-identical results;
-a checkpoint written under another configuration is refused. A step whose loss or gradients are
-not finite is skipped (weights untouched) and counted; ``max_nonfinite_steps`` such steps in a
-row end the run as diverged. The library never prints: progress goes to ``callback``.
+a checkpoint written under another configuration, recipe or training text (the corpus content
+hash, not its path) is refused. A step whose loss or gradients are not finite is skipped
+(weights untouched) and counted; ``max_nonfinite_steps`` such steps in a row end the run as
+diverged. A finished run is diverged too when its final losses are not finite or its final
+validation loss exceeds ln(vocabulary) (5.55 nats for bytes: worse than a uniform guess).
+The library never prints: progress goes to ``callback``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import statistics
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fp8lab._keys import check_keys
 from fp8lab.lab.data import Corpus, DataConfig, get_batch, val_batches
 from fp8lab.lab.gpt import GPT, GPTConfig
 from fp8lab.lab.inject import InjectConfig, Injector
@@ -120,39 +126,57 @@ class LabConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LabConfig:
-        parts = {
-            "model": GPTConfig,
-            "data": DataConfig,
-            "train": TrainConfig,
-            "inject": InjectConfig,
-        }
-        unknown = set(d) - set(parts)
-        if unknown:
-            raise ValueError(f"unknown config section(s) {sorted(unknown)}; valid: {sorted(parts)}")
+    def from_dict(cls, d: Mapping[str, Any]) -> LabConfig:
+        """Build from plain data, type-checking every key: an error names the table and key
+        (``[train] lr: expected a number, got the string '1e-3'``). A string where a list of
+        paths is expected is one path (``[data] paths = "file.txt"``), never its characters."""
+        check_keys(d, SECTIONS, "config section")
         kwargs = {}
-        for name, klass in parts.items():
-            section = dict(d.get(name, {}))
-            valid = {f.name for f in fields(klass)}
-            bad = set(section) - valid
-            if bad:
-                raise ValueError(
-                    f"unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(valid)}"
-                )
-            if name == "data" and "paths" in section:
-                section["paths"] = tuple(section["paths"])
-            kwargs[name] = klass(**section)
+        for name, klass in SECTIONS.items():
+            section = d.get(name, {})
+            if not isinstance(section, Mapping):
+                raise ValueError(f"[{name}] must be a table, got {_describe(section)}")
+            check_keys(section, [f.name for f in fields(klass)], f"[{name}]")
+            typed = {f.name: _typed(name, f, section[f.name]) for f in fields(klass)
+                     if f.name in section}  # fmt: skip
+            try:
+                kwargs[name] = klass(**typed)
+            except (TypeError, ValueError) as exc:
+                msg = str(exc)
+                known = msg.startswith((f"[{name}]", f"{name}."))
+                raise ValueError(msg if known else f"[{name}] {msg}") from None
         return cls(**kwargs)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> tuple[LabConfig, dict[str, Any]]:
         """Read a TOML file: sections [model] [data] [train] [inject] -> LabConfig; any other
-        top-level table (e.g. [compare]) is returned untouched as the second value."""
-        with open(path, "rb") as f:
-            d = tomllib.load(f)
-        lab_keys = {"model", "data", "train", "inject"}
-        rest = {k: v for k, v in d.items() if k not in lab_keys}
-        return cls.from_dict({k: v for k, v in d.items() if k in lab_keys}), rest
+        top-level table (e.g. [compare]) is returned untouched as the second value. Every
+        error starts with the file name."""
+        try:
+            with open(path, "rb") as f:
+                d = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+        rest = {k: v for k, v in d.items() if k not in SECTIONS}
+        try:
+            return cls.from_dict({k: v for k, v in d.items() if k in SECTIONS}), rest
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def check(self) -> None:
+        """Checks across sections (each section checks itself when built): the gradient spike
+        must fall inside the run, and the outlier glob must match a Linear of the model.
+        Raises ValueError naming the keys."""
+        spike = self.inject.grad_spike_step
+        if spike >= self.train.steps:
+            raise ValueError(
+                f"inject.grad_spike_step={spike} is beyond the run (train.steps="
+                f"{self.train.steps}: steps 0..{self.train.steps - 1}); use -1 for no spike"
+            )
+        if self.inject.outlier_channels > 0:
+            with torch.device("meta"):  # names and shapes only: no memory, no initialisation
+                model = GPT(self.model)
+            Injector(model, self.inject).remove()
 
     def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> LabConfig:
         """Apply ``SECTION.KEY=VALUE`` strings (VALUE in TOML syntax, bare words as strings),
@@ -170,23 +194,69 @@ class LabConfig:
             except tomllib.TOMLDecodeError:
                 value = raw.strip()
             d[section][name.strip()] = value
-        return LabConfig.from_dict(d)
+        try:
+            return LabConfig.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"--set: {exc}") from None
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML document that :meth:`from_toml` reads back."""
+        blocks = []
+        for name, section in self.to_dict().items():
+            body = [f"{k} = {toml_value(v)}" for k, v in section.items()]
+            blocks.append("\n".join([f"[{name}]", *body]))
+        return "\n\n".join(blocks) + "\n"
 
     def replace_train(self, **kw: Any) -> LabConfig:
         return replace(self, train=replace(self.train, **kw))
 
 
+SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "inject": InjectConfig}
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, str):
+        return f"the string {v!r}"
+    return f"{type(v).__name__} {v!r}"
+
+
+def _typed(section: str, f: Any, v: Any) -> Any:
+    """``v`` checked against the field's annotation (a string: postponed annotations)."""
+    where, t = f"[{section}] {f.name}", f.type
+    if t == "int" and not (isinstance(v, int) and not isinstance(v, bool)):
+        raise ValueError(f"{where}: expected an integer, got {_describe(v)}")
+    if t == "float":
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"{where}: expected a number, got {_describe(v)}")
+        return float(v)
+    if t == "str" and not isinstance(v, str):
+        raise ValueError(f"{where}: expected a string, got {_describe(v)}")
+    if t.startswith("tuple[str"):
+        if isinstance(v, str):
+            return (v,)
+        if not (isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)):
+            raise ValueError(f"{where}: expected a list of strings, got {_describe(v)}")
+        return tuple(v)
+    return v
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    return repr(v)
+
+
 # ----------------------------------------------------------------------------- recipes
 def recipe_settings(recipe: Any) -> dict[str, Any]:
-    """The recipe's full settings as plain data (for the report and the config check)."""
+    """The recipe's full settings as plain data (for the report and the config check);
+    ``None`` is the plain-fp32 ``torch.nn.Linear`` model."""
     if recipe is None:
         return {"name": "fp32-torch", "description": "plain torch.nn.Linear in fp32"}
-    for attr in ("to_dict", "asdict"):
-        if hasattr(recipe, attr):
-            return json.loads(json.dumps(getattr(recipe, attr)(), default=str))
-    if hasattr(recipe, "to_json"):
-        return json.loads(recipe.to_json())
-    return json.loads(json.dumps(asdict(recipe), default=str))
+    return json.loads(json.dumps(recipe.to_dict(), default=str))
 
 
 def recipe_name(recipe: Any) -> str:
@@ -219,21 +289,6 @@ def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
     ]
     kw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
     return AdamW(groups, **kw) if recipe is None else AdamW.from_recipe(groups, recipe, **kw)
-
-
-def make_loss_scaler(recipe: Any):
-    """The recipe's loss scaler (``loss_scaling`` static / dynamic from ``loss_scale``), or
-    None when the recipe does not scale the loss."""
-    from fp8lab.optim import LossScaler
-
-    kind = _recipe_attr(recipe, "loss_scaling", "none")
-    if kind == "none":
-        return None
-    return LossScaler(recipe.loss_scale, dynamic=kind == "dynamic")
-
-
-def _recipe_attr(recipe: Any, name: str, default: Any) -> Any:
-    return default if recipe is None else getattr(recipe, name, default)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -287,6 +342,11 @@ class ConfigMismatchError(ValueError):
     """A checkpoint or output directory was written under a different configuration."""
 
 
+class CheckpointError(ValueError):
+    """A run's checkpoint cannot be read (corrupt or truncated); the message says how to
+    restart that run."""
+
+
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two nested dicts."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -295,6 +355,42 @@ def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
             out += config_diff(old.get(k), new.get(k), f"{prefix}{k}.")
         return out
     return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+
+
+def mismatch_message(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """Why a run or output directory written under ``old`` cannot continue under ``new`` (None
+    when it can). A recipe's description and source are prose and may change. Written before
+    the corpus fingerprint existed, ``old`` lacks ``corpus``: its text cannot be checked and is
+    accepted."""
+    if "corpus" not in old:
+        new = {k: v for k, v in new.items() if k != "corpus"}
+    prose = ("recipe.description:", "recipe.source:")  # words, not numerics: may be reworded
+    diff = [d for d in config_diff(old, new) if not d.startswith(prose)]
+    if not diff:
+        return None
+    if all(d.startswith("corpus.") for d in diff):
+        return (
+            "the training text changed since this run started (corpus content hash "
+            f"{old['corpus'].get('sha256', '?')[:12]}... -> {new['corpus']['sha256'][:12]}...)"
+        )
+    return f"Differences: {'; '.join(diff[:8])}"
+
+
+def corpus_config(corpus: Corpus) -> dict[str, Any]:
+    """What a run records of its training text: the content hash and the sizes."""
+    return {
+        "sha256": corpus.fingerprint,
+        "train_bytes": int(corpus.train.numel()),
+        "val_bytes": int(corpus.val.numel()),
+    }
+
+
+def diverged_loss(final_train: float | None, final_val: float | None, vocab_size: int) -> bool:
+    """The loss rule of divergence: a non-finite (None) final loss, or a final validation loss
+    above ln(vocab_size) nats (worse than a uniform guess: 5.55 for bytes)."""
+    if final_train is None or final_val is None:
+        return True
+    return final_val > math.log(vocab_size)
 
 
 # ----------------------------------------------------------------------------- stats
@@ -366,8 +462,13 @@ class LoopState:
     diverged: bool = False
 
 
-def checkpoint_config(cfg: LabConfig, recipe: Any) -> dict[str, Any]:
-    return {"lab": cfg.to_dict(), "recipe": recipe_settings(recipe)}
+def checkpoint_config(cfg: LabConfig, recipe: Any, corpus: Corpus | None = None) -> dict[str, Any]:
+    """What a checkpoint must have been written under to be resumed: lab config, recipe
+    settings and (when given) the corpus fingerprint."""
+    out = {"lab": cfg.to_dict(), "recipe": recipe_settings(recipe)}
+    if corpus is not None:
+        out["corpus"] = corpus_config(corpus)
+    return out
 
 
 def train_run(
@@ -383,21 +484,24 @@ def train_run(
     ``run_dir`` None keeps everything in memory (no checkpoint). ``stop_after`` stops after that
     many steps in total (for tests of resume; the run is then incomplete).
     """
+    from fp8lab.optim import LossScaler
+
+    cfg.check()
     tc = cfg.train
     name = recipe_name(recipe)
     emit = callback or (lambda event: None)
     model = build_model(cfg.model, recipe, tc.seed)
     opt = make_optimizer(model, recipe, tc)
-    scaler = make_loss_scaler(recipe)
+    scaler = None if recipe is None else LossScaler.from_recipe(recipe)
     injector = Injector(model, cfg.inject)
     params = [p for g in opt.param_groups for p in g["params"]]
     st = LoopState()
     run_path = None if run_dir is None else Path(run_dir)
-    ckpt_cfg = checkpoint_config(cfg, recipe)
+    ckpt_cfg = checkpoint_config(cfg, recipe, corpus)
     if run_path is not None:
         run_path.mkdir(parents=True, exist_ok=True)
         if (run_path / CHECKPOINT).exists():
-            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler)
+            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, name)
             _truncate_jsonl(run_path / METRICS, st.step)
             _truncate_jsonl(run_path / STATS, st.step)
         else:  # a fresh run: drop partial logs of a run that never checkpointed
@@ -435,12 +539,11 @@ def train_run(
         for f in (metrics_f, stats_f):
             if f:
                 f.close()
-    summary = summarize(records, tc.steps, st)
+    summary = summarize(records, tc.steps, st, cfg.model.vocab_size)
     summary["recipe"] = name
     emit({"event": "end", "recipe": name, **summary})
     if run_path:
-        with open(run_path / "run.json", "w") as f:
-            json.dump({"summary": summary, **ckpt_cfg}, f, indent=2)
+        _write_text(run_path / "run.json", json.dumps({"summary": summary, **ckpt_cfg}, indent=2))
     return RunResult(summary=summary, model=model, records=records)
 
 
@@ -519,6 +622,21 @@ def _collect(model: torch.nn.Module, enabled: bool):
     return collect_operands(model)
 
 
+def _no_space(path: Path, exc: BaseException) -> OSError:
+    return OSError(errno.ENOSPC, f"no space left on the device while writing {path} ({exc})")
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write a whole file atomically (a temporary file, then a rename)."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
 def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) -> None:
     state = {
         "config": ckpt_cfg,
@@ -529,17 +647,38 @@ def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) ->
         "torch_rng": torch.get_rng_state(),
     }
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
+    try:
+        torch.save(state, tmp)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        # a full disk reaches torch's zip writer as "... inline_container.cc ... unexpected pos"
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise _no_space(path, exc) from None
+        if isinstance(exc, RuntimeError) and ("unexpected pos" in text or "write failed" in text):
+            raise _no_space(path, exc) from None
+        raise
     os.replace(tmp, path)  # atomic: an interrupted save never leaves a half checkpoint
 
 
-def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler) -> LoopState:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    diff = config_diff(state["config"], ckpt_cfg)
-    if diff:
+def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, name: str = "") -> LoopState:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
+            raise ValueError("not an fp8lab run checkpoint")
+    except Exception as exc:  # zip errors, EOFError, UnpicklingError, ...
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
+        raise CheckpointError(
+            f"{path}: corrupt or truncated checkpoint ({reason}). To restart "
+            f"{'recipe ' + repr(name) if name else 'this run'} from step 0, delete its folder "
+            f"{path.parent} and rerun the same command (the other runs are kept)."
+        ) from None
+    why = mismatch_message(state["config"], ckpt_cfg)
+    if why:
         raise ConfigMismatchError(
             f"{path} was written under a different configuration; refusing to resume "
-            f"(use a new output directory). Differences: {'; '.join(diff[:8])}"
+            f"(use a new output directory). {why}"
         )
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
@@ -549,12 +688,27 @@ def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler) -> LoopState:
     return LoopState(**state["loop"])
 
 
-def summarize(records: list[dict[str, Any]], steps: int, st: LoopState) -> dict[str, Any]:
+def _timed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records that measure speed: without warm-up, i.e. the first step (numba compiles or
+    loads its kernels) and any step slower than 4x the median (kernels first used after a
+    resume, or a newly seen shape)."""
+    if len(records) < 3:
+        return records
+    rest = records[1:]
+    med = statistics.median(r["step_time_s"] for r in rest)
+    return [r for r in rest if r["step_time_s"] <= 4 * med]
+
+
+def summarize(
+    records: list[dict[str, Any]], steps: int, st: LoopState, vocab_size: int = 256
+) -> dict[str, Any]:
     """Run summary from the per-step records.
 
     final_train_loss: mean train loss of the last ``min(10, steps)`` steps (one batch is noisy);
-    final_val_loss: the last validation loss; tokens_per_s: tokens / time in training steps
-    (evaluation excluded). Non-finite values are None and mark the run diverged.
+    final_val_loss: the last validation loss; tokens_per_s and step_time_ms: over the training
+    steps after warm-up (see :func:`_timed`; evaluation excluded). Non-finite values are None;
+    diverged: ``max_nonfinite_steps`` non-finite losses in a row, or a complete run whose final
+    losses are not finite or whose validation loss exceeds ln(vocab_size).
     """
     tail = [r["train_loss"] for r in records[-min(10, len(records)) :]] if records else []
     finite_tail = [v for v in tail if v is not None]
@@ -563,10 +717,11 @@ def summarize(records: list[dict[str, Any]], steps: int, st: LoopState) -> dict[
     )
     vals = [r for r in records if "val_loss" in r]
     final_val = vals[-1]["val_loss"] if vals else None
-    time_s = sum(r["step_time_s"] for r in records)
-    tokens = sum(r["tokens"] for r in records)
+    timed = _timed(records)
+    time_s = sum(r["step_time_s"] for r in timed)
+    tokens = sum(r["tokens"] for r in timed)
     complete = bool(records) and records[-1]["step"] == steps
-    diverged = st.diverged or (complete and (final_val is None or final_train is None))
+    diverged = st.diverged or (complete and diverged_loss(final_train, final_val, vocab_size))
     return {
         "steps_done": records[-1]["step"] if records else 0,
         "complete": complete,
@@ -575,6 +730,6 @@ def summarize(records: list[dict[str, Any]], steps: int, st: LoopState) -> dict[
         "skipped_steps": records[-1]["skipped_steps"] if records else 0,
         "spikes": sum(bool(r["spike"]) for r in records),
         "tokens_per_s": tokens / time_s if time_s > 0 else None,
-        "step_time_ms": 1000 * time_s / len(records) if records else None,
+        "step_time_ms": 1000 * time_s / len(timed) if timed else None,
         "diverged": bool(diverged),
     }

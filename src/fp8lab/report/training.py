@@ -267,12 +267,15 @@ NOTES = [
     "Every recipe starts from the same initial weights (seed `train.seed`, before conversion) and "
     "sees the same batches in the same order; only the numerics differ.",
     "rel. gap % = 100 * (val_loss - baseline_val_loss) / baseline_val_loss at the end (signed); "
-    "max gap % = the largest such gap at any validation step.",
+    "max gap % = the largest such gap at any validation step. A run is diverged when its loss "
+    "is not finite or its final validation loss exceeds ln(vocabulary) (5.55 nats for bytes, "
+    "worse than a uniform guess); its gaps are left empty.",
     "final train loss = mean of the last 10 steps' train losses.",
     "spikes = steps whose train loss exceeds the EMA (0.9) of the previous ones by more than "
     "`train.spike_threshold`; skipped steps = steps whose gradients were not finite "
     "(the weights were left untouched).",
-    "tokens/s = tokens / wall time of the training steps (evaluation and statistics excluded); "
+    "tokens/s = tokens / wall time of the training steps (evaluation, statistics and warm-up "
+    "excluded: the first step and steps slower than 4x the median, where kernels compile); "
     "step time / fp32 compares each recipe with the fp32 recipe of the same run. Recipes are "
     "emulated in fp32 (bf16 = fp32 compute with operands rounded to bf16), so these are "
     "simulation costs, not hardware speed-ups.",
@@ -280,6 +283,14 @@ NOTES = [
     "(fp8lab.lab.compare.simulated_memory): master weights + low-precision weight copies, "
     "AdamW moments, activations saved for backward.",
 ]
+
+
+def baseline_warning(baseline: str) -> str:
+    """What the report says when the baseline diverged."""
+    return (
+        f"The baseline {baseline} diverged (its loss is not finite or its validation loss is "
+        "worse than a uniform guess), so every relative gap to it is meaningless and left empty."
+    )
 
 
 def _settings_block(settings: Mapping[str, Any]) -> str:
@@ -304,7 +315,10 @@ def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
         lines += ["", f"Injection: `{json.dumps(lab_cfg['inject'])}`."]
     if command:
         lines += ["", "Command:", "", "```", command, "```"]
-    lines += ["", "## Results", "", markdown_table(summary), ""]
+    lines += ["", "## Results", ""]
+    if summary.get("baseline_diverged"):
+        lines += [f"**{baseline_warning(base)}**", ""]
+    lines += [markdown_table(summary), ""]
     lines += [f"- {n}" for n in NOTES]
     for title, f in figures.items():
         lines += ["", f"## {title}", "", f"![{title}]({f})"]
@@ -332,6 +346,7 @@ table { border-collapse: collapse; font-size: 0.9em; margin: 1em 0; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 tr.negative td { color: #a00; }
+p.warning { color: #a00; }
 img { max-width: 100%; border: 1px solid #eee; }
 pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 0.85em; }
 """
@@ -364,7 +379,10 @@ def render_html(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     ]
     if command:
         parts.append(f"<p>Command:</p><pre>{e(command)}</pre>")
-    parts.append("<h2>Results</h2><table><tr>")
+    parts.append("<h2>Results</h2>")
+    if summary.get("baseline_diverged"):
+        parts.append(f'<p class="warning"><b>{e(baseline_warning(summary["baseline"]))}</b></p>')
+    parts.append("<table><tr>")
     parts += [f"<th>{e(t)}</th>" for _, t in TABLE_COLS]
     parts.append("</tr>")
     for row in table_rows(summary):

@@ -1,0 +1,59 @@
+"""What every command shares: clear errors with exit code 2, and consoles that fit the terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+
+#: exit code of bad input (missing or unreadable file, invalid value, full disk)
+BAD_INPUT = 2
+#: exit code after Ctrl-C (128 + SIGINT), as shells report it
+INTERRUPTED = 130
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``Error: message`` on stderr; return the exit (code 2) to raise."""
+    typer.echo(f"Error: {message}", err=True)
+    return typer.Exit(BAD_INPUT)
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an OSError: its text and file; a full disk always says "no space left"."""
+    text = exc.strerror or str(exc)
+    if exc.filename is not None:
+        text = f"{exc.filename}: {text}"
+    if exc.errno == errno.ENOSPC and "no space left" not in text.lower():
+        text = f"no space left on the device: {text}"
+    return text
+
+
+@contextlib.contextmanager
+def clear_errors(interrupted: str = "interrupted") -> Iterator[None]:
+    """Turn expected failures into one line on stderr and exit code 2 instead of a traceback:
+    ValueError (bad input, refused files), OSError (missing or unwritable paths, full disk).
+    Ctrl-C prints ``interrupted`` and exits 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(interrupted, err=True)
+        raise typer.Exit(INTERRUPTED) from None
+    except OSError as exc:
+        raise fail(os_error_message(exc)) from None
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich Console: the terminal's width, or ``COLUMNS`` when set; 120 columns when writing
+    to a pipe or file without ``COLUMNS`` (tables are wrapped to fit, never cut)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 120
+    return Console(width=width, stderr=stderr)
