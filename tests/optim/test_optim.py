@@ -273,3 +273,16 @@ def test_from_recipe():
     assert s.dynamic and s.get_scale() == 2.0**16
     with pytest.raises(ValueError, match="unknown recipe"):
         AdamW.from_recipe(_model().parameters(), "nope")
+
+
+def test_loss_scaler_from_recipe_is_the_one_recipe_to_scaler_path():
+    # what the training lab needs: no recipe and "none" -> None, static / dynamic from the
+    # recipe's loss_scale, constructor options passed through
+    from fp8lab.recipe import Recipe
+
+    assert LossScaler.from_recipe(None) is None
+    assert LossScaler.from_recipe(Recipe(loss_scaling="none")) is None
+    s = LossScaler.from_recipe(Recipe(loss_scaling="static", loss_scale=1024.0))
+    assert not s.dynamic and s.get_scale() == 1024.0
+    d = LossScaler.from_recipe("fp16-amp", growth_interval=7, hysteresis=2)
+    assert d.dynamic and d.growth_interval == 7 and d.hysteresis == 2

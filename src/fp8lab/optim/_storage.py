@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from fp8lab.formats import cast, get_format
+
 # precision name -> canonical format name of fp8lab.formats ("fp32" means: no rounding)
 _STORAGE_NAMES = {
     "fp32": "fp32",
@@ -28,13 +30,6 @@ _STORAGE_NAMES = {
 }
 STORAGE_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "e4m3", "e5m2")
 _BLOCK_SCALED = {"e4m3", "e5m2"}
-_TORCH_DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "e4m3": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-}
-_MAX = {"bf16": 3.3895313892515355e38, "fp16": 65504.0, "e4m3": 448.0, "e5m2": 57344.0}
 
 
 def canonical_storage(name: str) -> str:
@@ -46,26 +41,12 @@ def canonical_storage(name: str) -> str:
     return _STORAGE_NAMES[name.lower()]
 
 
-def _cast_fn():
-    """fp8lab.formats.cast when the formats layer provides it (exact, every format), else None."""
-    try:
-        from fp8lab.formats import cast  # type: ignore[attr-defined]
-    except ImportError:  # formats layer not landed yet: torch's casts are RNE too
-        return None
-    return cast
-
-
 def round_to(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Round float32 ``x`` onto the grid of ``fmt`` (nearest-even, saturating, NaN kept); new tensor."""
     fmt = canonical_storage(fmt)
     if fmt == "fp32":
         return x.clone()
-    cast = _cast_fn()
-    if cast is not None:
-        return cast(x, fmt, rounding="nearest_even", saturate=True)
-    m = _MAX[fmt]
-    # clamp first: torch's e5m2/fp16 casts overflow to inf, TE and fp8lab saturate
-    return x.clamp(-m, m).to(_TORCH_DTYPES[fmt]).to(torch.float32)
+    return cast(x, fmt, rounding="nearest_even", saturate=True)
 
 
 def store_(state: torch.Tensor, value: torch.Tensor, fmt: str, block: int = 128) -> torch.Tensor:
@@ -84,7 +65,7 @@ def store_(state: torch.Tensor, value: torch.Tensor, fmt: str, block: int = 128)
     pad = nb * block - n
     blocks = torch.nn.functional.pad(flat, (0, pad)).view(nb, block)
     amax = blocks.abs().amax(dim=1, keepdim=True)
-    fmax = _MAX[fmt]
+    fmax = get_format(fmt).max
     # power-of-two multiplier, rounded down (TE's pow2 rule) -> q / scale is exact in fp32
     ok = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(ok, amax, torch.ones_like(amax))

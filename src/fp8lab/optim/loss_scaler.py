@@ -1,4 +1,6 @@
-"""Static and dynamic loss scaling (the loop of seed 002 §3.2, Megatron-style hysteresis)."""
+"""Static and dynamic loss scaling (Micikevicius et al., "Mixed Precision Training", arXiv
+1710.03740; the overflow-skip loop as described in "混合精度训练:FP16、BF16、FP8深度对比";
+Megatron-style hysteresis)."""
 
 from __future__ import annotations
 
@@ -73,10 +75,14 @@ class LossScaler:
 
     @classmethod
     def from_recipe(cls, recipe: Any, **kwargs: Any) -> LossScaler | None:
-        """The recipe's loss scaler (``loss_scaling`` "static"/"dynamic" from ``loss_scale``),
-        or None for ``"none"``. ``recipe`` is a `fp8lab.Recipe` or a preset name."""
+        """The recipe's loss scaler: ``loss_scaling`` "static"/"dynamic" starting at
+        ``loss_scale``, or None for ``"none"`` and for no recipe (``recipe=None``). ``recipe`` is
+        a `fp8lab.Recipe` or a preset name; ``kwargs`` go to the constructor (growth
+        interval, hysteresis, ...). The one place a recipe becomes a loss scaler."""
         from fp8lab.recipe import get_recipe
 
+        if recipe is None:
+            return None
         rec = get_recipe(recipe)
         if rec.loss_scaling == "none":
             return None
