@@ -195,7 +195,8 @@ def _top_amaxes(mbits: int) -> list[float]:
     out = set()
     for v in base:
         f = F32(v)
-        out |= {float(f), float(np.nextafter(f, F32(0))), float(np.nextafter(f, F32(np.inf)))}
+        with np.errstate(over="ignore"):  # FLT_MAX's upper neighbour is inf (dropped below)
+            out |= {float(f), float(np.nextafter(f, F32(0))), float(np.nextafter(f, F32(np.inf)))}
     return sorted(v for v in out if math.isfinite(v))
 
 
