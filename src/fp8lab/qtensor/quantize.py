@@ -38,8 +38,9 @@ def _scales_for(
         if spec.two_level and tensor_amax is None:
             tensor_amax = torch.zeros(())
         s_blk, s_dec, enc = _rules.nvfp4_scales(
-            amax, tensor_amax, spec.fmt, scale_format=spec.scale_format
-        )
+            amax, tensor_amax, spec.fmt, scale_format=spec.scale_format,
+            tensor_scale=spec.tensor_scale,
+        )  # fmt: skip
         return enc, s_blk, (s_dec if spec.two_level else None)
     if sc in MX_RULES:
         # fused: the torch version is ~15 small ops over the block scales

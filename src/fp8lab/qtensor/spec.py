@@ -56,8 +56,11 @@ class QuantSpec:
         pad: ragged edge blocks are treated as zero-padded (True) or raise (False).
         margin: power-of-two margin for the ``max`` family: ``scale = fmt_max * 2**-margin / amax``.
         epsilon: floor on amax for the ``max`` family (TE ``amax_epsilon``).
-        scale_format: the NVFP4 block-scale format (E4M3).
+        scale_format: the NVFP4 block-scale format (E4M3; any format `fp8lab.cast` rounds to).
         two_level: NVFP4 with the FP32 per-tensor second-level scale (True) or block scales only.
+        tensor_scale: NVFP4 only: a user-chosen static FP32 tensor-level dequantization scale
+            (torchao's ``per_tensor_scale``, e.g. ``calibrated_amax / (448 * 6)``) instead of
+            one computed from this tensor's amax; see `fp8lab.scaling.rules.nvfp4_scales`.
     """
 
     format: str = "e4m3"
@@ -70,6 +73,7 @@ class QuantSpec:
     epsilon: float = 0.0
     scale_format: str = "e4m3"
     two_level: bool = True
+    tensor_scale: float | None = None
 
     def __post_init__(self) -> None:
         fmt = self.format.name if isinstance(self.format, FloatFormat) else self.format
@@ -112,6 +116,19 @@ class QuantSpec:
                 f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDING_MODES)}"
             )
         get_format(self.scale_format)
+        if self.tensor_scale is not None:
+            ts = self.tensor_scale
+            if isinstance(ts, bool) or not isinstance(ts, int | float):
+                raise TypeError(f"tensor_scale must be a float, got {type(ts).__name__}")
+            if not (math.isfinite(ts) and ts > 0):
+                raise ValueError(f"tensor_scale must be a positive finite float, got {ts!r}")
+            if sc != "nvfp4" or not self.two_level:
+                raise ValueError(
+                    "tensor_scale is NVFP4's static second-level scale: it needs "
+                    f"scaling='nvfp4' and two_level=True, got scaling={sc!r}, "
+                    f"two_level={self.two_level}"
+                )
+            object.__setattr__(self, "tensor_scale", float(ts))
         object.__setattr__(self, "margin", int(self.margin))
         object.__setattr__(self, "epsilon", float(self.epsilon))
         if self.epsilon < 0:
@@ -155,6 +172,8 @@ class QuantSpec:
             "epsilon": self.epsilon,
             "scale_format": self.scale_format,
             "two_level": self.two_level,
+            # only when set: specs written before it existed keep their exact dict
+            **({} if self.tensor_scale is None else {"tensor_scale": self.tensor_scale}),
         }
 
     @classmethod

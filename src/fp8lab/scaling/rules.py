@@ -37,6 +37,7 @@ Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -223,9 +224,9 @@ mx_rceil = _mx_rule("rceil")
 
 
 # --------------------------------------------------------------------------- NVFP4 two-level
-def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """RNE onto E4M3 with saturation (the block-scale cast)."""
-    return cast(x, "e4m3", rounding="nearest_even", saturate=True)
+def _to_scale_grid(x: torch.Tensor, sf: FloatFormat) -> torch.Tensor:
+    """RNE onto the block-scale format with saturation (TE's ``static_cast<fp8e4m3>``)."""
+    return cast(x, sf, rounding="nearest_even", saturate=True)
 
 
 def nvfp4_scales(
@@ -234,19 +235,36 @@ def nvfp4_scales(
     fmt: str | FloatFormat = "e2m1",
     *,
     scale_format: str | FloatFormat = "e4m3",
+    tensor_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4 two-level scales, TE's reference (``reference_nvfp4.py``) with ``fmt_max`` = 6.
+    """NVFP4 two-level scales with ``fmt_max`` = 6 (E2M1) and ``scale_max`` = 448 (E4M3).
 
-    Returns ``(s_blk, s_dec, enc)``:
+    Returns ``(s_blk, s_dec, enc)``; dequantization is ``q * s_blk * s_dec``:
 
-    * ``s_enc = (scale_max * fmt_max) / tensor_amax`` (FP32; capped at FLT_MAX; amax 0 -> 1),
-      ``s_dec = 1 / s_enc``: the FP32 tensor-level dequantization scale;
-    * ``s_blk = e4m3(clamp(block_amax * (s_enc * (1/fmt_max)), +-scale_max))``, per block, on the
-      E4M3 grid: the block-level dequantization scale;
-    * ``enc = min(1 / (s_blk * s_dec), FLT_MAX)``: the per-block quantization multiplier.
+    1. ``s_enc = (scale_max * fmt_max) / tensor_amax`` (one FP32 division), capped at FLT_MAX,
+       and 1 where that gives 0 (amax inf) or the amax is 0; ``s_dec = 1 / s_enc``: the FP32
+       tensor-level dequantization scale. [TE kernel ``compute_global_encode_scaling_factor_FP4``
+       (``common/cast/nvfp4/core_nvfp4.cuh``); TE's Python reference
+       (``pytorch/custom_recipes/quantization_nvfp4.py``) differs only at amax 0: FLT_MAX.]
+    2. ``s_blk = cast(clamp(block_amax * (s_enc * fl32(1/fmt_max)), +-scale_max))`` onto
+       ``scale_format`` (RNE, saturating): the block-level dequantization scale. [TE kernel
+       ``compute_decoding_scaling_factor`` and the current TE reference, which folds 1/6 into
+       the tensor scale. Older TE references and the transpose kernel's emulation path compute
+       ``(block_amax / fmt_max) * s_enc``; torchao (``prototype/mx_formats/nvfp4_tensor.py``)
+       computes ``(block_amax / fmt_max) / per_tensor_scale`` and clamps below at E4M3's
+       smallest subnormal: each can differ from this by one rounding of the pre-cast value.]
+    3. ``enc = min(1 / (s_blk * s_dec), FLT_MAX)``: the per-block quantization multiplier, the
+       elements being ``cast(x * enc)``. [TE kernel and reference. torchao instead divides,
+       ``x / (per_tensor_scale * s_blk)``, and fp8lab does not emulate that division.]
 
-    Dequantization is ``q * s_blk * s_dec``. With ``tensor_amax=None`` (single level):
-    ``s_blk = e4m3(clamp(block_amax / fmt_max, 2**-9, scale_max))``, ``s_dec = 1`` and
+    ``tensor_scale``: a user-chosen static FP32 tensor-level *dequantization* scale (torchao's
+    ``per_tensor_scale``, typically ``calibrated_amax / (448 * 6)``) used as ``s_dec`` instead of
+    step 1; then ``s_enc = fl32(1 / tensor_scale)`` in step 2 and ``tensor_amax`` is ignored.
+    Blocks whose amax exceeds ``tensor_scale * 448 * 6`` saturate their E4M3 scale (and then
+    their elements).
+
+    With ``tensor_amax=None`` and no ``tensor_scale`` (single level):
+    ``s_blk = cast(clamp(block_amax / fmt_max, smallest positive, scale_max))``, ``s_dec = 1``,
     ``enc = 1 / s_blk``.
     """
     f = get_format(fmt)
@@ -255,18 +273,25 @@ def nvfp4_scales(
     fmax = torch.tensor(f.max, dtype=torch.float32)
     smax = torch.tensor(sf.max, dtype=torch.float32)
     flt_max = torch.tensor(FLT_MAX, dtype=torch.float32)
-    if tensor_amax is None:
-        s_blk = _to_e4m3(torch.div(block_amax, fmax).clamp(sf.min_subnormal, sf.max))
-        s_dec = torch.ones((), dtype=torch.float32)
-        enc = torch.reciprocal(s_blk)
-        return s_blk, s_dec, enc
-    tensor_amax = _f32(tensor_amax)
-    s_enc = torch.div(smax * fmax, tensor_amax)
-    s_enc = torch.minimum(s_enc, flt_max)
-    s_enc = torch.where(tensor_amax == 0, torch.ones_like(s_enc), s_enc)
-    s_dec = torch.reciprocal(s_enc)
+    one = torch.ones((), dtype=torch.float32)
+    if tensor_scale is not None:
+        ts = float(tensor_scale)
+        if not (math.isfinite(ts) and ts > 0):
+            raise ValueError(f"tensor_scale must be a positive finite float, got {tensor_scale!r}")
+        s_dec = torch.tensor(ts, dtype=torch.float32)
+        s_enc = torch.minimum(torch.reciprocal(s_dec), flt_max)
+    elif tensor_amax is None:
+        s_blk = _to_scale_grid(torch.div(block_amax, fmax).clamp(sf.min_subnormal, sf.max), sf)
+        return s_blk, one, torch.reciprocal(s_blk)
+    else:
+        tensor_amax = _f32(tensor_amax)
+        s_enc = torch.minimum(torch.div(smax * fmax, tensor_amax), flt_max)
+        s_enc = torch.where((tensor_amax == 0) | (s_enc == 0), one, s_enc)
+        s_dec = torch.reciprocal(s_enc)
     inv_fmax = torch.reciprocal(fmax)  # fl32(1/6)
-    s_blk = _to_e4m3((block_amax * (s_enc * inv_fmax)).clamp(-sf.max, sf.max))
+    # a scale format without zero (e.g. E8M0) cannot hold an all-zero block's 0: its smallest value
+    lo = -sf.max if sf.has_zero else sf.min_subnormal
+    s_blk = _to_scale_grid((block_amax * (s_enc * inv_fmax)).clamp(lo, sf.max), sf)
     enc = torch.minimum(torch.reciprocal(s_blk * s_dec), flt_max)
     return s_blk, s_dec, enc
 
