@@ -89,3 +89,61 @@ def test_too_long_sequence_is_an_error():
 def test_bad_config(kw):
     with pytest.raises(ValueError):
         GPTConfig(**kw)
+
+
+def _attention_calls(monkeypatch):
+    import fp8lab.lab.gpt as gpt_mod
+
+    calls = []
+    real = gpt_mod.attention_matmul
+
+    def spy(a, b, recipe=None):
+        calls.append(recipe.name if recipe is not None else None)
+        return real(a, b, recipe)
+
+    monkeypatch.setattr(gpt_mod, "attention_matmul", spy)
+    return calls
+
+
+def test_recipe_attention_quantizes_both_attention_matmuls(monkeypatch):
+    import fp8lab
+
+    calls = _attention_calls(monkeypatch)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, rec in (
+        ("off", fp8lab.get_recipe("te-current")),
+        ("on", fp8lab.get_recipe("te-current").replace(attention=True)),
+        ("fp32-on", fp8lab.get_recipe("fp32").replace(attention=True)),
+    ):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        fp8lab.nn.convert(model, rec)
+        calls.clear()
+        logits[name] = model(idx)[0].detach()
+        n = len(calls)
+        assert n == (0 if name == "off" else 2 * TINY.n_layer), name
+    # the written-out attention equals SDPA up to float rounding (fp32 operands) ...
+    torch.testing.assert_close(logits["fp32-on"], _plain_logits(idx), rtol=0, atol=1e-5)
+    # ... and with attention on, the quantized matmuls change the logits beyond that
+    assert float((logits["on"] - logits["off"]).abs().max()) > 1e-3
+
+
+def _plain_logits(idx):
+    torch.manual_seed(0)
+    return GPT(TINY)(idx)[0].detach()
+
+
+def test_attention_under_nn_autocast_override(monkeypatch):
+    import fp8lab
+
+    calls = _attention_calls(monkeypatch)
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    fp8lab.nn.convert(model, "te-current")
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    with fp8lab.nn.autocast(fp8lab.get_recipe("te-current").replace(attention=True)):
+        _, loss = model(idx, idx)
+    loss.backward()
+    assert len(calls) == 2 * TINY.n_layer
+    assert model.blocks[0].attn.qkv.weight.grad is not None

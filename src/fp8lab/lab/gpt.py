@@ -13,6 +13,12 @@ vocabulary is the 256 byte values. Every projection is a bias-free ``torch.nn.Li
     blocks.{i}.mlp.down    [d_model, d_ff]        SwiGLU down projection
     lm_head                [vocab_size, d_model]  output head (kept high precision by convert())
 
+Attention runs in ``F.scaled_dot_product_attention``, except when the recipe the block's ``qkv``
+projection runs under (the one ``convert`` gave it, or an ``fp8lab.nn.autocast`` override) sets
+``attention=True``: then its two matmuls (``q kᵀ`` and ``p v``) go through
+``fp8lab.nn.attention_matmul`` (quantized under the recipe), with the same scale, causal mask
+and softmax written out.
+
 Default sizes (2 layers, d_model 256, d_ff 768, 4 heads, context 128; 1.9 M parameters) are
 what ``make demo`` trains. Every GEMM dimension is a multiple of 128 and larger than 128, so
 128x128 weight blocks and 1x128 activation tiles hold several blocks per tensor and really
@@ -28,6 +34,9 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8lab.nn import Linear, active_recipe, attention_matmul
+from fp8lab.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,30 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        recipe = self._recipe()
+        if recipe is not None and recipe.attention:
+            y = _quantized_attention(q, k, v, recipe)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
+
+    def _recipe(self) -> Recipe | None:
+        """The recipe the block's projections run under (None: plain torch layers)."""
+        own = self.qkv.recipe if isinstance(self.qkv, Linear) else None
+        return active_recipe(own)
+
+
+def _quantized_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe
+) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(head_dim) + causal mask) v with both matmuls under ``recipe``;
+    q, k, v: [B, n_head, T, head_dim]."""
+    T = q.shape[-2]
+    att = attention_matmul(q, k.transpose(-2, -1), recipe) * (1.0 / math.sqrt(q.shape[-1]))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    att = F.softmax(att.masked_fill(future, float("-inf")), dim=-1)
+    return attention_matmul(att, v, recipe)
 
 
 class SwiGLU(nn.Module):
