@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "DelayedScalingConfig": "fp8lab.scaling",
     # L2 GEMM and recipes
     "Accumulator": "fp8lab.gemm",
+    "accumulators": "fp8lab.gemm",
     "qmatmul": "fp8lab.gemm",
     "Recipe": "fp8lab.recipe",
     "recipes": "fp8lab.recipe",

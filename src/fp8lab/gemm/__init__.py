@@ -15,8 +15,9 @@ Accumulator models
     multiplying: mathematically the same as promoting every K group into FP32 with that group's
     scales, equal up to FP32 summation order.
 
-``limited`` (`Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=None)`): the
-    Hopper FP8 tensor-core model. For each output element, per MMA group of ``group`` consecutive
+``limited`` (`Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=None)`): a fast
+    approximation of the Hopper FP8 tensor core (the exact model is ``fused``/``"h100"``; on the
+    published H100 outputs ``limited`` disagrees on about 1 in 5 E4M3 results). For each output element, per MMA group of ``group`` consecutive
     products (the WGMMA K = 32 for FP8) the group sum is added to the running accumulator and the
     result is cut to ``mantissa_bits`` fraction bits (``rounding="toward_zero"``: truncation, as
     measured on H100 by huweim/emulation_sys: 13 bits RZ; DeepSeek-V3 §3.3 "around 14 bits",
@@ -34,19 +35,35 @@ Accumulator models
     zero) to the quantum ``2**(e_max - mantissa_bits)`` of the group's largest product, the
     truncated products are summed exactly and the accumulator update is truncated as above. It is
     a per-element numba loop, much slower.
-    Not modelled: accumulator exponent range (it is taken as unbounded; FP32's range in practice),
-    the exact alignment point of the accumulator against the products, and extra alignment bits
-    (Khattak & Mikaitis, arXiv 2512.07004, describe bit-exact models with those parameters).
+    It sums each group exactly where the hardware truncates every term to 13 bits below the
+    group's largest exponent (accumulator included): its error is a truncation of the running sum
+    only, biased toward zero, so it grows with K. The hardware's per-term truncation instead
+    cuts every small product (toward zero, both signs): nearly unbiased for zero-mean operands,
+    strongly biased when all products share a sign. See README "Accumulation".
+
+``fused`` (`Accumulator("fused", group=G, align_bits=F, out_bits=F_out, out_rounding=
+    "toward_zero", c_entry="aligned", promote_every=None)`, or a GPU name: ``"h100"``, ``"h200"``,
+    ``"ada"``, ``"l40s"``, ``"b200"``, ``"b200-tcgen05"``): the tensor cores' fused block FMA, bit
+    for bit (`fp8lab.gemm.fused` documents the algorithm; `fp8lab.accumulators` lists the GPU
+    rows with their sources). A GPU name picks its row for the operands' formats when the GEMM
+    runs (``Accumulator.parse(name, formats)``); formats without a row (``e4m3-ieee``, e2m1, MX
+    or NVFP4 block-scaled operands) raise ValueError. It matches every published real-GPU output
+    it is tested on (H100/L40S/B200; tests/gemm/test_fused.py). ``fused_dot`` runs a batch of
+    single dot products through it (the numerics lab's SNR study).
 
 Native path: ``native=True`` calls ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, FP32
 accumulator). On CPU (torch 2.13) it dequantizes the operands and runs an FP32 matmul; see
 ``tests/test_gemm.py`` for how it compares with the emulation.
 
+``c`` (``qmatmul(..., c=)``): an FP32 addend, ``D = A·B + C``; ``bias``: added after the scales
+in one serial epilogue pass (`fp8lab.gemm.epilogue`), bit for bit ``out.mul_(s).add_(bias)``.
+
 Output: FP32, or rounded to ``out_format`` ``"bf16"`` / ``"fp16"`` (round to nearest even, as
 the epilogue's conversion; overflow to inf as IEEE).
 """
 
-from fp8lab.gemm.accumulator import ACCUMULATOR_KINDS, Accumulator
+from fp8lab.gemm.accumulator import ACCUMULATOR_KINDS, HARDWARE, Accumulator, accumulators
+from fp8lab.gemm.fused import fused_dot
 from fp8lab.gemm.matmul import qmatmul
 
-__all__ = ["ACCUMULATOR_KINDS", "Accumulator", "qmatmul"]
+__all__ = ["ACCUMULATOR_KINDS", "HARDWARE", "Accumulator", "accumulators", "fused_dot", "qmatmul"]

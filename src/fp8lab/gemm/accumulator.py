@@ -120,7 +120,9 @@ class Accumulator:
                 f"{HARDWARE}, got {self.kind!r}"
             )
         if self.hardware is not None and self.hardware not in HARDWARE:
-            raise ValueError(f"accumulator hardware must be one of {HARDWARE}, got {self.hardware!r}")
+            raise ValueError(
+                f"accumulator hardware must be one of {HARDWARE}, got {self.hardware!r}"
+            )
         if not 1 <= int(self.mantissa_bits) <= 23:
             raise ValueError(f"mantissa_bits must be in [1, 23], got {self.mantissa_bits}")
         if int(self.group) < 1:
@@ -143,7 +145,9 @@ class Accumulator:
         if self.c_entry not in C_ENTRIES:
             raise ValueError(f"c_entry must be one of {C_ENTRIES}, got {self.c_entry!r}")
         if self.align_bits is not None and not 1 <= int(self.align_bits) <= 40:
-            raise ValueError(f"align_bits must be in [1, 40] or None (exact), got {self.align_bits}")
+            raise ValueError(
+                f"align_bits must be in [1, 40] or None (exact), got {self.align_bits}"
+            )
         if not 1 <= int(self.out_bits) <= 23:
             raise ValueError(f"out_bits must be in [1, 23], got {self.out_bits}")
         if not -149 <= int(self.exp_floor) <= -100:

@@ -134,7 +134,7 @@ def _exact_sum_rz(xs, n, out_bits):  # pragma: no cover - numba
 def _step64(c, va, pa, vb, pb, r, n, k0, k1, f_bits, out_bits, rne, c_after, floor_p):
     """One fused MMA step for output (r, n) over K range [k0, k1): the reference kernel.
 
-    ``f_bits < 0``: exact sum (then RZ to ``out_bits``). Returns the float32 result."""  # noqa: D401
+    ``f_bits < 0``: exact sum (then RZ to ``out_bits``). Returns the float32 result."""
     c64 = np.float64(c)
     if f_bits < 0:
         xs = np.empty(k1 - k0, dtype=np.float64)
@@ -309,9 +309,7 @@ def fused(
     vb = b.values.to(dt).contiguous()
     pa = pow2_exponents(a.values, fa).to(dt).contiguous()
     pb = pow2_exponents(b.values, fb).to(dt).contiguous()
-    accbuf = (
-        torch.zeros((m, n), dtype=torch.float32) if acc0 is None else acc0.clone().contiguous()
-    )
+    accbuf = torch.zeros((m, n), dtype=torch.float32) if acc0 is None else acc0.clone().contiguous()
     gpp = 0 if pe is None else pe // acc.group
     if pe is not None:
         sa, sb = interval_scales(a, b, k, pe)

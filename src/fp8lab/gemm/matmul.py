@@ -55,6 +55,14 @@ def qmatmul(
     """
     qa, qb = as_qtensors(a, b, spec, spec_b)
     acc = Accumulator.parse(accumulator, (qa.spec.format, qb.spec.format))
+    if acc.hardware is not None:
+        for q in (qa, qb):
+            gran = q.spec.granularity
+            if isinstance(gran, str) and gran.startswith(("mx", "nvfp4")):
+                raise ValueError(
+                    f"accumulator {acc.hardware!r} has no model for {gran} block-scaled "
+                    "operands (its rows are per-tensor/per-block FP8 and bf16/fp16 MMAs)"
+                )
     kb = check_pair(qa, qb)
     m, n = qa.shape[0], qb.shape[1]
     if bias is not None and tuple(bias.shape) != (n,):
