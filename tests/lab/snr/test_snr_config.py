@@ -39,6 +39,8 @@ def test_block_defaults_promotion_to_the_block() -> None:
         ({"accumulator": "limited", "acc_rounding": "toward_zero"}, "fixes its own rounding"),
         ({"accumulator": "limited", "block": 64, "promote_every": 128}, "must equal block"),
         ({"accumulator": "h999"}, "accumulator model of fp8lab.gemm"),
+        ({"accumulator": "h100", "format": "e4m3-ieee"}, "no model for e4m3-ieee"),
+        ({"accumulator": "ada", "format": "e2m1"}, "no model for e2m1"),
     ],
 )
 def test_model_accumulator_configs_raise_clear_errors(kwargs: dict, match: str) -> None:
@@ -48,6 +50,9 @@ def test_model_accumulator_configs_raise_clear_errors(kwargs: dict, match: str) 
 
 def test_accumulator_kinds_are_told_apart() -> None:
     assert SnrConfig(accumulator="limited").uses_model
+    for gpu in ("h100", "h200", "ada", "l40s", "b200", "b200-tcgen05"):
+        assert SnrConfig(accumulator=gpu).uses_model
+    assert SnrConfig(accumulator="h100", format="bf16").uses_model  # the 16-bit row
     assert SnrConfig(accumulator="limited", block=64).promote_every == 64
     for name in (None, "fp32", "e8m8", "fp64"):
         assert not SnrConfig(accumulator=name).uses_model

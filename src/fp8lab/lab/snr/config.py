@@ -141,6 +141,10 @@ class SnrConfig:
         if acc is None or acc == EXACT_ACCUMULATOR:
             return
         if is_model_accumulator(acc):
+            from fp8lab.gemm import Accumulator
+
+            fmt = get_format(self.format).name
+            Accumulator.parse(acc, (fmt, fmt))  # a GPU without a row for the format: ValueError
             if self.acc_rounding is not None:
                 raise ValueError(
                     f"acc_rounding={self.acc_rounding!r} does not apply to the {acc!r} "

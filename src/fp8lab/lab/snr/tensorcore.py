@@ -9,8 +9,10 @@ de-scales the chunk sums and promotes them into float64 as it does for the seque
 (DeepSeek-V3 promotes into FP32 on the CUDA cores: the float64 sum differs from it by at most the
 FP32 rounding of the few promoted partials, far below the tensor core's own truncation).
 
-The plug point is `row_dots`: every accumulator model of `fp8lab.qmatmul` (and every one added to
-it later) works here unchanged.
+The plug point is `row_dots`: the fused (hardware) models run through the gemm layer's batch of
+independent dot products (`fp8lab.gemm.fused.fused_dot`, bit for bit what ``qmatmul`` computes
+per output element); every other accumulator model of `fp8lab.qmatmul` runs through ``qmatmul``
+itself, so a model added to it later works here unchanged.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fp8lab.gemm import qmatmul
+from fp8lab.gemm import Accumulator, qmatmul
+from fp8lab.gemm.fused import fused_dot
 from fp8lab.qtensor import QuantSpec, quantize
 
 __all__ = ["ROWS_PER_CALL", "chunk_sums", "row_dots"]
 
-#: dot products per emulated GEMM call: the call computes a [g, g] output of which the diagonal is
-#: used (g times the needed work, but far fewer calls than one [1, K] x [K, 1] GEMM per product)
-ROWS_PER_CALL = 16
+#: dot products per emulated GEMM call of a non-fused model: the call computes a [g, g] output of
+#: which the diagonal is used (g times the needed work, but far fewer calls than one [1, K] x
+#: [K, 1] GEMM per dot product)
+ROWS_PER_CALL = 64
 
 
 def row_dots(va: np.ndarray, vb: np.ndarray, accumulator: str, fmt: str) -> np.ndarray:
@@ -33,20 +37,24 @@ def row_dots(va: np.ndarray, vb: np.ndarray, accumulator: str, fmt: str) -> np.n
     element of ``qmatmul`` (zero initial accumulator, unit scales, FP32 output).
 
     va, vb: [R, K] element values already on ``fmt``'s grid (float64 or float32). Returns float64
-    [R]. Raises ValueError (from `fp8lab.gemm`) where the model has no parameters for ``fmt``.
+    [R]. A fused (hardware) model runs `fp8lab.gemm.fused.fused_dot`, the gemm layer's batch of
+    independent dot products; other models run ``qmatmul`` on [g, K] x [K, g] blocks of rows
+    and keep the diagonal. Raises ValueError (from `fp8lab.gemm`) where the model has no
+    parameters for ``fmt``.
     """
-    rows = va.shape[0]
-    out = np.empty(rows, dtype=np.float64)
-    if rows == 0:
-        return out
-    spec = QuantSpec(format=fmt, scaling=1.0)  # the values are on the grid: the cast is exact
+    acc = Accumulator.parse(accumulator, (fmt, fmt))
     ta = torch.from_numpy(np.ascontiguousarray(va)).float()
     tb = torch.from_numpy(np.ascontiguousarray(vb)).float()
+    if acc.kind == "fused":
+        return fused_dot(ta, tb, acc, (fmt, fmt)).double().numpy()
+    rows = va.shape[0]
+    out = np.empty(rows, dtype=np.float64)
+    spec = QuantSpec(format=fmt, scaling=1.0)  # the values are on the grid: the cast is exact
     for r0 in range(0, rows, ROWS_PER_CALL):
         r1 = min(r0 + ROWS_PER_CALL, rows)
         qa = quantize(ta[r0:r1], spec)
         qb = quantize(tb[r0:r1].t().contiguous(), spec)  # [K, g]: column j is row r0 + j
-        y = qmatmul(qa, qb, accumulator)
+        y = qmatmul(qa, qb, acc)
         out[r0:r1] = torch.diagonal(y).double().numpy()
     return out
 
