@@ -604,8 +604,9 @@ def _build_presets() -> dict[str, Recipe]:
     mixed_src = '"混合精度训练:FP16、BF16、FP8深度对比"'
     # save_for_backward is stated by every preset: the dataclass default changed to
     # "high_precision" and a preset's fingerprint (run directories resume on it) must not
-    limited_fast = Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=None)
     ds_acc = Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=128)
+    h100_fast = Accumulator("h100")  # the H100 tensor core, bit-exact (fp8lab.gemm.fused)
+    h100_ds = Accumulator("h100", promote_every=128)
     hif8_round = "nearest_away"  # HiF8's native TA rounding (arXiv 2409.16626)
     p: list[Recipe] = [
         Recipe(
@@ -647,11 +648,13 @@ def _build_presets() -> dict[str, Recipe]:
             input=_e("e4m3", scaling=_te_delayed()),
             weight=_e("e4m3", scaling=_te_delayed()),
             grad_output=_e("e5m2", scaling=_te_delayed()),
-            fprop=GemmConfig(accumulator=limited_fast),
+            fprop=GemmConfig(accumulator=h100_fast),
             save_for_backward="quantized",
-            description="te-delayed with Hopper's fast (limited, never promoted, ~13-bit) FP8 "
-            "accumulation in fprop (TE _2X_ACC_FPROP=False); dgrad/wgrad split-accumulate (fp32).",
-            source=te_src + " module/base.py _2X_ACC_*; formats.md §4.4",
+            description="te-delayed with Hopper's fast FP8 accumulation in fprop (TE "
+            "_2X_ACC_FPROP=False: the H100 tensor core's 13-bit fused accumulator, never "
+            "promoted, bit-exact model); dgrad/wgrad split-accumulate (fp32).",
+            source=te_src + " module/base.py _2X_ACC_*; Khattak & Mikaitis, 'Accurate Models "
+            "of NVIDIA Tensor Cores', arXiv 2512.07004 (H100 model)",
         ),
         Recipe(
             name="te-current",
@@ -678,6 +681,22 @@ def _build_presets() -> dict[str, Recipe]:
             "online amax/448 scales; limited accumulation promoted to fp32 every 128; BF16 AdamW "
             "moments, FP32 master weights. Embedding and output head stay high precision.",
             source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2",
+        ),
+        Recipe(
+            name="deepseek-v3-h100",
+            input=_e("e4m3", (1, 128)),
+            weight=_e("e4m3", (128, 128)),
+            grad_output=_e("e4m3", (1, 128)),
+            fprop=GemmConfig(accumulator=h100_ds),
+            dgrad=GemmConfig(accumulator=h100_ds),
+            wgrad=GemmConfig(accumulator=h100_ds),
+            optimizer_state="bf16",
+            save_for_backward="quantized",
+            description="deepseek-v3 with the bit-exact H100 tensor-core accumulator (13-bit "
+            "fused block FMA over 32 products) promoted to fp32 every 128, instead of the fast "
+            "approximate limited model.",
+            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2; Khattak & "
+            "Mikaitis, arXiv 2512.07004 (H100 model)",
         ),
         Recipe(
             name="mxfp8",
