@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from fp8lab.cli import compare, formats, inspect, snr
+from fp8lab.cli import compare, cost, formats, inspect, snr
 
 app = typer.Typer(
     name="fp8lab",
@@ -36,7 +36,7 @@ def _root(
         raise typer.Exit()
 
 
-for _module in (formats, snr, inspect, compare):
+for _module in (formats, snr, inspect, compare, cost):
     _module.register(app)
 
 

@@ -1,0 +1,383 @@
+"""The roofline: fp8lab's counted passes and GEMMs priced on a device.
+
+GEMM time = max(FLOPs / (peak x efficiency(class)), bytes / (bandwidth x bandwidth_efficiency))
++ one kernel latency; quantization kernels are memory-bound: bytes / (bandwidth x
+bandwidth_efficiency) + one kernel latency per launch. GEMM classes: ``bf16``/``fp16``, ``fp8``
+(per-tensor scales), ``fp8_block`` (scales varying along K: DeepSeek-V3 / TE Float8BlockScaling),
+``mxfp8``, ``nvfp4``. Efficiencies are calibrated per architecture on Transformer Engine's
+published timings (`fp8lab.cost.calibration`).
+
+How counted events become kernels (the hardware's fused kernels, as Transformer Engine runs them):
+
+* high-precision sources are bf16 (``SOURCE_BYTES``): rounding to bf16 is free, to fp16 a pass;
+* ``amax``: one kernel reading the tensor; ``cast``: one kernel reading it and writing values and
+  scales;
+* ``transpose``: only on devices whose FP8 GEMMs need K-major operands (Hopper); written by the
+  tensor's cast kernel (TE's fused cast-transpose: the write only) when the step casts it;
+* ``retile_from_source``: the other tiling written by the same cast kernel (TE quantizes rowwise and
+  columnwise from one read): the write only; ``retile_from_quantized``: a kernel reading the
+  quantized values and scales and writing the new ones (DeepSeek-V3);
+* ``scale_update``: delayed scaling's amax-history update, one fused multi-tensor kernel per
+  step in TE: not priced per tensor (counted only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp8lab.cost.counting import GemmEvent, StepCounts, count_linear_step, scale_bytes
+from fp8lab.cost.devices import Device, get_device
+from fp8lab.formats import get_format
+from fp8lab.recipe import Recipe, get_recipe
+
+__all__ = [
+    "SCENARIOS",
+    "SOURCE_BYTES",
+    "GemmCost",
+    "KernelCost",
+    "LayerCost",
+    "TransformerShape",
+    "UnpriceableError",
+    "gemm_class",
+    "predict_step_ms",
+    "price_layer",
+]
+
+#: bytes per element of the high-precision tensors the GPU quantizes (bf16 activations/weights)
+SOURCE_BYTES = 2
+#: bytes per element of a GEMM's output (bf16)
+OUTPUT_BYTES = 2
+#: ``training``: one fwd+bwd step per Linear (each tensor quantized as fp8lab does);
+#: ``te-benchmark``: TE's benchmark_gemm.py, every GEMM shape timed as one te.Linear forward
+SCENARIOS = ("training", "te-benchmark")
+
+
+class UnpriceableError(ValueError):
+    """The recipe cannot be priced. ``device_limit``: this device lacks the tensor cores (another
+    device may run the recipe: mxfp8 on Hopper); otherwise no device can (HiF8, fp32 GEMMs)."""
+
+    def __init__(self, message: str, device_limit: bool = False) -> None:
+        super().__init__(message)
+        self.device_limit = device_limit
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The Linear layers of one transformer layer: ``qkv`` (hidden -> qkv_out, default 3 x
+    hidden), ``proj`` (hidden -> hidden), ``up`` (hidden -> up_out, default ffn; 2 x ffn for a
+    fused SwiGLU gate+up), ``down`` (ffn -> hidden), on ``tokens`` tokens; ``layers`` layers."""
+
+    hidden: int = 4096
+    ffn: int = 16384
+    layers: int = 24
+    tokens: int = 15872
+    qkv_out: int | None = None
+    up_out: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "layers", "tokens", "qkv_out", "up_out"):
+            v = getattr(self, name)
+            if v is None and name in ("qkv_out", "up_out"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        """(name, in_features, out_features) of the layer's Linears."""
+        h = self.hidden
+        return [
+            ("qkv", h, self.qkv_out or 3 * h),
+            ("proj", h, h),
+            ("up", h, self.up_out or self.ffn),
+            ("down", self.ffn, h),
+        ]
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """One priced pass: ``tensor`` (``linear.role``), ``kind`` (the counted event), bytes read
+    and written by precision, kernel launches, time in ms."""
+
+    tensor: str
+    gemm: str
+    kind: str
+    read: dict[str, int]
+    written: dict[str, int]
+    launches: int
+    ms: float
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.read.values()) + sum(self.written.values())
+
+
+@dataclass(frozen=True)
+class GemmCost:
+    """One priced GEMM: ``name`` (``linear.gemm``), M x K x N, class, FLOPs, bytes, promotion
+    FMAs, time in ms and what bounds it (``compute``/``memory``)."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    cls: str
+    flops: int
+    bytes: int
+    promotion_fmas: int
+    ms: float
+    bound: str
+
+
+@dataclass
+class LayerCost:
+    """One transformer layer under one recipe on one device (GEMMs and their quantization)."""
+
+    recipe: str
+    device: str
+    scenario: str
+    shape: TransformerShape
+    gemms: list[GemmCost] = field(default_factory=list)
+    kernels: list[KernelCost] = field(default_factory=list)
+
+    @property
+    def gemm_ms(self) -> float:
+        return sum(g.ms for g in self.gemms)
+
+    @property
+    def quantize_ms(self) -> float:
+        return sum(k.ms for k in self.kernels)
+
+    @property
+    def layer_ms(self) -> float:
+        return self.gemm_ms + self.quantize_ms
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved by the layer's GEMMs and quantization kernels."""
+        return sum(g.bytes for g in self.gemms) + sum(k.bytes for k in self.kernels)
+
+    def pass_ms(self, gemm: str) -> float:
+        """Time of one GEMM kind (fprop/dgrad/wgrad) over the layer, its kernels included."""
+        g = sum(c.ms for c in self.gemms if c.name.endswith("." + gemm))
+        return g + sum(k.ms for k in self.kernels if k.gemm == gemm)
+
+    def ledger(self) -> dict[str, dict[str, int]]:
+        """Per tensor: bytes read and written by precision (``read:bf16``, ``written:fp8``...)."""
+        out: dict[str, dict[str, int]] = {}
+        for k in self.kernels:
+            row = out.setdefault(k.tensor, {})
+            for p, b in k.read.items():
+                row[f"read:{p}"] = row.get(f"read:{p}", 0) + b
+            for p, b in k.written.items():
+                row[f"written:{p}"] = row.get(f"written:{p}", 0) + b
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer_ms": self.layer_ms,
+            "gemm_ms": self.gemm_ms,
+            "quantize_ms": self.quantize_ms,
+            "bytes": self.bytes,
+        }
+
+
+# --------------------------------------------------------------------------- classes
+def _fp8_like(fmt: str) -> bool:
+    return fmt in ("e4m3", "e5m2")
+
+
+def gemm_class(g: GemmEvent) -> str:
+    """The tensor-core class of a counted GEMM; `UnpriceableError` for formats no NVIDIA GPU
+    multiplies natively (HiF8, fp32 GEMMs, 6-bit or mixed high/low precision)."""
+    fa, fb = g.fmt_a, g.fmt_b
+    if fa in ("bf16", "fp16") and fa == fb:
+        return fa
+    if "fp32" in (fa, fb):
+        raise UnpriceableError(
+            f"{g.gemm}: fp32 GEMMs are not priced (no calibrated FP32/TF32 efficiency)"
+        )
+    if "hif8" in (fa, fb):
+        raise UnpriceableError(
+            f"{g.gemm}: HiF8 operands have no tensor cores on NVIDIA GPUs (Ascend format)"
+        )
+    if g.gran_a is None or g.gran_b is None:
+        raise UnpriceableError(
+            f"{g.gemm}: one quantized and one high-precision operand ({fa} x {fb})"
+        )
+    rules = {g.scaling_a, g.scaling_b}
+    if fa == fb == "e2m1" and rules == {"nvfp4"}:
+        return "nvfp4"
+    if all(_fp8_like(f) for f in (fa, fb)):
+        if all(r is not None and r.startswith("mx") for r in rules):
+            return "mxfp8"
+        if g.gran_a == (-1, -1) and g.gran_b == (-1, -1):
+            return "fp8"
+        if not any(r is not None and r.startswith("mx") for r in rules):
+            return "fp8_block"
+    raise UnpriceableError(f"{g.gemm}: no tensor-core GEMM for {fa} x {fb} with these scales")
+
+
+def _efficiency(dev: Device, cls: str, recipe: str) -> float:
+    if cls not in dev.formats:
+        raise UnpriceableError(
+            f"recipe {recipe!r} needs {cls} GEMMs, which {dev.name} ({dev.architecture}) "
+            f"does not have; {dev.name} runs: {', '.join(dev.formats)}",
+            device_limit=True,
+        )
+    eff = dev.efficiency
+    if cls in eff:
+        return eff[cls]
+    # fp16 runs at bf16's rate; Blackwell runs FP8 block scaling as MXFP8 (TE emulates it)
+    fallback = {"fp16": "bf16", "fp8_block": "mxfp8"}.get(cls)
+    if fallback in eff and (cls != "fp8_block" or dev.architecture == "blackwell"):
+        return eff[fallback]
+    raise UnpriceableError(
+        f"no calibrated {cls} efficiency for {dev.name} (calibration {dev.efficiencies_from!r})"
+    )
+
+
+# --------------------------------------------------------------------------- pricing
+def _bits(fmt: str) -> float:
+    return get_format(fmt).bits / 8
+
+
+def _operand_bytes(fmt: str, gran: tuple[int, int] | None, rule: str | None, r: int, c: int) -> int:
+    return int(r * c * _bits(fmt)) + scale_bytes(gran, rule, (r, c))
+
+
+def _price_gemm(g: GemmEvent, name: str, dev: Device, recipe: str) -> GemmCost:
+    cls = gemm_class(g)
+    eff = _efficiency(dev, cls, recipe)
+    # A [M, K] (reduced along K), B [K, N]: scale blocks in GEMM orientation
+    a = _operand_bytes(g.fmt_a, g.gran_a, g.scaling_a, g.m, g.k)
+    b = _operand_bytes(g.fmt_b, g.gran_b, g.scaling_b, g.k, g.n)
+    nbytes = a + b + g.m * g.n * OUTPUT_BYTES
+    t_compute = g.flops / (dev.peak(cls) * eff)
+    t_memory = nbytes / (dev.bandwidth * dev.bandwidth_efficiency)
+    ms = (max(t_compute, t_memory) + dev.kernel_us * 1e-6) * 1e3
+    bound = "compute" if t_compute >= t_memory else "memory"
+    return GemmCost(name, g.m, g.k, g.n, cls, g.flops, nbytes, g.promotion_fmas, ms, bound)
+
+
+def _prec(fmt: str | None) -> str:
+    if fmt is None:
+        return "bf16"
+    return {"e4m3": "fp8", "e5m2": "fp8", "e2m1": "fp4", "hif8": "fp8"}.get(fmt, fmt)
+
+
+def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost]:
+    out = []
+    cast_roles = {e.role for e in counts.events if e.kind == "cast"}
+    for e in counts.events:
+        n = counts.elements(e)
+        shape = counts.shape(e)
+        read: dict[str, int] = {}
+        written: dict[str, int] = {}
+        launches = 1
+        vals = int(n * _bits(e.fmt)) if e.fmt is not None else 0
+        sb = scale_bytes(e.granularity, e.scaling, shape) if e.granularity else 0
+        if e.kind == "round":
+            if e.fmt == "bf16":
+                continue  # the tensor already is bf16
+            read, written = {"bf16": n * SOURCE_BYTES}, {e.fmt: n * 2}
+        elif e.kind == "amax":
+            read = {"bf16": n * SOURCE_BYTES}
+        elif e.kind == "cast":
+            read = {"bf16": n * SOURCE_BYTES}
+            written = {_prec(e.fmt): vals, "scales": sb}
+        elif e.kind == "transpose":
+            if not dev.fp8_needs_k_major:
+                continue
+            written = {_prec(e.fmt): vals}
+            if e.role in cast_roles:
+                launches = 0  # fused cast-transpose
+            else:
+                read = {_prec(e.fmt): vals}
+        elif e.kind == "retile_from_source":
+            written = {_prec(e.fmt): vals, "scales": sb}
+            if e.role in cast_roles:
+                launches = 0  # rowwise + columnwise from one read
+            else:
+                read = {"bf16": n * SOURCE_BYTES}
+        elif e.kind == "retile_from_quantized":
+            src_gran = (e.granularity[1], e.granularity[0]) if e.granularity else None
+            read = {_prec(e.fmt): vals, "scales": scale_bytes(src_gran, e.scaling, shape)}
+            written = {_prec(e.fmt): vals, "scales": sb}
+        else:  # scale_update: one fused multi-tensor kernel per step in TE
+            continue
+        nbytes = sum(read.values()) + sum(written.values())
+        sec = nbytes / (dev.bandwidth * dev.bandwidth_efficiency) + launches * dev.kernel_us * 1e-6
+        gemm = e.gemm or "fprop"
+        out.append(KernelCost(f"{lin}.{e.role}", gemm, e.kind, read, written, launches, sec * 1e3))
+    return out
+
+
+#: TE's benchmark times a te.Linear forward per GEMM shape: both operands quantized, the input's
+#: column-wise copy made for backward (the weight's is not: the input does not require grad)
+_BENCH_KEEP = [("fprop", "input"), ("fprop", "weight"), ("wgrad", "input")]
+
+
+def _bench_dims(gemm: str, t: int, i: int, o: int) -> tuple[int, int, int]:
+    """(M, K, N) of the GEMM ``gemm`` of a Linear i -> o on t tokens."""
+    return {"fprop": (t, i, o), "dgrad": (t, o, i), "wgrad": (i, t, o)}[gemm]
+
+
+_COUNTS: dict[str, StepCounts] = {}
+
+
+def _counts(recipe: Recipe) -> StepCounts:
+    key = recipe.fingerprint()
+    if key not in _COUNTS:
+        _COUNTS[key] = count_linear_step(recipe)
+    return _COUNTS[key]
+
+
+def price_layer(
+    recipe: Recipe | str,
+    device: Device | str,
+    shape: TransformerShape | None = None,
+    scenario: str = "training",
+) -> LayerCost:
+    """One transformer layer's GEMMs and quantization under ``recipe`` on ``device``.
+
+    ``scenario``: ``training`` (each Linear's forward + backward step as fp8lab counts it) or
+    ``te-benchmark`` (Transformer Engine's benchmark_gemm.py autocast mode: each of the 12 GEMM
+    shapes timed as an independent te.Linear forward, quantizing both operands each time).
+    Raises `UnpriceableError` (a ValueError) when the device cannot run the recipe's GEMMs.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
+    rec = get_recipe(recipe)
+    dev = get_device(device) if isinstance(device, str) else device
+    shape = shape or TransformerShape()
+    base = _counts(rec)
+    cost = LayerCost(rec.name, dev.name, scenario, shape)
+    t = shape.tokens
+    for lin, i, o in shape.linears():
+        if scenario == "training":
+            c = base.scaled(T=t, I=i, O=o)
+            cost.kernels += _price_kernels(c, lin, dev)
+            cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, rec.name) for g in c.gemms]
+            continue
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            m, k, n = _bench_dims(gemm, t, i, o)
+            c = base.scaled(T=m, I=k, O=n).select(_BENCH_KEEP, ("fprop",))
+            for kc in _price_kernels(c, f"{lin}.{gemm}", dev):
+                cost.kernels.append(_regemm(kc, gemm))
+            g = c.gemms[0]
+            cost.gemms.append(_price_gemm(g, f"{lin}.{gemm}", dev, rec.name))
+    return cost
+
+
+def _regemm(k: KernelCost, gemm: str) -> KernelCost:
+    from dataclasses import replace
+
+    return replace(k, gemm=gemm)
+
+
+def predict_step_ms(recipe: Recipe | str, device: Device | str, shape: TransformerShape) -> float:
+    """Predicted GEMM + quantization time (ms) of one training step of all ``shape.layers``
+    layers (the ``training`` scenario); attention, norms and communication are not included.
+    For `fp8lab compare`'s "predicted step time on DEVICE" column."""
+    return price_layer(recipe, device, shape, "training").layer_ms * shape.layers
