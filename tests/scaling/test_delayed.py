@@ -326,3 +326,39 @@ def test_distributed_max_reduction(tmp_path):
     s1 = torch.load(f"{tmp_path / 'sd'}.1", weights_only=True)
     assert s0["scale"].item() == s1["scale"].item() == 64.0  # 448 / max(2, 7)
     assert s0["amax_history"].tolist() == [0.0, 0.0, 0.0, 7.0]
+
+
+def test_config_is_frozen_hashable_plain_data_and_state_is_apart():
+    import dataclasses
+
+    from fp8lab.scaling.delayed import DelayedScalingConfig, delayed_scale
+
+    cfg = DelayedScalingConfig(history_len=16, algorithm="most_recent", nguard=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.margin = 3
+    assert hash(cfg) == hash(DelayedScalingConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))))
+    assert DelayedScalingConfig.from_dict(cfg.to_dict()) == cfg and "group" not in cfg.to_dict()
+    with pytest.raises(ValueError, match=r"unknown DelayedScaling keys.*'histroy'"):
+        DelayedScalingConfig.from_dict({"histroy": 3})
+    for bad in ({"history_len": "16"}, {"nguard": True}, {"reduce_amax": "yes"}):
+        with pytest.raises(TypeError):
+            DelayedScalingConfig(**bad)
+    # contract C1: bind makes a zero state from a config or from a DelayedScaling (its state is
+    # not copied; its runtime process group is, unless another is given)
+    a = DelayedScaling.bind(cfg, "e4m3")
+    assert a.cfg is cfg and a.step == 0 and a.state.fmt_max.item() == 448.0
+    a.observe(2.0)
+    a.update()
+    a.group = "pg"  # runtime state, never configuration
+    b = DelayedScaling.bind(a, "e5m2")
+    assert b.cfg is cfg and b.step == 0 and b.scale.item() == 1.0 and b.group == "pg"
+    assert a.step == 1 and a.scale.item() == 448.0 / 8  # 448 * 2**-2 / 2
+    assert DelayedScaling.bind(a, group="other").group == "other"
+    with pytest.raises(TypeError, match="DelayedScalingConfig"):
+        DelayedScaling.bind({"history_len": 4})
+    # state_dict keys and values as before: plain tensors
+    assert list(a.state_dict()) == ["scale", "amax_history", "step", "initialized", "fmt_max"]
+    # a config alone: step 0 from a throwaway state, nothing recorded anywhere
+    assert delayed_scale(cfg, torch.tensor(1000.0), "e4m3").item() == 1.0
+    cur = cfg.replace(first_step="current")
+    assert delayed_scale(cur, torch.tensor(4.0), "e4m3").item() == 448.0 / 4 / 4
