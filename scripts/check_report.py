@@ -14,6 +14,7 @@ Exit codes: 0 = all figures loaded (or skipped), 1 = a figure failed, 2 = usage 
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -63,10 +64,19 @@ def check(dom: str) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    page = Path(argv[0])
+    parser = argparse.ArgumentParser(
+        prog="check_report.py",
+        description="Open a training-lab report.html in headless Chromium and check that every "
+        "figure loads. Exit codes: 0 = all figures loaded (or skipped: no chromium), "
+        "1 = a figure failed, 2 = usage / browser error.",
+    )
+    parser.add_argument(
+        "report", type=Path, help="the report.html to check, e.g. runs/demo/report.html"
+    )
+    try:
+        page = parser.parse_args(argv).report
+    except SystemExit as exc:  # --help exits 0, a usage error 2
+        return int(exc.code or 0)
     if not page.is_file():
         print(f"error: {page} does not exist", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -59,3 +60,27 @@ def test_relative_precision_taper():
     assert hif8[5] != hif8[5]  # beyond max: NaN
     e4m3 = relative_precision(get_format("e4m3"), [0.5, 8.5, -6.5])
     assert list(e4m3) == [2**-3, 2**-3, 2**-2]
+
+
+def test_tables_fit_80_columns():
+    res = runner.invoke(app, ["formats"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    flat = "".join(res.stdout.split())
+    for name in format_names():
+        assert name in flat, name
+    assert "S.1111.111" in flat and "57344" in res.stdout
+
+
+def test_plot_paths_that_cannot_be_written(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for bad, words in (
+        (tmp_path / "p.txt", "must end in"),
+        (tmp_path, "must end in"),
+        (Path("/proc/fp8lab-x.png"), "/proc/fp8lab-x.png"),
+        (f / "p.png", "cannot create"),
+    ):
+        res = runner.invoke(app, ["formats", "--plot", str(bad)])
+        assert res.exit_code == 2, (bad, res.output)
+        assert words in res.stderr and "Traceback" not in res.output, (bad, res.stderr)

@@ -107,3 +107,59 @@ def test_other_bad_input(tmp_path, tensors) -> None:
     assert "unquantized" in _inspect(str(f), "--recipe", "bf16").stderr
     assert "no floating-point tensors" in _inspect(str(f), "--tensors", "zzz*").stderr
     assert "MxK" in _inspect(str(f), "--per-block", "big").stderr
+
+
+# ----------------------------------------------------------------------------- issue 11
+def test_empty_float_tensor_is_float_and_nan_inf_are_counted(tmp_path) -> None:
+    f = tmp_path / "m.safetensors"
+    bad = torch.tensor([[1.0, float("nan"), float("inf"), -float("inf")]])
+    save_file({"empty": torch.zeros(0, 4), "bad": bad, "step": torch.tensor([1])}, str(f))
+    res = _inspect(str(f), "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["empty_float"] == ["empty"] and rep["skipped_non_float"] == ["step"]
+    (t,) = rep["tensors"]
+    assert (t["nan_count"], t["inf_count"]) == (1, 2)
+    res = _inspect(str(f))
+    assert "NaN 1, Inf 2" in res.stdout and "1 empty floating tensor(s)" in res.stdout
+
+
+def test_table_fits_80_columns_and_folds_names(tmp_path, tensors) -> None:
+    name = "model.layers.11.self_attention.query_key_value.weight"
+    f = tmp_path / "m.safetensors"
+    save_file({name: tensors["w"], "other": tensors["grid"]}, str(f))
+    res = runner.invoke(app, ["inspect", str(f), "--per-block", "64x64"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in res.stdout  # nothing cut
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(name[:8]))
+    folded = "".join(line.split()[0] for line in lines[start : start + 8] if line.split())
+    assert name in folded
+    for spec in ("e4m3:tensor", "e4m3:128x128", "mxfp8"):  # spec names may fold as well
+        assert spec in "".join(res.stdout.split()) or spec[:6] in res.stdout
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_refused_pickle_says_what_fp8lab_reads(tmp_path) -> None:
+    f = tmp_path / "evil.pt"
+    torch.save({"x": _Payload()}, f)
+    res = _inspect(str(f))
+    assert res.exit_code == 2
+    assert "weights_only=False" not in res.stderr  # PyTorch's advice: fp8lab offers no such way
+    assert "safetensors" in res.stderr and "refused" in res.stderr
+
+
+def test_unreadable_files_are_clear_errors(tmp_path) -> None:
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    res = _inspect(str(empty))
+    assert res.exit_code == 2 and "empty" in res.stderr
+    assert "EOFError" not in res.stderr and "no detail" not in res.stderr
+    res = _inspect("/proc/self/mem")
+    assert res.exit_code == 2 and "/proc/self/mem" in res.stderr
+    assert ("Traceback" not in res.output and res.exception is None) or isinstance(
+        res.exception, SystemExit
+    )
+    res = _inspect("/dev/null")
+    assert res.exit_code == 2 and "not a regular file" in res.stderr

@@ -183,3 +183,62 @@ def test_cli_bad_input(text, tmp_path):
     empty.write_text("")
     res = runner.invoke(app, ["compare", "--data", str(empty), "--out", str(tmp_path / "e")])
     assert res.exit_code == 2 and "empty" in res.output
+
+
+# ----------------------------------------------------------------------------- issue 11 item 18
+def _fake_run(out, name, final_val, final_train=2.0, diverged=False):
+    """A finished run as an older fp8lab wrote it (its run.json may say diverged: false)."""
+    d = out / "runs" / name
+    d.mkdir(parents=True)
+    recs = [{"step": 1, "train_loss": final_train, "grad_norm": 1.0, "skipped_steps": 0,
+             "spike": False, "tokens": 32, "step_time_s": 0.1, "val_loss": final_val}]  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"final_train_loss": final_train, "final_val_loss": final_val, "skipped_steps": 0,
+               "spikes": 0, "tokens_per_s": 320.0, "step_time_ms": 100.0, "steps_done": 1,
+               "diverged": diverged, "complete": True}  # fmt: skip
+    (d / "run.json").write_text(json.dumps({"summary": summary}))
+
+
+def test_diverged_baseline_nulls_every_gap(text, tmp_path):
+    # issue 11: bf16 at validation loss 3449 and nvfp4 at 2022, both "diverged": false, and
+    # nvfp4 reported 41 % better than bf16
+    _fake_run(tmp_path, "bf16", 3449.0)
+    _fake_run(tmp_path, "nvfp4", 2022.0)
+    _fake_run(tmp_path, "fp32", 2.3)
+    s = summarize_comparison(tiny(text), ["bf16", "nvfp4", "fp32"], "bf16", tmp_path)
+    js = json_summary(s)
+    assert js["baseline_diverged"] is True
+    assert js["recipes"]["bf16"]["diverged"] and js["recipes"]["nvfp4"]["diverged"]
+    assert not js["recipes"]["fp32"]["diverged"]
+    for r in js["recipes"].values():
+        assert r["rel_gap_pct"] is None and r["max_rel_gap_pct"] is None
+
+
+def test_healthy_baseline_keeps_gaps(text, tmp_path):
+    _fake_run(tmp_path, "bf16", 2.0)
+    _fake_run(tmp_path, "fp32", 2.2)
+    js = json_summary(summarize_comparison(tiny(text), ["bf16", "fp32"], "bf16", tmp_path))
+    assert js["baseline_diverged"] is False
+    assert js["recipes"]["fp32"]["rel_gap_pct"] == pytest.approx(10.0)
+
+
+def test_lab_imports_no_report_module():
+    # issue 10: the lab returns results, the CLI writes reports (lab -> report -> cli, one way)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fp8lab.lab.compare, fp8lab.lab.train\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('fp8lab.report', 'fp8lab.cli')))\n"
+        "assert not bad, bad\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    import re
+    from pathlib import Path
+
+    import fp8lab.lab
+
+    upward = re.compile(r"^\s*(from|import)\s+fp8lab\.(report|cli)\b", re.MULTILINE)
+    for f in Path(fp8lab.lab.__file__).parent.glob("*.py"):
+        assert not upward.search(f.read_text()), f  # also imports inside functions

@@ -96,3 +96,22 @@ def test_batches_pure_function_of_seed_and_step():
 def test_bad_data_config(kw):
     with pytest.raises(ValueError):
         DataConfig(**kw)
+
+
+def test_device_files_are_not_text(tmp_path):
+    with pytest.raises(ValueError, match="/dev/null: not a regular file"):
+        load_text(["/dev/null"])
+
+
+def test_corpus_fingerprint_follows_the_content(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("the same words " * 100)
+    a = load_corpus(DataConfig(paths=(str(f),), split_chunk=64), block_size=8)
+    b = load_corpus(DataConfig(paths=(str(f),), split_chunk=64), block_size=8)
+    assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 64
+    f.write_text("the same wordz " * 100)
+    c = load_corpus(DataConfig(paths=(str(f),), split_chunk=64), block_size=8)
+    assert c.fingerprint != a.fingerprint
+    # the split is part of what is hashed
+    d = load_corpus(DataConfig(paths=(str(f),), split_chunk=32), block_size=8)
+    assert d.fingerprint != c.fingerprint

@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +288,104 @@ def test_grad_spike_leaves_delayed_scaling_stale(qcorpus, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
     after = [r["underflow_pct"] for r in rows if r["role"] == "grad_output"]
     assert after and min(after) > 99.0
+
+
+# ----------------------------------------------------------------------------- issue 11
+def test_resume_refuses_a_changed_corpus(tmp_path_factory, tmp_path):
+    line = "All the world's a stage, and all the men and women merely players. "
+    a = _text_corpus(tmp_path_factory, line, 60)
+    train_run(None, TINY, a, tmp_path, stop_after=5)
+    b = _text_corpus(tmp_path_factory, line.replace("stage", "state"), 60)  # same size and name
+    assert a.fingerprint != b.fingerprint and a.n_bytes == b.n_bytes
+    with pytest.raises(ConfigMismatchError, match="training text changed"):
+        train_run(None, TINY, b, tmp_path)
+    train_run(None, TINY, a, tmp_path)  # the same text resumes
+
+
+def test_checkpoint_from_before_the_corpus_hash_still_resumes(corpus, tmp_path):
+    full = train_run(None, TINY, corpus)
+    train_run(None, TINY, corpus, tmp_path, stop_after=5)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    del state["config"]["corpus"]  # as written by an older fp8lab
+    torch.save(state, tmp_path / "checkpoint.pt")
+    resumed = train_run(None, TINY, corpus, tmp_path)
+    assert _losses(resumed.records) == _losses(full.records)
+
+
+def test_config_keys_are_type_checked():
+    with pytest.raises(ValueError, match=r"\[train\] lr: expected a number, got the string '1e-3'"):
+        LabConfig.from_dict({"train": {"lr": "1e-3"}})
+    with pytest.raises(ValueError, match=r"\[train\] steps: expected an integer"):
+        LabConfig.from_dict({"train": {"steps": 4.5}})
+    with pytest.raises(ValueError, match=r"\[train\] steps: expected an integer"):
+        LabConfig.from_dict({"train": {"steps": True}})
+    with pytest.raises(ValueError, match=r"\[data\] paths: expected a list of strings"):
+        LabConfig.from_dict({"data": {"paths": [1, 2]}})
+    with pytest.raises(ValueError, match=r"\[model\] must be a table"):
+        LabConfig.from_dict({"model": 3})
+    with pytest.raises(ValueError, match=r"--set: \[train\] lr"):
+        LabConfig().with_overrides(["train.lr=abc"])
+    # a single string is one path, never its characters
+    assert LabConfig.from_dict({"data": {"paths": "file.txt"}}).data.paths == ("file.txt",)
+    assert LabConfig().with_overrides(["data.paths=file.txt"]).data.paths == ("file.txt",)
+    assert LabConfig.from_dict({"train": {"lr": 1}}).train.lr == 1.0  # an int is a number
+
+
+def test_config_toml_text_roundtrips(tmp_path):
+    cfg = TINY.with_overrides(['data.paths=["a b.txt", "c\\"d.txt"]', "inject.grad_spike_step=3"])
+    f = tmp_path / "c.toml"
+    f.write_text(cfg.to_toml())
+    assert LabConfig.from_toml(f) == (cfg, {})
+
+
+def test_grad_spike_beyond_the_run_is_refused_before_writing(corpus, tmp_path):
+    cfg = TINY.with_overrides([f"inject.grad_spike_step={TINY.train.steps}"])
+    with pytest.raises(ValueError, match="grad_spike_step=12 is beyond the run"):
+        train_run(None, cfg, corpus, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    TINY.with_overrides(["inject.grad_spike_step=11"]).check()  # the last step is fine
+
+
+def test_tokens_per_s_leaves_out_warm_up():
+    from fp8lab.lab.train import LoopState
+
+    times = [9.0, 0.1, 0.1, 0.2, 0.1, 3.0, 0.1]  # compile at step 1; a resume's compile at 6
+    recs = [{"step": i + 1, "train_loss": 2.0, "skipped_steps": 0, "spike": False,
+             "tokens": 100, "step_time_s": t} for i, t in enumerate(times)]  # fmt: skip
+    recs[-1]["val_loss"] = 2.0
+    s = summarize(recs, len(recs), LoopState(step=len(recs)))
+    assert s["tokens_per_s"] == pytest.approx(500 / 0.6)
+    assert s["step_time_ms"] == pytest.approx(120.0)
+
+
+@pytest.mark.parametrize(("val", "diverged"), [(5.5, False), (5.6, True), (3449.0, True)])
+def test_validation_loss_worse_than_uniform_is_divergence(val, diverged):
+    from fp8lab.lab.train import LoopState
+
+    recs = [{"step": 1, "train_loss": 5.0, "val_loss": val, "skipped_steps": 0, "spike": False,
+             "tokens": 8, "step_time_s": 0.1}]  # fmt: skip
+    s = summarize(recs, 1, LoopState(step=1), vocab_size=256)  # ln 256 = 5.545
+    assert s["diverged"] is diverged and s["final_val_loss"] == val
+
+
+def test_full_disk_while_checkpointing_says_no_space_left(corpus, tmp_path, monkeypatch):
+    import errno
+
+    def full(obj, f, *a, **k):  # torch's zip writer on a full disk
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="no space left") as info:
+        train_run(None, TINY, corpus, tmp_path)
+    assert info.value.errno == errno.ENOSPC
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_corrupt_checkpoint_is_named_with_the_way_out(corpus, tmp_path):
+    from fp8lab.lab.train import CheckpointError
+
+    train_run(None, TINY, corpus, tmp_path, stop_after=5)
+    (tmp_path / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(CheckpointError, match=r"checkpoint\.pt: corrupt or truncated.*delete"):
+        train_run(None, TINY, corpus, tmp_path)

@@ -117,3 +117,26 @@ def test_check_report_skips_without_browser(report, monkeypatch, capsys):
     assert mod.main([str(out / "report.html")]) == 0
     assert "SKIPPED" in capsys.readouterr().out
     assert mod.main([str(out / "missing.html")]) == 2
+
+
+def test_report_says_when_the_baseline_diverged(tmp_path):
+    metrics = {"bf16": _records(0.0, diverge_at=12), "te-delayed": _records(0.01)}
+    summary = _summary(metrics)
+    summary["baseline_diverged"] = True
+    for r in summary["recipes"].values():
+        r["rel_gap_pct"] = r["max_rel_gap_pct"] = None
+    write_report(tmp_path, summary, metrics, {},
+                 {"model": {"n_layer": 2, "d_model": 256, "d_ff": 768, "n_head": 4,
+                            "block_size": 128},
+                  "train": {"steps": 20, "batch_size": 8, "lr": 50.0, "seed": 1},
+                  "data": {"paths": []}, "inject": {}})  # fmt: skip
+    md = (tmp_path / "report.md").read_text()
+    assert "The baseline bf16 diverged" in md and "meaningless" in md
+    assert "The baseline bf16 diverged" in (tmp_path / "report.html").read_text()
+    healthy = _summary({"bf16": _records(0.0)})
+    write_report(tmp_path / "ok", healthy, {"bf16": _records(0.0)}, {},
+                 {"model": {"n_layer": 2, "d_model": 256, "d_ff": 768, "n_head": 4,
+                            "block_size": 128},
+                  "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "seed": 1},
+                  "data": {"paths": []}, "inject": {}})  # fmt: skip
+    assert "diverged (its loss" not in (tmp_path / "ok" / "report.md").read_text()

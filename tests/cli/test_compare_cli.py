@@ -1,0 +1,291 @@
+"""``fp8lab compare`` through the command line: exit codes and messages for bad input, nothing
+written before everything is checked, resume safety, config files, help, progress, divergence."""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp8lab.cli import app
+
+runner = CliRunner()
+
+TINY = """[model]
+block_size = 16
+n_layer = 1
+n_head = 2
+d_model = 128
+d_ff = 256
+[data]
+paths = [{paths}]
+split_chunk = 256
+[train]
+steps = 4
+batch_size = 2
+warmup_steps = 1
+eval_every = 2
+eval_batches = 1
+stats_every = 0
+checkpoint_every = 2
+"""
+
+
+@pytest.fixture
+def text(tmp_path) -> Path:
+    f = tmp_path / "text.txt"
+    f.write_text("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar. " * 40)
+    return f
+
+
+def _config(tmp_path: Path, text: Path, extra: str = "", name: str = "c.toml") -> Path:
+    conf = tmp_path / name
+    conf.write_text(TINY.format(paths=json.dumps(str(text))) + extra)
+    return conf
+
+
+def _run(*args: str, **kw):
+    return runner.invoke(app, ["compare", *args], **kw)
+
+
+def _tiny_run(tmp_path, text, *args: str, out: Path | None = None, extra: str = ""):
+    out = out or tmp_path / "out"
+    conf = _config(tmp_path, text, extra)
+    return _run("--config", str(conf), "--out", str(out), "--quiet", *args), out
+
+
+def _bad(res, *words: str) -> None:
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert "Traceback" not in res.output
+    for w in words:
+        assert w in res.stderr, (w, res.stderr)
+
+
+# ----------------------------------------------------------------------------- issue 11 item 12
+def test_changed_corpus_is_refused_on_rerun(tmp_path, text):
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json")
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert len(cfg["corpus"]["sha256"]) == 64
+    text.write_text(text.read_text().replace("Caesar", "Brutus"))  # same path, other content
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json")
+    _bad(res, "training text changed")
+
+
+# ----------------------------------------------------------------------------- item 13
+@pytest.mark.parametrize(
+    ("args", "extra", "words"),
+    [
+        (("--data", "MISSING"), "", ("missing.txt", "no such file")),
+        (("--data", "SHORT"), "", ("too small",)),
+        (("--outlier-channels", "1", "--outlier-layers", "nope*"), "", ("matches no layer",)),
+    ],
+)
+def test_failed_start_writes_nothing_and_the_fix_reuses_the_dir(tmp_path, text, args, extra, words):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    args = tuple(
+        {"MISSING": str(tmp_path / "missing.txt"), "SHORT": str(short)}.get(a, a) for a in args
+    )
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", *args)
+    _bad(res, *words)
+    assert not out.exists()  # nothing written, not even config.json
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json")
+    assert res.exit_code == 0, res.output
+
+
+def test_dir_holding_no_run_is_reused_under_another_config(tmp_path, text):
+    out = tmp_path / "out"
+    out.mkdir()
+    # config.json of a comparison that never trained (e.g. made by an older fp8lab's failed start)
+    (out / "config.json").write_text(json.dumps({"lab": {"train": {"lr": 5.0}}, "baseline": "x"}))
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json", out=out)
+    assert res.exit_code == 0, res.output
+    # once it holds a run, another configuration is refused
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", "--set", "train.lr=2e-3", out=out)
+    _bad(res, "different configuration", "train.lr")
+
+
+# ----------------------------------------------------------------------------- item 14
+def test_data_paths_that_are_not_text_files(tmp_path, text):
+    res, _ = _tiny_run(tmp_path, text, "--data", str(tmp_path / "nope.txt"))
+    _bad(res, "nope.txt: no such file")
+    res, _ = _tiny_run(tmp_path, text, "--data", "/dev/null")
+    _bad(res, "/dev/null: not a regular file")
+
+
+def test_unwritable_out(tmp_path, text):
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", out=Path("/proc/fp8lab-x"))
+    _bad(res, "/proc/fp8lab-x")
+    f = tmp_path / "file.txt"
+    f.write_text("mine")
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", out=f)
+    _bad(res, "not a directory")
+    assert f.read_text() == "mine"
+
+
+def test_disk_full_says_no_space_left(tmp_path, text, monkeypatch):
+    import torch
+
+    def full(*a, **k):  # what torch's zip writer raises when the disk fills up
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos 4416 vs 4304"
+        )
+
+    monkeypatch.setattr(torch, "save", full)
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16")
+    _bad(res, "no space left", "checkpoint.pt")
+    assert not list(out.rglob("*.tmp"))  # the half-written temporary file is removed
+
+
+def test_corrupt_checkpoint_names_file_and_how_to_restart(tmp_path, text):
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json")
+    assert res.exit_code == 0, res.output
+    ckpt = out / "runs" / "bf16" / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])  # truncated
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", "--json")
+    _bad(res, str(ckpt), "corrupt or truncated", "'bf16'", "delete its folder")
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path, text, monkeypatch):
+    import fp8lab.lab.compare as lab
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab, "run_recipes", interrupted)
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16")
+    assert res.exit_code == 130
+    assert "interrupted; rerun the same command to resume" in res.stderr
+
+
+# ----------------------------------------------------------------------------- item 15
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ("[inject]\noutlier_layers = 3\n", ("[inject]", "outlier_layers", "expected a string")),
+        ('[compare]\njobs = "2"\n', ("[compare]", "jobs")),
+        ("[compare]\nrecipez = []\n", ("[compare]", "recipez")),
+        ("[comparre]\n", ("comparre",)),
+    ],
+)
+def test_config_errors_name_file_table_and_key(tmp_path, text, extra, words):
+    res, _ = _tiny_run(tmp_path, text, extra=extra)
+    _bad(res, "c.toml", *words)
+
+
+def test_config_string_where_a_number_is_expected(tmp_path, text):
+    conf = _config(tmp_path, text)
+    conf.write_text(conf.read_text().replace("steps = 4\n", 'steps = 4\nlr = "1e-3"\n'))
+    res = _run("--config", str(conf), "--out", str(tmp_path / "o"))
+    _bad(res, "c.toml", "[train] lr", "expected a number", "'1e-3'")
+
+
+def test_config_strings_for_lists_are_never_split_into_characters(tmp_path, text):
+    conf = _config(tmp_path, text, '[compare]\nrecipes = "bf16, te-current"\n')
+    conf.write_text(conf.read_text().replace(f"paths = [{json.dumps(str(text))}]",
+                                             f"paths = {json.dumps(str(text))}"))  # fmt: skip
+    res = _run("--config", str(conf), "--print-config")
+    assert res.exit_code == 0, res.output
+    printed = tomllib.loads(res.stdout)
+    assert printed["data"]["paths"] == [str(text)]
+    assert printed["compare"]["recipes"] == ["bf16", "te-current"]
+
+
+def test_missing_recipe_file(tmp_path, text):
+    res, _ = _tiny_run(tmp_path, text, "--recipes", f"bf16,{tmp_path / 'mine.toml'}")
+    _bad(res, "no such recipe file", "mine.toml")
+
+
+# ----------------------------------------------------------------------------- item 16
+def test_help_keeps_brackets_defaults_and_lists_set_keys():
+    res = runner.invoke(app, ["compare", "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0
+    flat = " ".join(res.output.split())
+    assert "[model] [data] [train] [inject]" in flat and "[compare]" in flat
+    # the whole default recipe list, unwrapped words joined again
+    from fp8lab.lab.compare import DEFAULT_RECIPES
+
+    assert ",".join(DEFAULT_RECIPES) in flat.replace(", ", ",").replace("- ", "-").replace(" ", "")
+    for key in ("train: steps", "warmup_steps", "outlier_layers", "split_chunk", "--print-config"):
+        assert key in flat, key
+
+
+def test_print_config_roundtrips(tmp_path, text):
+    from fp8lab.lab.train import LabConfig
+
+    conf = _config(tmp_path, text)
+    res = _run("--config", str(conf), "--set", "train.lr=2e-3", "--steps", "9", "--print-config")
+    assert res.exit_code == 0, res.output
+    printed = tomllib.loads(res.stdout)
+    compare = printed.pop("compare")
+    cfg = LabConfig.from_dict(printed)
+    expected, _ = LabConfig.from_toml(conf)
+    assert cfg == expected.with_overrides(["train.lr=2e-3", "train.steps=9"])
+    assert compare["baseline"] == "bf16" and compare["jobs"] == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_progress_lines_without_a_tty_and_a_rich_summary(tmp_path, text):
+    conf = _config(tmp_path, text)
+    res = _run("--config", str(conf), "--out", str(tmp_path / "o"), "--recipes", "bf16",
+               env={"COLUMNS": "100"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "bf16: step 2/4" in res.stderr and "bf16: step 4/4" in res.stderr
+    assert "fp8lab compare (baseline bf16)" in res.stdout  # the rich table's title
+    assert "|---" not in res.stdout  # no markdown table
+    assert max(len(line) for line in res.stdout.splitlines()) <= 100
+
+
+# ----------------------------------------------------------------------------- item 17
+def test_negative_threads_and_late_spike_are_refused(tmp_path, text):
+    res, out = _tiny_run(tmp_path, text, "--threads", "-2")
+    assert res.exit_code == 2 and "--threads" in res.output
+    res, out = _tiny_run(tmp_path, text, "--grad-spike-step", "4")  # steps = 4: 0..3
+    _bad(res, "grad_spike_step=4", "train.steps=4")
+    assert not out.exists()
+
+
+def test_foreign_non_empty_dir_is_refused(tmp_path, text):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.json").write_text("my own file")
+    (out / "config.json").write_text('{"mine": true}')
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", out=out)
+    _bad(res, "not made by fp8lab")
+    assert (out / "summary.json").read_text() == "my own file"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "summary.json"]
+
+
+# ----------------------------------------------------------------------------- item 18
+def test_diverged_baseline_is_reported_honestly(tmp_path, text):
+    # issue 11's reproduction, on the tiny model: lr 50 without clipping
+    res, out = _tiny_run(tmp_path, text, "--set", "train.lr=50", "--set", "train.grad_clip=0",
+                         "--recipes", "bf16,fp16-amp", "--json")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.stdout)
+    assert js["baseline_diverged"] is True
+    assert {"schema_version", "baseline", "recipes"} <= set(js)  # fields are only added
+    for name, r in js["recipes"].items():
+        assert r["diverged"] is True, name
+        assert r["rel_gap_pct"] is None and r["max_rel_gap_pct"] is None
+    bf16 = js["recipes"]["bf16"]
+    assert bf16["final_val_loss"] is None or bf16["final_val_loss"] > 5.55
+    assert "baseline bf16 diverged" in (out / "report.md").read_text()
+    assert json.loads((out / "summary.json").read_text())["baseline_diverged"] is True
+
+
+def test_scripts_check_report_help():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "scripts/check_report.py"), "--help"],
+                         capture_output=True, text=True, env={**os.environ}, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "usage" in res.stdout.lower() and "report.html" in res.stdout
+    assert "does not exist" not in res.stderr
