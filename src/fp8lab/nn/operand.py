@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,54 +53,27 @@ def round_high_precision(x: torch.Tensor, precision: str) -> torch.Tensor:
     return x.to(_HP_DTYPES[precision]).to(torch.float32)
 
 
-def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    return t.data_ptr(), tuple(t.shape), t.stride()
-
-
+@dataclass(frozen=True, slots=True)
 class Operand:
-    """One GEMM operand: ``source`` (the high-precision tensor, natural layout; None once not
-    needed), ``used`` (what the GEMM consumes: float32 tensor or `QTensor`; None when only the
-    source is kept) and its dequantized view `dense` (computed once, shared with `t`)."""
+    """One GEMM operand: ``used``, what the GEMM consumes (a float32 tensor, possibly rounded to
+    bf16/fp16, or a `QTensor`; None when only the source is kept), and ``source``, the
+    high-precision tensor it was made from (natural layout; None once no longer needed)."""
 
-    __slots__ = ("_memo", "source", "used")
-
-    def __init__(
-        self,
-        used: torch.Tensor | QTensor | None,
-        source: torch.Tensor | None = None,
-        dequantized: torch.Tensor | None = None,
-        _memo: list | None = None,
-    ) -> None:
-        self.used, self.source = used, source
-        self._memo = [None] if _memo is None else _memo  # [(layout of used.values, dense)]
-        if dequantized is not None and isinstance(used, QTensor):
-            self._memo[0] = (_layout(used.values), dequantized)
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.used, QTensor)
+    used: torch.Tensor | QTensor | None
+    source: torch.Tensor | None = None
 
     def dense(self) -> torch.Tensor:
-        """The float32 tensor the GEMM's operand stands for (dequantized if quantized)."""
-        q = self.used
-        if not isinstance(q, QTensor):
-            return q  # type: ignore[return-value]
-        v = q.values
-        if self._memo[0] is not None:
-            key, d = self._memo[0]
-            if key == _layout(v):
-                return d
-            if v.dim() == 2 and key == _layout(v.t()):
-                return d.t()
-        d = q.dequantize()
-        self._memo[0] = (_layout(v), d)
-        return d
+        """The float32 tensor the operand stands for: the QTensor's memoised dequantized copy
+        (written in the quantization pass where a GEMM needs it; shared with ``t()``)."""
+        u = self.used
+        return u.dequantize() if isinstance(u, QTensor) else u  # type: ignore[return-value]
 
     def t(self) -> Operand:
-        """The transposed operand (2-D), sharing the dequantized view."""
-        used = None if self.used is None else self.used.t()
-        src = None if self.source is None else self.source.t()
-        return Operand(used, src, _memo=self._memo)
+        """The transposed operand (2-D)."""
+        return Operand(
+            None if self.used is None else self.used.t(),
+            None if self.source is None else self.source.t(),
+        )
 
 
 # --------------------------------------------------------------------------- collection hook
@@ -124,10 +98,10 @@ def _quantize(
     held: list[torch.Tensor] | None,
     want_dense: bool,
     retile_from: QTensor | None = None,
-) -> tuple[QTensor, torch.Tensor | None]:
+) -> QTensor:
     """Quantize ``x`` (or re-tile ``retile_from``, whose dequantized tensor ``x`` is) into pooled
     buffers when ``held`` is given; with ``want_dense`` the dequantized copy is written in the
-    same pass and returned beside the QTensor."""
+    same pass (the QTensor keeps it as its memoised `QTensor.dequantize`)."""
     if held is None:
         out = deq = None
     else:
@@ -141,7 +115,7 @@ def _quantize(
             retile_from, spec=spec, measure_error=False, dequantized=x, out=out,
             dequantized_out=deq,
         )  # fmt: skip
-    return q, deq
+    return q
 
 
 def prepare(x: torch.Tensor, op: OperandPlan, held: list[torch.Tensor] | None) -> Operand:
@@ -152,7 +126,7 @@ def prepare(x: torch.Tensor, op: OperandPlan, held: list[torch.Tensor] | None) -
     once the operand is dead); ``None`` allocates (also while operands are being collected)."""
     if COLLECTORS.active:
         held = None
-    hp, deq = op.high_precision, None
+    hp = op.high_precision
     if hp == "bf16" and x.dtype == torch.float32 and held is not None:
         used: torch.Tensor | QTensor = round_bf16(
             x.contiguous(), out=POOL.take(tuple(x.shape), held)
@@ -162,8 +136,8 @@ def prepare(x: torch.Tensor, op: OperandPlan, held: list[torch.Tensor] | None) -
     elif op.spec is None:
         used = x
     else:
-        used, deq = _quantize(x, op.spec, held, op.wants_dense(tuple(x.shape)))
-    operand = Operand(used, x, deq)
+        used = _quantize(x, op.spec, held, op.wants_dense(tuple(x.shape)))
+    operand = Operand(used, x)
     if COLLECTORS.active:
         _record(op, x, operand.dense())
     return operand
@@ -176,7 +150,7 @@ def keep_for_backward(operand: Operand, later: OperandPlan) -> Operand:
     if later.reuse is Reuse.SOURCE:
         return Operand(None, operand.source)
     src = operand.source if COLLECTORS.active else None
-    return Operand(operand.used, src, _memo=operand._memo)
+    return Operand(operand.used, src)
 
 
 def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None = None) -> Operand:
@@ -193,8 +167,8 @@ def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None
         spec = op.spec
         want = op.wants_dense(tuple(q.shape))
         retile_from = None if spec.is_delayed else q  # type: ignore[union-attr]
-        q2, deq2 = _quantize(deq, spec, held, want, retile_from=retile_from)  # type: ignore[arg-type]
-        operand = Operand(q2, kept.source, deq2)
+        q2 = _quantize(deq, spec, held, want, retile_from=retile_from)  # type: ignore[arg-type]
+        operand = Operand(q2, kept.source)
     if COLLECTORS.active:
         _record(op, kept.source if kept.source is not None else kept.dense(), operand.dense())
     return operand
@@ -211,8 +185,7 @@ def gemm(
     if isinstance(qa, QTensor) and isinstance(qb, QTensor):
         scale = None
         if acc.kind == "fp32" and qa.scales.shape[1] > 1 and qb.scales.shape[0] > 1:
-            # scales vary along K: qmatmul's fp32 path is mm(dequantized, dequantized); done here
-            # with the memoised dequantized operands
+            # scales vary along K: qmatmul's fp32 path is mm(dequantized, dequantized)
             out = torch.mm(a.dense(), b.dense())
         elif acc.kind == "fp32" and _per_tensor(qa) and _per_tensor(qb):
             # qmatmul's fp32 path for per-tensor scales, mm(values) * fl32(sa * sb), with the
