@@ -80,6 +80,7 @@ def test_block_scaling_flags() -> None:
         (["--format", "e9m9"], "unknown format"),
         (["--preset", "nope"], "unknown preset"),
         (["--accumulator", "h999"], "accumulator model of fp8lab.gemm"),
+        (["--scale-rule", "biggest"], "unknown scale_rule"),
         (["--accumulator", "limited", "--acc-rounding", "toward_zero"], "its own rounding"),
     ],
 )
@@ -162,3 +163,16 @@ def test_preset_writes_figures_table_and_json(tmp_path) -> None:
     assert "| fig4_block_scaling | size=1024 | chunk=128 |" in table
     runs = json.loads((out / "seed000.json").read_text())["runs"]
     assert len(runs) == len({json.dumps(r["config"], sort_keys=True) for r in runs})
+
+
+def test_scale_rule_sweep() -> None:
+    res = _run(
+        "--length", "256", "--samples", "6", "--block", "32", "--scale-rule", "exact,mx_floor",
+        "--accumulator", "h100", "--json",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)["runs"]
+    assert [r["config"]["scale_rule"] for r in runs] == ["exact", "mx_floor"]
+    assert all(r["config"]["block"] == 32 and r["median_db"] > 15 for r in runs)
+    table = _run("--length", "64", "--samples", "4", "--scale-rule", "pow2_down")
+    assert table.exit_code == 0 and "auto (pow2_down)" in table.stdout

@@ -100,6 +100,7 @@ def build_configs(**opts: Any) -> list[Any]:
         "scaling": _scalings(opts["scaling"]),
         "block": _ints(opts["block"], "block", allow_none=True),
         "promote_every": _ints(opts["promote_every"], "promote-every", allow_none=True),
+        "scale_rule": _split(opts.get("scale_rule") or "exact", "scale-rule"),
     }
     if opts["accumulator"]:
         axes["accumulator"] = _split(opts["accumulator"], "accumulator")
@@ -128,6 +129,13 @@ def _varying(configs: list[Any], exclude: tuple[str, ...] = ()) -> list[str]:
     ]
 
 
+def _scaling_label(c: Any) -> str:
+    """``64``, ``auto`` (the float64 rule) or ``auto (mx_floor)`` (a rule of fp8lab.scaling)."""
+    if c.scaling != "auto":
+        return f"{c.scaling:g}"
+    return "auto" if c.scale_rule == "exact" else f"auto ({c.scale_rule})"
+
+
 def _print_table(results: list[Any], pooled: bool, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -147,7 +155,7 @@ def _print_table(results: list[Any], pooled: bool, title: str) -> None:
             str(c.length),
             f"{c.rho:g}",
             c.format,
-            str(c.scaling) if c.scaling == "auto" else f"{c.scaling:g}",
+            _scaling_label(c),
             str(c.block or "none"),
             c.accumulator_name,
             str(c.promote_every or "none"),
@@ -203,6 +211,13 @@ def register(app: typer.Typer) -> None:
         scale_target: float | None = typer.Option(
             None, "--scale-target", help="Value amax maps to (default: the format's max)."
         ),
+        scale_rule: str = typer.Option(
+            "exact",
+            "--scale-rule",
+            help="How auto scaling turns amax into a scale: exact (target/amax in float64, "
+            "the notebook's) or a rule of fp8lab.scaling: max, pow2_down, pow2_up, mx_floor, "
+            "mx_ceil, mx_even, mx_rceil (with --block 32: MX).",
+        ),
         accumulator: str = typer.Option(
             DEFAULT_ACCUMULATOR,
             "--accumulator",
@@ -247,7 +262,7 @@ def register(app: typer.Typer) -> None:
             configs = build_configs(
                 length=length, samples=samples, seed=seed, sigma=sigma, rho=rho,
                 correlation_model=correlation_model, format=fmt, rounding=rounding,
-                scaling=scaling, block=block, scale_target=scale_target,
+                scaling=scaling, block=block, scale_target=scale_target, scale_rule=scale_rule,
                 accumulator=accumulator, acc_rounding=acc_rounding,
                 promote_every=promote_every, saturate=saturate,
             )  # fmt: skip

@@ -59,3 +59,16 @@ def test_accumulator_kinds_are_told_apart() -> None:
     d = SnrConfig(accumulator="limited").to_dict()
     assert d["accumulator"] == "limited" and d["acc_rounding"] is None
     assert SnrConfig().to_dict()["accumulator"] == "e4m3"  # the library default stays
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"scale_rule": "nvfp4"}, "unknown scale_rule"),
+        ({"scale_rule": "max", "scaling": 64.0}, "use scaling='auto'"),
+        ({"scale_rule": "mx_floor", "scale_target": 224.0}, "scale_target=224 applies"),
+    ],
+)
+def test_scale_rule_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SnrConfig(**kwargs)

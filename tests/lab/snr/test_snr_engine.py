@@ -154,3 +154,43 @@ def test_quantile_with_infinities() -> None:
     assert snr.quantile(v, 0.0) == 1.0
     assert snr.quantile(v, 0.5) == math.inf
     assert snr.quantile(np.array([1.0, 3.0]), 0.5) == 2.0
+
+
+@pytest.mark.parametrize(
+    ("rule", "block"), [("max", None), ("pow2_down", 64), ("mx_floor", 32), ("mx_rceil", 32)]
+)
+def test_scale_rules_of_fp8lab_scaling(rule: str, block: int | None) -> None:
+    # the rule of fp8lab.scaling on the float32 amax, elements cast(x * s), exact sums, de-scaled
+    from fp8lab.scaling import get_rule
+
+    cfg = SnrConfig(length=128, samples=4, seed=9, block=block, scale_rule=rule, accumulator="fp64")
+    a, b = snr.generate_vectors(cfg)
+    res = snr.run(cfg)
+    n = block or cfg.length
+    for i in range(cfg.samples):
+        total = 0.0
+        for k0 in range(0, cfg.length, n):
+            xa, xb = a[i, k0 : k0 + n], b[i, k0 : k0 + n]
+            sa, sb = (
+                float(
+                    get_rule(rule)(
+                        torch.tensor(float(np.abs(x).max()), dtype=torch.float32), "e4m3"
+                    )
+                )
+                for x in (xa, xb)
+            )
+            qa = cast(torch.from_numpy(xa * sa), "e4m3").double().numpy()
+            qb = cast(torch.from_numpy(xb * sb), "e4m3").double().numpy()
+            total += float(np.sum(qa * qb)) / (sa * sb)
+        assert res.result[i] == pytest.approx(total, rel=1e-12)
+    if rule.startswith(("mx", "pow2")):  # power-of-two scales: the same SNR at any sigma
+        res2 = snr.run(replace(cfg, sigma=cfg.sigma * 8))
+        np.testing.assert_array_equal(res2.result, res.result * 64)
+
+
+def test_scale_rule_changes_only_the_scales() -> None:
+    base = SnrConfig(length=256, samples=8, seed=2, accumulator="fp32")
+    exact, te = snr.run_many([base, replace(base, scale_rule="max")])
+    # TE's max rule maps amax to 448 in float32: nearly the same scales as the float64 rule
+    assert abs(exact.median_db - te.median_db) < 1.0
+    assert exact.config.to_dict()["scale_rule"] == "exact"

@@ -13,7 +13,8 @@ The low-precision pipeline (all of it configurable in `SnrConfig`):
 1. **Scale.** ``scaling`` is a fixed factor ``s`` (``a*s``, ``b*s``, result divided by ``s**2``) or
    ``"auto"``: per vector ``s = scale_target / amax`` (result divided by ``s_a * s_b``). With
    ``block=B`` every block of ``B`` elements of ``a`` and of ``b`` gets its own such scale.
-   ``scale_target`` defaults to the element format's max.
+   ``scale_target`` defaults to the element format's max. ``scale_rule`` swaps this float64
+   rule for one of `fp8lab.scaling.rules` (``max``, ``pow2_down``, ``mx_floor``, ...).
 2. **Quantise** the scaled elements to ``format`` with ``rounding`` (`fp8lab.cast`).
 3. **Accumulate** with ``accumulator``:
 
@@ -49,6 +50,7 @@ from fp8lab.lab.snr.config import (
     CORRELATION_MODELS,
     EXACT_ACCUMULATOR,
     PLOT_CAP_DB,
+    SCALE_RULE_CHOICES,
     SnrConfig,
     is_model_accumulator,
 )
@@ -61,6 +63,7 @@ __all__ = [
     "EXACT_ACCUMULATOR",
     "PLOT_CAP_DB",
     "PRESETS",
+    "SCALE_RULE_CHOICES",
     "Figure",
     "Panel",
     "Preset",

@@ -14,6 +14,7 @@ __all__ = [
     "CORRELATION_MODELS",
     "EXACT_ACCUMULATOR",
     "PLOT_CAP_DB",
+    "SCALE_RULE_CHOICES",
     "SnrConfig",
     "is_model_accumulator",
 ]
@@ -23,6 +24,9 @@ PLOT_CAP_DB = 150.0
 
 CORRELATION_MODELS = ("exact", "simple")
 EXACT_ACCUMULATOR = "fp64"
+#: ``scale_rule`` values: the study's own float64 rule, or a per-block rule of `fp8lab.scaling`
+SCALE_RULE_CHOICES = ("exact", "max", "pow2_down", "pow2_up", "mx_floor", "mx_ceil", "mx_even",
+                      "mx_rceil")  # fmt: skip
 
 
 def is_model_accumulator(name: str | None) -> bool:
@@ -67,6 +71,11 @@ class SnrConfig:
         promote_every: promotion interval in elements, or None (no promotion; with ``block``: the
             block size).
         saturate: clamp overflow to +-max (else Inf/NaN as the format defines).
+        scale_rule: how ``"auto"`` turns an amax into a multiplier: ``"exact"`` (the notebook's
+            ``scale_target / amax`` in float64) or a rule of `fp8lab.scaling.rules` (``max``,
+            ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``, ``mx_even``, ``mx_rceil``)
+            applied to the amax rounded to float32, as a quantizer of that rule computes it
+            (``max`` is TE's current scaling; ``mx_*`` with ``block=32`` is MX).
     """
 
     length: int = 1024
@@ -84,6 +93,7 @@ class SnrConfig:
     acc_rounding: str | None = None
     promote_every: int | None = None
     saturate: bool = True
+    scale_rule: str = "exact"
 
     def __post_init__(self) -> None:
         _positive_int("length", self.length)
@@ -135,6 +145,21 @@ class SnrConfig:
             if st > fmt.max:
                 raise ValueError(f"scale_target {st:g} exceeds the max of {fmt.name} ({fmt.max:g})")
             object.__setattr__(self, "scale_target", float(st))
+        if self.scale_rule not in SCALE_RULE_CHOICES:
+            raise ValueError(
+                f"unknown scale_rule {self.scale_rule!r}; valid: {', '.join(SCALE_RULE_CHOICES)}"
+            )
+        if self.scale_rule != "exact":
+            if self.scaling != "auto":
+                raise ValueError(
+                    f"scale_rule={self.scale_rule!r} computes the scale from the amax: use "
+                    f"scaling='auto', not {self.scaling:g}"
+                )
+            if self.scale_target is not None:
+                raise ValueError(
+                    f"scale_rule={self.scale_rule!r} maps the amax to the format's max (its own "
+                    f"rule); scale_target={self.scale_target:g} applies to scale_rule='exact' only"
+                )
 
     def _check_accumulator(self) -> None:
         acc = self.accumulator

@@ -17,12 +17,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from fp8lab.formats import get_format
 from fp8lab.lab.snr.casts import cast_array
 from fp8lab.lab.snr.config import EXACT_ACCUMULATOR, SnrConfig
 from fp8lab.lab.snr.result import SnrResult, snr_db
 from fp8lab.lab.snr.sequential import accumulate
+from fp8lab.scaling.rules import get_rule
 
 __all__ = ["generate_vectors", "run", "run_many", "sweep"]
 
@@ -44,14 +46,18 @@ def generate_vectors(config: SnrConfig) -> tuple[np.ndarray, np.ndarray]:
 def _scales(x: np.ndarray, config: SnrConfig) -> np.ndarray:
     """Quantisation multipliers: [samples, n_blocks] (n_blocks = 1 without block).
 
-    ``auto``: ``scale_target / amax`` per vector or block, in float64 (the notebook's rule; TE's
-    ``max`` rule in `fp8lab.scaling.rules` divides in float32 and maps amax to the format's max
-    only, so it is not the same rule)."""
+    ``auto`` with ``scale_rule="exact"``: ``scale_target / amax`` per vector or block, in float64
+    (the notebook's rule; TE's ``max`` rule divides in float32 and maps amax to the format's max
+    only, so it is not the same rule). Another ``scale_rule`` is that rule of
+    `fp8lab.scaling.rules` on the amax rounded to float32."""
     samples, length = x.shape
     if config.scaling != "auto":
         return np.full((samples, 1), float(config.scaling))
     nblk = length // config.block if config.block else 1
     amax = np.abs(x.reshape(samples, nblk, -1)).max(axis=2)
+    if config.scale_rule != "exact":
+        rule = get_rule(config.scale_rule)
+        return rule(torch.from_numpy(amax).float(), config.format).double().numpy()
     with np.errstate(divide="ignore"):
         s = config.target / amax
     # an all-zero block: nothing to scale, keep the multiplier finite
