@@ -1,5 +1,36 @@
-"""`fp8lab.cost`: what a recipe costs on a GPU, from fp8lab's own counts and a calibrated roofline."""
+"""`fp8lab.cost`: what a recipe costs on a GPU before anyone rents one.
+
+* `count_linear_step` — exact per-tensor passes of one Linear step (amax, cast, transpose,
+  re-tilings from quantized values or from high precision, scale bytes, promotion FMAs), counted
+  from fp8lab's own execution (`fp8lab.cost.counting`);
+* `price_layer` / `predict_step_ms` — a roofline with efficiencies calibrated on Transformer
+  Engine's published GEMM timings (`fp8lab.cost.model`, `fp8lab.cost.calibration`);
+* `get_device` / `device_names` — device tables with sources (`fp8lab.cost.devices`).
+"""
 
 from fp8lab.cost.counting import Event, GemmEvent, StepCounts, count_linear_step
+from fp8lab.cost.devices import Device, device_names, get_device
+from fp8lab.cost.model import (
+    SCENARIOS,
+    LayerCost,
+    TransformerShape,
+    UnpriceableError,
+    predict_step_ms,
+    price_layer,
+)
 
-__all__ = ["Event", "GemmEvent", "StepCounts", "count_linear_step"]
+__all__ = [
+    "SCENARIOS",
+    "Device",
+    "Event",
+    "GemmEvent",
+    "LayerCost",
+    "StepCounts",
+    "TransformerShape",
+    "UnpriceableError",
+    "count_linear_step",
+    "device_names",
+    "get_device",
+    "predict_step_ms",
+    "price_layer",
+]

@@ -61,6 +61,13 @@ ROLE_DIMS = {"input": ("T", "I"), "weight": ("O", "I"), "grad_output": ("T", "O"
 #: the GEMMs' (M, K, N) in the symbols: fprop y = x W^T, dgrad dx = dy W, wgrad dW^T = x^T dy
 GEMM_DIMS = {"fprop": ("T", "I", "O"), "dgrad": ("T", "O", "I"), "wgrad": ("I", "T", "O")}
 
+#: (A, B) operand roles of each GEMM in the (M, K, N) orientation of `GEMM_DIMS`
+GEMM_AB = {
+    "fprop": ("input", "weight"),
+    "dgrad": ("grad_output", "weight"),
+    "wgrad": ("input", "grad_output"),
+}
+
 #: proxy dimensions of the counted step: distinct, multiples of 128 (every block size divides)
 PROXY = {"T": 384, "I": 256, "O": 640}
 
@@ -85,7 +92,8 @@ class Event:
 @dataclass(frozen=True)
 class GemmEvent:
     """One GEMM: ``m, k, n`` for the counted shape, operand formats (``bf16``/``fp16``/``fp32``
-    for high-precision GEMMs) and block granularities in GEMM orientation, the promotion
+    for high-precision GEMMs), block granularities (natural layout of each operand: A is
+    `GEMM_AB`'s first role, B its second) and rules, the promotion
     interval (None: never promoted into FP32 by software) and the promotion FMAs."""
 
     gemm: str
@@ -99,6 +107,15 @@ class GemmEvent:
     scaling_a: str | None
     scaling_b: str | None
     promote_every: int | None
+
+    def natural_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Shapes of A and B as stored (natural layout, the layout their blocks refer to)."""
+        d = dict(zip(GEMM_DIMS[self.gemm], (self.m, self.k, self.n), strict=True))
+        a, b = GEMM_AB[self.gemm]
+        return (
+            (d[ROLE_DIMS[a][0]], d[ROLE_DIMS[a][1]]),
+            (d[ROLE_DIMS[b][0]], d[ROLE_DIMS[b][1]]),
+        )
 
     @property
     def flops(self) -> int:
@@ -334,7 +351,7 @@ def _has(gemm: str, role: str) -> bool:
 
 def _gemm_event(plan: Any, g: str, d: dict[str, int]) -> GemmEvent:
     gp = getattr(plan, g)
-    a_role, b_role = (r for r, _ in GEMM_OPERANDS[g])
+    a_role, b_role = GEMM_AB[g]
     info = []
     for role in (a_role, b_role):
         op = gp[role]

@@ -249,9 +249,10 @@ def _operand_bytes(fmt: str, gran: tuple[int, int] | None, rule: str | None, r: 
 def _price_gemm(g: GemmEvent, name: str, dev: Device, recipe: str) -> GemmCost:
     cls = gemm_class(g)
     eff = _efficiency(dev, cls, recipe)
-    # A [M, K] (reduced along K), B [K, N]: scale blocks in GEMM orientation
-    a = _operand_bytes(g.fmt_a, g.gran_a, g.scaling_a, g.m, g.k)
-    b = _operand_bytes(g.fmt_b, g.gran_b, g.scaling_b, g.k, g.n)
+    # operands as stored: their blocks refer to the natural layout
+    (ra, ca), (rb, cb) = g.natural_shapes()
+    a = _operand_bytes(g.fmt_a, g.gran_a, g.scaling_a, ra, ca)
+    b = _operand_bytes(g.fmt_b, g.gran_b, g.scaling_b, rb, cb)
     nbytes = a + b + g.m * g.n * OUTPUT_BYTES
     t_compute = g.flops / (dev.peak(cls) * eff)
     t_memory = nbytes / (dev.bandwidth * dev.bandwidth_efficiency)

@@ -1,0 +1,76 @@
+"""Held-out prediction of Transformer Engine's published GEMM timings (issue 17 acceptance).
+
+Calibration uses the fprop sums only; dgrad, wgrad and the layer totals are predictions.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from fp8lab.cost import calibration as C
+from fp8lab.cost.devices import DATA, DEVICES_DIR, device_names, get_device
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return C.calibrate()
+
+
+def test_shipped_calibration_is_the_fit(fitted):
+    shipped = tomllib.loads((DATA / "calibration.toml").read_text())
+    assert set(shipped) == set(fitted)
+    for dev, cal in fitted.items():
+        assert shipped[dev]["bandwidth_efficiency"] == pytest.approx(
+            cal["bandwidth_efficiency"], abs=2e-6
+        )
+        for cls, e in cal["efficiency"].items():
+            assert shipped[dev]["efficiency"][cls] == pytest.approx(e, abs=2e-6)
+        assert all(f.endswith("fprop") for f in cal["fitted_on"])
+
+
+def test_fit_reproduces_the_calibration_passes(fitted):
+    fit = [r for r in C.residuals(fitted) if not r.held_out]
+    assert {r.quantity for r in fit} == {"fprop"}
+    assert len(fit) == 4 + 5  # H200: 4 recipes, B300: 5
+    assert all(abs(r.error) < 1e-6 for r in fit)
+
+
+def test_held_out_autocast_within_10_percent():
+    held = [r for r in C.residuals() if r.held_out and "pre-quantized" not in r.quantity]
+    assert len(held) == 9 * 3  # dgrad, wgrad, layer of every published recipe
+    worst = max(held, key=lambda r: abs(r.error))
+    assert abs(worst.error) <= 0.10, worst
+
+
+def test_quantization_share_of_current_scaling_on_h200():
+    published, predicted = C.quantization_share()
+    assert published == 0.17
+    assert abs(predicted - published) <= 0.05
+
+
+def test_recipe_ordering_where_speedups_differ_by_more_than_5_percent():
+    pairs = C.ordering_check()
+    assert len(pairs) >= 10
+    assert all(p["agree"] for p in pairs), [p for p in pairs if not p["agree"]]
+
+
+def test_405b_blackwell_ordering_external_check():
+    ext = C.external_check()
+    assert ext["reported_order"] == ["mxfp8", "te-current", "te-delayed"]
+    assert ext["agree"], ext
+    assert "reported" in ext["status"]
+
+
+def test_device_tables_carry_sources_and_flags():
+    assert set(device_names()) == {"h100", "h200", "h200-nvl", "b200", "b300"}
+    for name in device_names():
+        raw = tomllib.loads((DEVICES_DIR / f"{name}.toml").read_text())
+        for entry in [*raw["peak_tflops"].values(), raw["bandwidth_tbs"]]:
+            assert entry["status"] in ("verified", "reported")
+            assert entry["source"]
+        assert all(v["dense"] is True for v in raw["peak_tflops"].values())
+        dev = get_device(name)
+        assert dev.efficiency, name  # every device has calibrated efficiencies (own or borrowed)
+    assert "sparsity" in get_device("b200").note  # the spec-sheet disagreement is stated
