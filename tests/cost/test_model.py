@@ -121,3 +121,16 @@ def test_ledger_sums_to_kernel_bytes():
     assert led["qkv.input"]["read:bf16"] == 2 * x
     assert led["qkv.input"]["written:fp8"] == 2 * x
     assert led["qkv.input"]["written:scales"] == 2 * x // 32
+
+
+def test_price_linears_and_step_from_a_list_of_linears():
+    dev = get_device("h200-nvl", CAL)
+    layer = price_layer("te-current", dev, SHAPE)
+    lins = SHAPE.linears()
+    same = predict_step_ms("te-current", dev, linears=lins, tokens=SHAPE.tokens)
+    assert same == pytest.approx(layer.layer_ms)
+    one = predict_step_ms("te-current", dev, linears=lins[:1], tokens=SHAPE.tokens)
+    assert one == pytest.approx(sum(g.ms for g in layer.gemms if g.name.startswith("qkv."))
+                                + sum(k.ms for k in layer.kernels if k.tensor.startswith("qkv.")))  # fmt: skip
+    with pytest.raises(ValueError, match="tokens"):
+        predict_step_ms("bf16", dev, linears=lins)

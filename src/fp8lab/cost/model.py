@@ -42,6 +42,7 @@ __all__ = [
     "gemm_class",
     "predict_step_ms",
     "price_layer",
+    "price_linears",
 ]
 
 #: bytes per element of the high-precision tensors the GPU quantizes (bf16 activations/weights)
@@ -136,7 +137,7 @@ class LayerCost:
     recipe: str
     device: str
     scenario: str
-    shape: TransformerShape
+    shape: TransformerShape | None
     gemms: list[GemmCost] = field(default_factory=list)
     kernels: list[KernelCost] = field(default_factory=list)
 
@@ -347,27 +348,40 @@ def price_layer(
     shapes timed as an independent te.Linear forward, quantizing both operands each time).
     Raises `UnpriceableError` (a ValueError) when the device cannot run the recipe's GEMMs.
     """
+    shape = shape or TransformerShape()
+    return price_linears(recipe, device, shape.linears(), shape.tokens, scenario, shape)
+
+
+def price_linears(
+    recipe: Recipe | str,
+    device: Device | str,
+    linears: list[tuple[str, int, int]],
+    tokens: int,
+    scenario: str = "training",
+    shape: TransformerShape | None = None,
+) -> LayerCost:
+    """Like `price_layer` for any Linear layers: ``linears`` = ``[(name, in_features,
+    out_features)]``, each run on ``tokens`` tokens (e.g. a model's converted Linears)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     rec = get_recipe(recipe)
     dev = get_device(device) if isinstance(device, str) else device
-    shape = shape or TransformerShape()
     base = _counts(rec)
     cost = LayerCost(rec.name, dev.name, scenario, shape)
-    t = shape.tokens
-    for lin, i, o in shape.linears():
+    for lin, i, o in linears:
         if scenario == "training":
-            c = base.scaled(T=t, I=i, O=o)
+            c = base.scaled(T=tokens, I=i, O=o)
             cost.kernels += _price_kernels(c, lin, dev)
             cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, rec.name) for g in c.gemms]
             continue
         for gemm in ("fprop", "dgrad", "wgrad"):
-            m, k, n = _bench_dims(gemm, t, i, o)
+            m, k, n = _bench_dims(gemm, tokens, i, o)
             c = base.scaled(T=m, I=k, O=n).select(_BENCH_KEEP, ("fprop",))
             for kc in _price_kernels(c, f"{lin}.{gemm}", dev):
                 cost.kernels.append(_regemm(kc, gemm))
-            g = c.gemms[0]
-            cost.gemms.append(_price_gemm(g, f"{lin}.{gemm}", dev, rec.name))
+            cost.gemms.append(_price_gemm(c.gemms[0], f"{lin}.{gemm}", dev, rec.name))
     return cost
 
 
@@ -377,8 +391,22 @@ def _regemm(k: KernelCost, gemm: str) -> KernelCost:
     return replace(k, gemm=gemm)
 
 
-def predict_step_ms(recipe: Recipe | str, device: Device | str, shape: TransformerShape) -> float:
-    """Predicted GEMM + quantization time (ms) of one training step of all ``shape.layers``
-    layers (the ``training`` scenario); attention, norms and communication are not included.
-    For `fp8lab compare`'s "predicted step time on DEVICE" column."""
+def predict_step_ms(
+    recipe: Recipe | str,
+    device: Device | str,
+    shape: TransformerShape | None = None,
+    *,
+    linears: list[tuple[str, int, int]] | None = None,
+    tokens: int | None = None,
+) -> float:
+    """Predicted GEMM + quantization time (ms) of one training step (the ``training``
+    scenario): all ``shape.layers`` layers of ``shape``, or the given ``linears`` (``[(name,
+    in, out)]``, each once) on ``tokens`` tokens. Attention, norms, the optimizer and
+    communication are not included. For `fp8lab compare`'s "predicted step time on DEVICE"
+    column. Raises `UnpriceableError` for a recipe the device cannot run."""
+    if linears is not None:
+        if tokens is None:
+            raise ValueError("predict_step_ms: linears= needs tokens=")
+        return price_linears(recipe, device, linears, tokens).layer_ms
+    shape = shape or TransformerShape()
     return price_layer(recipe, device, shape, "training").layer_ms * shape.layers
