@@ -112,10 +112,13 @@ def accumulate(
     )
     sums = _Sums(configs, rows, rnd)
     part = sums.part
+    # the counts after which some block or promotion chunk ends (the loop skips the others)
+    stops = {length}.union(*(range(n, length + 1, n) for n in sums.intervals))
     for j in range(length):
         part += prods[j]
         rnd(part)
-        sums.boundary(j + 1, j + 1 == length, sa, sb)
+        if j + 1 in stops:
+            sums.boundary(j + 1, j + 1 == length, sa, sb)
     # unblocked rows: undo the (per-vector or fixed) scale once
     ub = ~sums.blocked
     total = sums.total
