@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     # L3 PyTorch integration
     "autocast": "fp8lab.nn",
     "LossScaler": "fp8lab.optim",
+    # L6 cost model
+    "predict_step_ms": "fp8lab.cost",
 }
 _SUBMODULES = {"formats", "scaling", "qtensor", "gemm", "recipe", "nn", "optim", "stats", "lab"}
 
