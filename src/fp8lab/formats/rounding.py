@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -239,99 +240,97 @@ def _finish(mag, neg, is_zero_in, maxval, ovfval, tinyval, flags):
     return mag
 
 
+# Format constants travel as ONE record per kernel family (a NamedTuple, which numba passes by
+# value as a struct): `_GenericGrid` for the integer-significand kernels, `_FastGrid` for the
+# float32 bit kernels. Built once per (format, saturate, overflow rule) and cached.
+class _GenericGrid(NamedTuple):
+    qtab: np.ndarray  # int64[_TAB_N]: exponent of the grid spacing per binade
+    stab: np.ndarray  # float64[_TAB_N]: 2.0**qtab
+    maxval: float  # the format's max
+    ovfval: float  # what an overflowing finite input becomes
+    infval: float  # what an infinite input becomes
+    tinyval: float  # a non-zero input rounding to 0 in a format without zero
+    flags: int  # _F_SIGNED_ZERO | _F_HAS_ZERO | _F_SIGNED
+
+
+class _FastGrid(NamedTuple):
+    is_hif8: bool
+    s_norm: np.int32  # rounding shift for binades >= emin
+    emin_field: np.int32  # float32 exponent field of the smallest normal binade
+    lowq150: np.int32  # exponent of the grid spacing below emin, + 150
+    s_e0: np.int32  # rounding shift for float32 subnormal inputs
+    maxb: np.uint32  # float32 bits of max, of the overflow result, inf result, tiny result
+    ovfb: np.uint32
+    infb: np.uint32
+    tinyb: np.uint32
+    no_zero: bool
+    signed: bool
+    signed_zero: bool
+
+
 @njit(cache=True, inline="always")
-def _generic32_one(u, i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
-    u = np.int64(u)
-    a = u & 0x7FFFFFFF
-    neg = (u >> 31) != 0
-    if a >= 0x7F800000:
-        if a > 0x7F800000:
+def _generic_one(a, neg, inf_bits, mbits, i, g, mode, seed, hyb16):
+    """One element from its IEEE fields: ``a`` = |x| bits (int64) of a binary32 (``mbits`` 23,
+    ``inf_bits`` 0x7F800000) or binary64 (52, 0x7FF0000000000000) input; float64 result."""
+    if a >= inf_bits:
+        if a > inf_bits:
             return np.nan
-        r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
-    elif a == 0:
-        r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
+        return _finish(g.infval, neg, False, math.inf, 0.0, g.tinyval, g.flags)
+    if a == 0:
+        return _finish(0.0, neg, True, g.maxval, g.ovfval, g.tinyval, g.flags)
+    bias = inf_bits >> (mbits + 1)  # 127 / 1023
+    ex = a >> mbits
+    if ex == 0:  # subnormal input: eb = floor(log2 |x|) from the bit length
+        sig = a
+        e0 = 1 - bias - mbits
+        eb = e0 - 1
+        m = a
+        while m != 0:
+            m >>= 1
+            eb += 1
     else:
-        ex = a >> 23
-        if ex == 0:
-            sig = a
-            e0 = -149
-            eb = -150
-            m = a
-            while m != 0:
-                m >>= 1
-                eb += 1
-        else:
-            sig = (a & 0x7FFFFF) | 0x800000
-            e0 = ex - 150
-            eb = ex - 127
-        mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
-        r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
-    return r
-
-
-@njit(parallel=True, cache=True)
-def _cast_u32(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
-    for i in prange(src.shape[0]):
-        dst[i] = _generic32_one(
-            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-        )
-
-
-@njit(cache=True)
-def _cast_u32_serial(
-    src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-):
-    for i in range(src.shape[0]):
-        dst[i] = _generic32_one(
-            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-        )
+        sig = (a & ((np.int64(1) << mbits) - 1)) | (np.int64(1) << mbits)
+        e0 = ex - bias - mbits
+        eb = ex - bias
+    mag = _round_mag(sig, e0, eb, i, g.qtab, g.stab, mode, seed, hyb16)
+    return _finish(mag, neg, False, g.maxval, g.ovfval, g.tinyval, g.flags)
 
 
 @njit(cache=True, inline="always")
-def _generic64_one(u, i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+def _generic32_one(u, i, g, mode, seed, hyb16):
+    u = np.int64(u)
+    return _generic_one(u & 0x7FFFFFFF, (u >> 31) != 0, 0x7F800000, 23, i, g, mode, seed, hyb16)
+
+
+@njit(cache=True, inline="always")
+def _generic64_one(u, i, g, mode, seed, hyb16):
     a = np.int64(u & np.uint64(0x7FFFFFFFFFFFFFFF))
     neg = (u >> np.uint64(63)) != 0
-    if a >= 0x7FF0000000000000:
-        if a > 0x7FF0000000000000:
-            return np.nan
-        r = _finish(infval, neg, False, math.inf, 0.0, tinyval, flags)
-    elif a == 0:
-        r = _finish(0.0, neg, True, maxval, ovfval, tinyval, flags)
-    else:
-        ex = a >> 52
-        if ex == 0:
-            sig = a
-            e0 = -1074
-            eb = -1075
-            m = a
-            while m != 0:
-                m >>= 1
-                eb += 1
-        else:
-            sig = (a & 0xFFFFFFFFFFFFF) | 0x10000000000000
-            e0 = ex - 1075
-            eb = ex - 1023
-        mag = _round_mag(sig, e0, eb, i, qtab, stab, mode, seed, hyb16)
-        r = _finish(mag, neg, False, maxval, ovfval, tinyval, flags)
-    return r
+    return _generic_one(a, neg, 0x7FF0000000000000, 52, i, g, mode, seed, hyb16)
 
 
 @njit(parallel=True, cache=True)
-def _cast_u64(src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16):
+def _cast_u32(src, dst, g, mode, seed, hyb16):
     for i in prange(src.shape[0]):
-        dst[i] = _generic64_one(
-            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-        )
+        dst[i] = _generic32_one(src[i], i, g, mode, seed, hyb16)
 
 
 @njit(cache=True)
-def _cast_u64_serial(
-    src, dst, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-):
+def _cast_u32_serial(src, dst, g, mode, seed, hyb16):
     for i in range(src.shape[0]):
-        dst[i] = _generic64_one(
-            src[i], i, qtab, stab, maxval, ovfval, infval, tinyval, flags, mode, seed, hyb16
-        )
+        dst[i] = _generic32_one(src[i], i, g, mode, seed, hyb16)
+
+
+@njit(parallel=True, cache=True)
+def _cast_u64(src, dst, g, mode, seed, hyb16):
+    for i in prange(src.shape[0]):
+        dst[i] = _generic64_one(src[i], i, g, mode, seed, hyb16)
+
+
+@njit(cache=True)
+def _cast_u64_serial(src, dst, g, mode, seed, hyb16):
+    for i in range(src.shape[0]):
+        dst[i] = _generic64_one(src[i], i, g, mode, seed, hyb16)
 
 
 _U = np.uint32
@@ -345,38 +344,46 @@ def _f32_bits(v: float) -> int:
 
 
 @njit(cache=True, inline="always")
-def _sr_one(
-    u,
-    i,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-    seed,
-    hyb16,
-):
-    """One element for ``stochastic`` (3) and ``hybrid`` (4); see `_det_one`."""
-    a = u & _U(0x7FFFFFFF)
+def _shift_of(a, g):
+    """(float32 exponent field, rounding position s) of |x| bits ``a``: the number of float32
+    bits below the grid spacing (tapered per binade for HiF8)."""
     ex = _I(a >> _U(23))
-    eb = ex - _I(127)
-    if is_hif8:
+    if g.is_hif8:
+        eb = ex - _I(127)
         ab = abs(eb)
         sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
         sl = max(_I(23), _I(1) - eb)
         s = sl if eb < -15 else sh
     else:
-        sx = lowq150 - ex
-        s = s_norm if ex >= emin_field else sx
-        s = s_e0 if ex == 0 else s
+        sx = g.lowq150 - ex
+        s = g.s_norm if ex >= g.emin_field else sx
+        s = g.s_e0 if ex == 0 else s
+    return ex, s
+
+
+@njit(cache=True, inline="always")
+def _finish_bits(u, a, r, g):
+    """Overflow, zero, Inf/NaN and sign handling of a rounded magnitude ``r`` (float32 bits)."""
+    o = g.ovfb if r > g.maxb else r
+    if r == 0 and g.no_zero:
+        o = _U(_NAN_BITS) if a == 0 else g.tinyb
+    if a >= _U(0x7F800000):
+        o = g.infb if a == _U(0x7F800000) else _U(_NAN_BITS)
+    sgn = u & _U(0x80000000)
+    sgn = sgn if ((o != 0) | g.signed_zero) else _U(0)
+    if g.signed:
+        out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
+    else:
+        out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
+    return out
+
+
+@njit(cache=True, inline="always")
+def _sr_one(u, i, g, mode, seed, hyb16):
+    """One element for ``stochastic`` (3) and ``hybrid`` (4); see `_det_one`."""
+    a = u & _U(0x7FFFFFFF)
+    ex, s = _shift_of(a, g)
+    eb = ex - _I(127)
     sc = _U(min(max(s, _I(1)), _I(23)))
     low = (_U(1) << sc) - _U(1)
     if mode == 3:
@@ -412,121 +419,23 @@ def _sr_one(
         r = qb if up else _U(0)
     if mode == 4 and a >= _U(_HYB_OVF_BITS):
         r = _U(0x7F800000)
-    o = ovfb if r > maxb else r
-    if r == 0 and no_zero:
-        o = _U(_NAN_BITS) if a == 0 else tinyb
-    if a >= _U(0x7F800000):
-        o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
-    sgn = u & _U(0x80000000)
-    sgn = sgn if ((o != 0) | signed_zero) else _U(0)
-    if signed:
-        out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
-    else:
-        out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
-    return out
+    return _finish_bits(u, a, r, g)
 
 
 @njit(parallel=True, cache=True)
-def _cast_fast(
-    src,
-    dst,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-    seed,
-    hyb16,
-):
+def _cast_fast(src, dst, g, mode, seed, hyb16):
     for i in prange(src.shape[0]):
-        dst[i] = _sr_one(
-            src[i],
-            i,
-            is_hif8,
-            s_norm,
-            emin_field,
-            lowq150,
-            s_e0,
-            maxb,
-            ovfb,
-            infb,
-            tinyb,
-            no_zero,
-            signed,
-            signed_zero,
-            mode,
-            seed,
-            hyb16,
-        )
+        dst[i] = _sr_one(src[i], i, g, mode, seed, hyb16)
 
 
 @njit(cache=True)
-def _cast_fast_serial(
-    src,
-    dst,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-    seed,
-    hyb16,
-):
+def _cast_fast_serial(src, dst, g, mode, seed, hyb16):
     for i in range(src.shape[0]):
-        dst[i] = _sr_one(
-            src[i],
-            i,
-            is_hif8,
-            s_norm,
-            emin_field,
-            lowq150,
-            s_e0,
-            maxb,
-            ovfb,
-            infb,
-            tinyb,
-            no_zero,
-            signed,
-            signed_zero,
-            mode,
-            seed,
-            hyb16,
-        )
+        dst[i] = _sr_one(src[i], i, g, mode, seed, hyb16)
 
 
 @njit(cache=True, inline="always")
-def _det_one(
-    u,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-):
+def _det_one(u, g, mode):
     """One element, float32 bits -> float32 bits, for the deterministic modes (0, 1, 2).
 
     For a rounding position ``s`` (float32 bits below the grid spacing) in 1..23, adding the
@@ -535,17 +444,7 @@ def _det_one(
     ``s <= 0`` is already on the grid. 32-bit arithmetic, few branches: about 1 ns per element.
     """
     a = u & _U(0x7FFFFFFF)
-    ex = _I(a >> _U(23))
-    if is_hif8:
-        eb = ex - _I(127)
-        ab = abs(eb)
-        sh = _I(20) + _I(ab >= 4) + _I(ab >= 8)
-        sl = max(_I(23), _I(1) - eb)
-        s = sl if eb < -15 else sh
-    else:
-        sx = lowq150 - ex
-        s = s_norm if ex >= emin_field else sx
-        s = s_e0 if ex == 0 else s
+    ex, s = _shift_of(a, g)
     sc = _U(min(max(s, _I(1)), _I(23)))
     low = (_U(1) << sc) - _U(1)
     if mode == 0:
@@ -562,92 +461,45 @@ def _det_one(
         qb = _U(q + 127) << _U(23) if q >= -126 else _U(1) << _U(max(q + 149, 0))
         up = (s == 24) & (ex != 0) & ((mode == 1) | ((mode == 0) & ((a & _U(0x7FFFFF)) != 0)))
         r = qb if up else _U(0)
-    o = ovfb if r > maxb else r
-    if r == 0 and no_zero:
-        o = _U(_NAN_BITS) if a == 0 else tinyb
-    if a >= _U(0x7F800000):
-        o = infb if a == _U(0x7F800000) else _U(_NAN_BITS)
-    sgn = u & _U(0x80000000)
-    sgn = sgn if ((o != 0) | signed_zero) else _U(0)
-    if signed:
-        out = _U(_NAN_BITS) if o > _U(0x7F800000) else (o | sgn)
-    else:
-        out = _U(_NAN_BITS) if (o > _U(0x7F800000)) | ((u >> _U(31)) != 0) else o
-    return out
+    return _finish_bits(u, a, r, g)
 
 
 @njit(parallel=True, cache=True)
-def _cast_fast_det(
-    src,
-    dst,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-):
+def _cast_fast_det(src, dst, g, mode):
     for i in prange(src.shape[0]):
-        dst[i] = _det_one(
-            src[i],
-            is_hif8,
-            s_norm,
-            emin_field,
-            lowq150,
-            s_e0,
-            maxb,
-            ovfb,
-            infb,
-            tinyb,
-            no_zero,
-            signed,
-            signed_zero,
-            mode,
-        )
+        dst[i] = _det_one(src[i], g, mode)
 
 
 @njit(cache=True)
-def _cast_fast_det_serial(
-    src,
-    dst,
-    is_hif8,
-    s_norm,
-    emin_field,
-    lowq150,
-    s_e0,
-    maxb,
-    ovfb,
-    infb,
-    tinyb,
-    no_zero,
-    signed,
-    signed_zero,
-    mode,
-):
+def _cast_fast_det_serial(src, dst, g, mode):
     for i in range(src.shape[0]):
-        dst[i] = _det_one(
-            src[i],
-            is_hif8,
-            s_norm,
-            emin_field,
-            lowq150,
-            s_e0,
-            maxb,
-            ovfb,
-            infb,
-            tinyb,
-            no_zero,
-            signed,
-            signed_zero,
-            mode,
-        )
+        dst[i] = _det_one(src[i], g, mode)
+
+
+@functools.lru_cache(maxsize=512)
+def _grids(fmt: FloatFormat, saturate: bool, mode: int) -> tuple[_GenericGrid, _FastGrid | None]:
+    """The kernel records of ``fmt`` for an overflow rule (``saturate``, toward_zero or not)."""
+    p = _params(fmt)
+    infval = p.max if saturate else (math.inf if p.inf else math.nan)
+    ovf = p.max if mode == 2 else infval  # toward_zero never overflows a finite input
+    generic = _GenericGrid(p.qtab, p.stab, p.max, ovf, infval, p.tiny, p.flags)
+    if not p.fast:
+        return generic, None
+    fast = _FastGrid(
+        p.is_hif8 != 0,
+        _I(p.s_norm),
+        _I(p.emin_field),
+        _I(p.lowq + 150),
+        _I(p.s_e0),
+        _U(_f32_bits(p.max)),
+        _U(_f32_bits(ovf)),
+        _U(_f32_bits(infval)),
+        _U(_f32_bits(p.tiny)),
+        (p.flags & _F_HAS_ZERO) == 0,
+        (p.flags & _F_SIGNED) != 0,
+        (p.flags & _F_SIGNED_ZERO) != 0,
+    )
+    return generic, fast
 
 
 # ----------------------------------------------------------------------------------- public
@@ -712,7 +564,7 @@ def cast(
     mode = _resolve(fmt, rounding, saturate)
     if mode == 4 and x.dtype == torch.float64:
         raise ValueError("hybrid rounding follows the input dtype: use float32, bf16 or fp16 input")
-    p = _params(fmt)
+    _params(fmt)  # raises for a format float32 cannot hold (also for empty input)
     if x.requires_grad and torch.is_grad_enabled():
         return straight_through(x, cast(x.detach(), fmt, rounding, saturate, generator, out))
     x = x.detach()
@@ -728,46 +580,29 @@ def cast(
         src = x.contiguous()
         if out is None:
             dst = torch.empty(x.shape, dtype=torch.float32)
-    infval = p.max if saturate else (math.inf if p.inf else math.nan)
-    ovf = p.max if mode == 2 else infval  # toward_zero never overflows a finite input
     seed = _seed(generator) if mode == 3 else 0
     hyb16 = 1 if x.dtype == torch.float16 else 0
     n = src.numel()
     if n == 0:
         return dst
-    if p.fast and src.dtype == torch.float32 and not _force_generic:
-        args = (
-            src.view(-1).numpy().view(np.uint32),
-            dst.view(-1).numpy().view(np.uint32),
-            p.is_hif8 != 0,
-            _I(p.s_norm),
-            _I(p.emin_field),
-            _I(p.lowq + 150),
-            _I(p.s_e0),
-            _U(_f32_bits(p.max)),
-            _U(_f32_bits(ovf)),
-            _U(_f32_bits(infval)),
-            _U(_f32_bits(p.tiny)),
-            (p.flags & _F_HAS_ZERO) == 0,
-            (p.flags & _F_SIGNED) != 0,
-            (p.flags & _F_SIGNED_ZERO) != 0,
-            mode,
-        )
-        small = n < _SERIAL_BELOW
+    generic, fast = _grids(fmt, saturate, mode)
+    small = n < _SERIAL_BELOW
+    if fast is not None and src.dtype == torch.float32 and not _force_generic:
+        s32 = src.view(-1).numpy().view(np.uint32)
+        d32 = dst.view(-1).numpy().view(np.uint32)
         if mode <= 2:
-            (_cast_fast_det_serial if small else _cast_fast_det)(*args)
+            (_cast_fast_det_serial if small else _cast_fast_det)(s32, d32, fast, mode)
         else:
-            (_cast_fast_serial if small else _cast_fast)(*args, seed, hyb16)
+            (_cast_fast_serial if small else _cast_fast)(s32, d32, fast, mode, seed, hyb16)
         return dst
     d = dst.view(-1).numpy()
-    small = n < _SERIAL_BELOW
     if src.dtype == torch.float64:
         s = src.view(-1).numpy().view(np.uint64)
         kernel = _cast_u64_serial if small else _cast_u64
     else:
         s = src.view(-1).numpy().view(np.uint32)
         kernel = _cast_u32_serial if small else _cast_u32
-    kernel(s, d, p.qtab, p.stab, p.max, ovf, infval, p.tiny, p.flags, mode, seed, hyb16)
+    kernel(s, d, generic, mode, seed, hyb16)
     return dst
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -108,26 +108,29 @@ def _max_abs_diff(a, b):  # pragma: no cover - numba
     return m
 
 
-@njit(cache=True)
-def _seg_mul(xs, os, s):  # pragma: no cover - numba
-    for i in range(xs.shape[0]):
-        os[i] = xs[i] * s
+class RneGrid(NamedTuple):
+    """Constants of the fast RNE + saturate cast onto an ExMy grid with subnormals: ONE record
+    passed to the kernels (numba passes it by value)."""
+
+    shift: np.uint32  # float32 significand bits below the grid (23 - mbits)
+    half_m1: np.uint32  # half an ulp of the grid, minus 1, in those bits
+    lowmask: np.uint32  # clears the bits below the grid
+    emin_bits: np.uint32  # float32 bits of the smallest normal binade's exponent
+    maxbits: np.uint32  # float32 bits of the format's max
+    magic: np.float32  # 2**(emin - mbits + 23): the subnormal quantum's magic-number add
+    signed_zero: bool
 
 
-@njit(cache=True)
-def _scale_mul(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
-    for r in range(rows):
-        br = r // bm
-        base = r * cols
-        for cb in range(mult.shape[1]):
-            c0 = base + cb * bk
-            c1 = base + min((cb + 1) * bk, cols)
-            _seg_mul(x[c0:c1], of[c0:c1], mult[br, cb])
+# the grid argument of a pure multiply (op _MUL), where no rounding happens
+_NO_GRID = RneGrid(*(np.uint32(0),) * 5, np.float32(0.0), False)
+
+# what a block walk does per element: of = x*s; of = rne(x*s); and df = of*inv as well
+_MUL, _CAST, _CAST_DEQ = 0, 1, 2
 
 
 @njit(cache=True, inline="always")
-def _rne_sat(y, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero):
-    """RNE + saturate of a float32 onto an ExMy grid with subnormals (see `_fast_params`).
+def _rne_sat(y, g):
+    """RNE + saturate of a float32 onto the grid ``g`` (`RneGrid`, see `_fast_params`).
 
     Branch-free (selects only) so that the loop around it vectorises.
     """
@@ -136,134 +139,36 @@ def _rne_sat(y, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
     sign = u ^ a
     # normal binades: round the fp32 significand to mbits bits (carry may bump the exponent);
     # +inf lands on 0x7F800000 and saturates with everything else above max
-    an = min((a + half_m1 + ((a >> shift) & np.uint32(1))) & lowmask, maxbits)
+    an = min((a + g.half_m1 + ((a >> g.shift) & np.uint32(1))) & g.lowmask, g.maxbits)
     # below the smallest normal the quantum is fixed: RNE by the magic-number add
-    asub = _f32_to_u32((abs(y) + magic) - magic)
-    r = an if a >= emin_bits else asub
+    asub = _f32_to_u32((abs(y) + g.magic) - g.magic)
+    r = an if a >= g.emin_bits else asub
     r = a if a > np.uint32(0x7F800000) else r  # NaN stays NaN
-    keep_sign = signed_zero or r != np.uint32(0)
+    keep_sign = g.signed_zero or r != np.uint32(0)
     sign = sign if keep_sign else np.uint32(0)
     return _u32_to_f32(np.uint32(sign | r))
 
 
+# One multiplier per segment (`_seg_*`) or one per element (`_segv_*`, narrow blocks); each is a
+# branch-free loop LLVM vectorises, so the op is chosen once per segment, outside it.
 @njit(cache=True)
-def _seg_cast(
-    xs, os, s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
+def _seg_mul(xs, os, s):  # pragma: no cover - numba
     for i in range(xs.shape[0]):
-        os[i] = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
-
-
-@njit(cache=True, inline="always")
-def _rne_consts(mbits, emin_biased):  # pragma: no cover - numba
-    """Bit constants of `_rne_sat` for an ExMy grid: rounding shift, half-ulp - 1, kept-bits
-    mask, and the float32 bits of the smallest normal's exponent."""
-    shift = np.uint32(23 - mbits)
-    half_m1 = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
-    lowmask = ~((np.uint32(1) << shift) - np.uint32(1))
-    emin_bits = np.uint32(emin_biased) << np.uint32(23)
-    return shift, half_m1, lowmask, emin_bits
+        os[i] = xs[i] * s
 
 
 @njit(cache=True)
-def _scale_cast_rne(
-    x, rows, cols, bm, bk, mult, of, mbits, emin_biased, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
-    """of = RNE_saturate(x * mult[block]) onto an ExMy grid with subnormals."""
-    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
-    for r in range(rows):
-        br = r // bm
-        base = r * cols
-        for cb in range(mult.shape[1]):
-            c0 = base + cb * bk
-            c1 = base + min((cb + 1) * bk, cols)
-            _seg_cast(
-                x[c0:c1], of[c0:c1], mult[br, cb], shift, half_m1, lowmask, emin_bits, maxbits,
-                magic, signed_zero,
-            )  # fmt: skip
-
-
-@njit(cache=True)
-def _seg_cast_deq(
-    xs, os, ds, s, inv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
+def _seg_cast(xs, os, s, g):  # pragma: no cover - numba
     for i in range(xs.shape[0]):
-        v = _rne_sat(xs[i] * s, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
+        os[i] = _rne_sat(xs[i] * s, g)
+
+
+@njit(cache=True)
+def _seg_cast_deq(xs, os, ds, s, inv, g):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * s, g)
         os[i] = v
         ds[i] = v * inv
-
-
-@njit(cache=True)
-def _scale_cast_rne_deq(
-    x, rows, cols, bm, bk, mult, inv, of, df, mbits, emin_biased, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
-    """`_scale_cast_rne` that also writes ``df = of * inv[block]`` (the dequantized tensor,
-    bit for bit `QTensor.dequantize`) in the same pass."""
-    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
-    for r in range(rows):
-        br = r // bm
-        base = r * cols
-        for cb in range(mult.shape[1]):
-            c0 = base + cb * bk
-            c1 = base + min((cb + 1) * bk, cols)
-            _seg_cast_deq(
-                x[c0:c1], of[c0:c1], df[c0:c1], mult[br, cb], inv[br, cb], shift, half_m1,
-                lowmask, emin_bits, maxbits, magic, signed_zero,
-            )  # fmt: skip
-
-
-@njit(cache=True)
-def _expand_row(mult_row, bk, cols, out):  # pragma: no cover - numba
-    for c in range(cols):
-        out[c] = mult_row[c // bk]
-
-
-@njit(cache=True)
-def _segv_cast(
-    xs, os, sv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
-    for i in range(xs.shape[0]):
-        os[i] = _rne_sat(
-            xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
-        )
-
-
-@njit(cache=True)
-def _segv_cast_deq(
-    xs, os, ds, sv, iv, shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
-    for i in range(xs.shape[0]):
-        v = _rne_sat(xs[i] * sv[i], shift, half_m1, lowmask, emin_bits, maxbits, magic, signed_zero)
-        os[i] = v
-        ds[i] = v * iv[i]
-
-
-@njit(cache=True)
-def _scale_cast_rne_narrow(
-    x, rows, cols, bm, bk, mult, inv, of, df, deq, mbits, emin_biased, maxbits, magic, signed_zero
-):  # pragma: no cover - numba
-    """`_scale_cast_rne(_deq)` for narrow blocks (``bk`` of a few columns, e.g. (128, 1)):
-    the block row's multipliers are expanded to one per column once, so each row is one
-    vectorisable sweep instead of ``cols / bk`` tiny segments."""
-    shift, half_m1, lowmask, emin_bits = _rne_consts(mbits, emin_biased)
-    sv = np.empty(cols, dtype=np.float32)
-    iv = np.empty(cols, dtype=np.float32)
-    for br in range(mult.shape[0]):
-        _expand_row(mult[br], bk, cols, sv)
-        if deq:
-            _expand_row(inv[br], bk, cols, iv)
-        for r in range(br * bm, min((br + 1) * bm, rows)):
-            a, b = r * cols, (r + 1) * cols
-            if deq:
-                _segv_cast_deq(
-                    x[a:b], of[a:b], df[a:b], sv, iv, shift, half_m1, lowmask, emin_bits,
-                    maxbits, magic, signed_zero,
-                )  # fmt: skip
-            else:
-                _segv_cast(
-                    x[a:b], of[a:b], sv, shift, half_m1, lowmask, emin_bits, maxbits, magic,
-                    signed_zero,
-                )  # fmt: skip
 
 
 @njit(cache=True)
@@ -273,36 +178,88 @@ def _segv_mul(xs, os, sv):  # pragma: no cover - numba
 
 
 @njit(cache=True)
-def _scale_mul_narrow(x, rows, cols, bm, bk, mult, of):  # pragma: no cover - numba
-    """`_scale_mul` for narrow blocks (see `_scale_cast_rne_narrow`)."""
+def _segv_cast(xs, os, sv, g):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        os[i] = _rne_sat(xs[i] * sv[i], g)
+
+
+@njit(cache=True)
+def _segv_cast_deq(xs, os, ds, sv, iv, g):  # pragma: no cover - numba
+    for i in range(xs.shape[0]):
+        v = _rne_sat(xs[i] * sv[i], g)
+        os[i] = v
+        ds[i] = v * iv[i]
+
+
+@njit(cache=True)
+def _walk_blocks(x, rows, cols, bm, bk, mult, inv, of, df, op, g):  # pragma: no cover - numba
+    """Over flat float32 [rows, cols] arrays, per block (br, cb) with multiplier
+    ``s = mult[br, cb]``: ``of = x * s`` (op `_MUL`), ``of = RNE_saturate(x * s)`` onto the grid
+    ``g`` (`_CAST`), and also ``df = of * inv[br, cb]`` (`_CAST_DEQ`: the dequantized tensor,
+    bit for bit `QTensor.dequantize`). Walks rows in memory order, one segment per block."""
+    for r in range(rows):
+        br = r // bm
+        base = r * cols
+        for cb in range(mult.shape[1]):
+            c0 = base + cb * bk
+            c1 = base + min((cb + 1) * bk, cols)
+            if op == _MUL:
+                _seg_mul(x[c0:c1], of[c0:c1], mult[br, cb])
+            elif op == _CAST:
+                _seg_cast(x[c0:c1], of[c0:c1], mult[br, cb], g)
+            else:
+                _seg_cast_deq(x[c0:c1], of[c0:c1], df[c0:c1], mult[br, cb], inv[br, cb], g)
+
+
+@njit(cache=True)
+def _expand_row(mult_row, bk, cols, out):  # pragma: no cover - numba
+    for c in range(cols):
+        out[c] = mult_row[c // bk]
+
+
+@njit(cache=True)
+def _walk_narrow(x, rows, cols, bm, bk, mult, inv, of, df, op, g):  # pragma: no cover - numba
+    """`_walk_blocks` for narrow blocks (``bk`` of a few columns, e.g. (128, 1)): the block
+    row's multipliers are expanded to one per column once, so each row is one vectorisable sweep
+    instead of ``cols / bk`` tiny segments."""
     sv = np.empty(cols, dtype=np.float32)
+    iv = np.empty(cols, dtype=np.float32)
     for br in range(mult.shape[0]):
         _expand_row(mult[br], bk, cols, sv)
+        if op == _CAST_DEQ:
+            _expand_row(inv[br], bk, cols, iv)
         for r in range(br * bm, min((br + 1) * bm, rows)):
-            _segv_mul(x[r * cols : (r + 1) * cols], of[r * cols : (r + 1) * cols], sv)
+            a, b = r * cols, (r + 1) * cols
+            if op == _MUL:
+                _segv_mul(x[a:b], of[a:b], sv)
+            elif op == _CAST:
+                _segv_cast(x[a:b], of[a:b], sv, g)
+            else:
+                _segv_cast_deq(x[a:b], of[a:b], df[a:b], sv, iv, g)
 
 
-# blocks narrower than this many columns use the expanded-multiplier kernels
+# blocks narrower than this many columns use the expanded-multiplier walk
 _NARROW = 32
+
+
+def _walk(x, rows: int, cols: int, m: int, k: int, mult, inv, of, df, op: int, g: RneGrid) -> None:
+    """`_walk_blocks` or, for narrow blocks, `_walk_narrow` (flat float32 numpy arrays)."""
+    kernel = _walk_narrow if (k < _NARROW and k < cols) else _walk_blocks
+    kernel(x, rows, cols, m, k, mult, inv, of, df, op, g)
 
 
 def _mul_blocks(x, rows: int, cols: int, m: int, k: int, mult, of) -> None:
     """of = x * mult[block] over flat float32 arrays (numba; narrow blocks swept per row)."""
-    if k < _NARROW and k < cols:
-        _scale_mul_narrow(x, rows, cols, m, k, mult, of)
-    else:
-        _scale_mul(x, rows, cols, m, k, mult, of)
+    _walk(x, rows, cols, m, k, mult, mult, of, of, _MUL, _NO_GRID)
 
 
-def _fast_params(spec: QuantSpec) -> tuple[int, int, int, np.float32, bool] | None:
+def _fast_params(spec: QuantSpec) -> RneGrid | None:
     """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
     return _fast_params_for(spec.format, spec.rounding, spec.saturate)
 
 
 @functools.lru_cache(maxsize=64)
-def _fast_params_for(
-    fmt_name: str, rounding: str, saturate: bool
-) -> tuple[int, int, int, np.float32, bool] | None:
+def _fast_params_for(fmt_name: str, rounding: str, saturate: bool) -> RneGrid | None:
     f = get_format(fmt_name)
     if (
         rounding != "nearest_even"
@@ -316,9 +273,16 @@ def _fast_params_for(
         or f.emin - f.mbits < -149
     ):
         return None
-    maxbits = int(np.array(f.max, dtype=np.float32).view(np.uint32))
-    magic = np.float32(2.0 ** (f.emin - f.mbits + 23))
-    return f.mbits, f.emin + 127, maxbits, magic, f.signed_zero
+    shift = 23 - f.mbits
+    return RneGrid(
+        shift=np.uint32(shift),
+        half_m1=np.uint32((1 << (shift - 1)) - 1),
+        lowmask=np.uint32(~((1 << shift) - 1) & 0xFFFFFFFF),
+        emin_bits=np.uint32((f.emin + 127) << 23),
+        maxbits=np.uint32(np.array(f.max, dtype=np.float32).view(np.uint32)),
+        magic=np.float32(2.0 ** (f.emin - f.mbits + 23)),
+        signed_zero=bool(f.signed_zero),
+    )
 
 
 def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -374,35 +338,15 @@ def _scale_cast(
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
     xf = x2.view(-1).numpy()
     of = out.view(-1).numpy()
-    fp = _fast_params(spec)
-    if fp is not None:
-        mbits, emin_b, maxbits, magic, signed_zero = fp
-        if k < _NARROW and k < cols:
-            inv_np = (
-                mult_np
-                if deq is None
-                else np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
-            )
-            dfl = of if deq is None else deq.view(-1).numpy()
-            _scale_cast_rne_narrow(
-                xf, rows, cols, m, k, mult_np, inv_np, of, dfl, deq is not None, mbits,
-                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
-            )  # fmt: skip
-            if deq is not None and global_scale is not None:
-                deq.mul_(global_scale)
+    g = _fast_params(spec)
+    if g is not None:
+        if deq is None:
+            _walk(xf, rows, cols, m, k, mult_np, mult_np, of, of, _CAST, g)
             return out
-        if deq is not None:
-            inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
-            _scale_cast_rne_deq(
-                xf, rows, cols, m, k, mult_np, inv_np, of, deq.view(-1).numpy(), mbits,
-                np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
-            )  # fmt: skip
-            if global_scale is not None:
-                deq.mul_(global_scale)
-            return out
-        _scale_cast_rne(
-            xf, rows, cols, m, k, mult_np, of, mbits, np.uint32(emin_b), np.uint32(maxbits), magic, signed_zero,
-        )  # fmt: skip
+        inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(mult_np.shape).numpy())
+        _walk(xf, rows, cols, m, k, mult_np, inv_np, of, deq.view(-1).numpy(), _CAST_DEQ, g)
+        if global_scale is not None:
+            deq.mul_(global_scale)
         return out
     _mul_blocks(xf, rows, cols, m, k, mult_np, of)
     from fp8lab.formats import cast
