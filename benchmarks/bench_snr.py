@@ -1,10 +1,15 @@
 """Wall time of the whole ``fp8lab snr --preset seed000`` study (budget: 60 s on 2 cores).
 
-One run: ``python benchmarks/bench_snr.py [--samples 200] [--repeats 3] [--figures]``.
-Prints the median time of the SNR engine over the preset's configurations (one warm-up run first,
-so numba's cache load is excluded), the ratio to the 60 s budget, and the ratio to a plain float64
-``np.dot`` baseline computing the same reference dot products in the same process. ``--figures``
-also times writing the 9 PNGs and the table.
+The preset draws every figure of the dot-product study of the blog article "从DeepSeek V3看FP8
+训练的挑战" (its simfloat notebook).
+
+One run: ``python benchmarks/bench_snr.py [--samples 200] [--repeats 3] [--figures]
+[--tensor-core]``. Prints the median time of the SNR engine over the preset's configurations (one
+warm-up run first, so numba's cache load is excluded), the ratio to the 60 s budget, and the ratio
+to a plain float64 ``np.dot`` baseline computing the same reference dot products in the same
+process. ``--figures`` also times writing the 9 PNGs and the table. ``--tensor-core`` also times
+the study through GEMM accumulator models (length 4096, E4M3, per-vector scaling: no promotion,
+promotion every 128, block 128) beside the exact fp64 accumulator.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -39,11 +45,31 @@ def _baseline(configs: list[snr.SnrConfig]) -> float:
     return dt
 
 
+def _tensor_core(samples: int, repeats: int) -> None:
+    """Engine time per configuration for the GEMM accumulator models against fp64."""
+    base = snr.SnrConfig(length=4096, samples=samples)
+    print(f"tensor-core accumulators (length 4096, {samples} samples, median of {repeats}):")
+    for acc in ("fp64", "limited", "h100", "b200"):
+        for kw in ({}, {"promote_every": 128}, {"block": 128}):
+            cfg = replace(base, accumulator=acc, **kw)
+            snr.run(cfg)  # warm-up: numba cache load
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                snr.run(cfg)
+                times.append(time.perf_counter() - t0)
+            what = ", ".join(f"{k}={v}" for k, v in kw.items()) or "no promotion"
+            print(f"  {acc:8s} {what:18s} {statistics.median(times):8.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--figures", action="store_true", help="also time the PNGs + table")
+    ap.add_argument(
+        "--tensor-core", action="store_true", help="also time the GEMM accumulator models"
+    )
     args = ap.parse_args()
 
     preset = snr.preset("seed000", samples=args.samples)
@@ -81,6 +107,8 @@ def main() -> None:
         print(f"  total                  {total:8.2f} s   ({total / BUDGET_S:.3f} of the budget)")
     status = "OK" if t_engine <= BUDGET_S else "OVER BUDGET"
     print(f"  budget check: {status}")
+    if args.tensor_core:
+        _tensor_core(args.samples, args.repeats)
 
 
 if __name__ == "__main__":
