@@ -14,10 +14,11 @@ from fp8lab.cost.devices import DATA, DEVICES_DIR, device_names, get_device
 
 
 @pytest.fixture(scope="module")
-def fitted():
+def fitted():  # a few hundred roofline evaluations: ~5 s
     return C.calibrate()
 
 
+@pytest.mark.slow
 def test_shipped_calibration_is_the_fit(fitted):
     shipped = tomllib.loads((DATA / "calibration.toml").read_text())
     assert set(shipped) == set(fitted)
@@ -30,6 +31,7 @@ def test_shipped_calibration_is_the_fit(fitted):
         assert all(f.endswith("fprop") for f in cal["fitted_on"])
 
 
+@pytest.mark.slow
 def test_fit_reproduces_the_calibration_passes(fitted):
     fit = [r for r in C.residuals(fitted) if not r.held_out]
     assert {r.quantity for r in fit} == {"fprop"}

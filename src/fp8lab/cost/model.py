@@ -9,7 +9,8 @@ published timings (`fp8lab.cost.calibration`).
 
 How counted events become kernels (the hardware's fused kernels, as Transformer Engine runs them):
 
-* high-precision sources are bf16 (``SOURCE_BYTES``): rounding to bf16 is free, to fp16 a pass;
+* high-precision sources are bf16 (``SOURCE_BYTES``; fp16 for an fp16 model): rounding to the
+  GEMM's 16-bit dtype is free;
 * ``amax``: one kernel reading the tensor; ``cast``: one kernel reading it and writing values and
   scales;
 * ``transpose``: only on devices whose FP8 GEMMs need K-major operands (Hopper); written by the
@@ -280,9 +281,9 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
         vals = int(n * _bits(e.fmt)) if e.fmt is not None else 0
         sb = scale_bytes(e.granularity, e.scaling, shape) if e.granularity else 0
         if e.kind == "round":
-            if e.fmt == "bf16":
-                continue  # the tensor already is bf16
-            read, written = {"bf16": n * SOURCE_BYTES}, {e.fmt: n * 2}
+            if e.fmt in ("bf16", "fp16"):
+                continue  # a 16-bit GEMM's model keeps its tensors in that dtype already
+            read, written = {"bf16": n * SOURCE_BYTES}, {e.fmt: n * 4}
         elif e.kind == "amax":
             read = {"bf16": n * SOURCE_BYTES}
         elif e.kind == "cast":
