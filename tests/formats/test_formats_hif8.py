@@ -1,4 +1,5 @@
-"""HiFloat8: the worked values of reference §1.4/§1.5, exhaustive sweeps, and grid properties."""
+"""HiFloat8: worked decode/encode values (arXiv 2409.16626 layout; Ascend TA and hybrid rounding as
+docs/formats.md describes them), exhaustive sweeps, and grid properties."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from formats_reference import (
 from fp8lab import cast, decode, encode, get_format
 from fp8lab.formats import hif8
 
-# §1.4 decode table: code -> value
+# worked decode table: code -> value
 WORKED_CODES = {
     0x08: 1.0,
     0x0C: 1.5,
@@ -52,7 +53,7 @@ WORKED_CODES = {
     0xEF: -math.inf,
 }
 
-# §1.4 encodings under TA, non-saturating
+# worked encodings under TA, non-saturating
 WORKED_TA = [
     (1.0625, 0x09),
     (1.1875, 0x0A),

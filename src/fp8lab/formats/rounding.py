@@ -6,12 +6,14 @@ pass: no floating-point ``log2``, no double rounding. Two kernel families:
 * the fast float32 kernels (`_det_one`, `_sr_one`): round inside the float32 bit pattern (add the
   rounding increment, clear the bits below the grid spacing; the position follows from the
   exponent field, tapered for HiF8), 32-bit arithmetic, parallel above 64k elements;
-* the generic kernels (`_generic32_one`, `_generic64_one`): integer significand times a power of
-  two, with the grid given as a table ``binade -> exponent of the grid spacing``
-  (`_Params.qtab`); used for float64 input and for formats the fast kernel cannot describe, and
-  as the cross-check of the fast one in the tests.
+* the generic kernel (`_generic_one`, for float32 and float64 bit patterns alike): integer
+  significand times a power of two, with the grid given as a table ``binade -> exponent of the
+  grid spacing`` (`_Params.qtab`); used for float64 input and for formats the fast kernel cannot
+  describe, and as the cross-check of the fast one in the tests.
 
-Format parameters are scalar arguments, so each kernel compiles once (cached on disk).
+A format's constants reach the kernels as one record (`_GenericGrid` / `_FastGrid`, built once
+per format and overflow rule by `_grids`), runtime values rather than compile-time ones, so each
+kernel compiles once (cached on disk) for every format.
 
 Semantics (see also the README section "formats"):
 
@@ -26,8 +28,8 @@ Semantics (see also the README section "formats"):
   of the thread count, no random tensor. The probability is exact for float32 input of magnitude
   above about 2**-9 grid steps; below that, and for float64 remainders deeper than 32 bits, it is
   truncated to 32 bits (bias < 2**-32 of a grid step).
-* ``hybrid`` (HiF8 only) is Ascend's HR rule (reference §1.5): TA for binades 2^-3..2^3, SSR
-  elsewhere. SSR rounds up iff the 14 bits just below the kept mantissa (f14) are >= the lowest 14
+* ``hybrid`` (HiF8 only) is Ascend's HR rule (CANN's ``Hybrid`` round mode; docs/formats.md):
+  TA for binades 2^-3..2^3, SSR elsewhere. SSR rounds up iff the 14 bits just below the kept mantissa (f14) are >= the lowest 14
   bits of the fp32 fraction (t14); for float16 input, iff the 2 bits below the kept mantissa are
   >= 2 * (fp16 mantissa LSB) + 1. bfloat16 input uses the fp32 rule on its exact fp32 value. An
   exact remainder is never rounded; |x| >= 40960 overflows; |x| < 2^-23 gives 0.

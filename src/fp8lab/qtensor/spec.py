@@ -156,6 +156,49 @@ class QuantSpec:
         """The spec with the block axes swapped (for the transposed direction)."""
         return dataclasses.replace(self, granularity=transpose_granularity(self.granularity))
 
+    # ------------------------------------------------------------------ text
+    def describe(self) -> str:
+        """The one text form of a spec: ``format:granularity:scaling``, then the fields that
+        differ from their defaults in parentheses, e.g. ``e4m3:1x128:pow2_down``,
+        ``e4m3:tensor:delayed(h=1024, max)``, ``e2m1:nvfp4:nvfp4 (scale_format=e5m2)``,
+        ``e4m3:tensor:1`` (a fixed multiplier). ``str(spec)`` is the same text."""
+        from fp8lab.formats import default_rounding
+
+        g = self.granularity
+        gran = g if isinstance(g, str) else f"{g[0]}x{g[1]}"
+        sc = self.scaling
+        if isinstance(sc, float):
+            sc_s = f"{sc:g}"
+        elif isinstance(sc, str):
+            sc_s = sc
+        else:  # delayed scaling: its configuration (a bound state shows the same)
+            cfg = getattr(sc, "cfg", sc)
+            algo = cfg.algorithm if isinstance(cfg.algorithm, str) else "callable"
+            parts = [f"h={cfg.history_len}", algo]
+            for name, default in (("margin", 0), ("interval", 1), ("nguard", 0)):
+                if getattr(cfg, name) != default:
+                    parts.append(f"{name}={getattr(cfg, name)}")
+            if cfg.first_step != "unit":
+                parts.append(f"first={cfg.first_step}")
+            if getattr(cfg, "update_path", "fused") != "fused":
+                parts.append(f"path={cfg.update_path}")
+            sc_s = f"delayed({', '.join(parts)})"
+        extra = []
+        if self.rounding != default_rounding(self.format):
+            extra.append(f"rounding={self.rounding}")
+        for name, default in (
+            ("saturate", True), ("pad", True), ("margin", 0), ("epsilon", 0.0),
+            ("scale_format", "e4m3"), ("two_level", True), ("tensor_scale", None),
+        ):  # fmt: skip
+            v = getattr(self, name)
+            if v != default:
+                extra.append(f"{name}={v:g}" if isinstance(v, float) else f"{name}={v}")
+        text = f"{self.format}:{gran}:{sc_s}"
+        return f"{text} ({', '.join(extra)})" if extra else text
+
+    def __str__(self) -> str:
+        return self.describe()
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str/int/float/bool/list/dict): TOML/JSON friendly."""
