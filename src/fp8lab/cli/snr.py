@@ -184,76 +184,88 @@ def _run_with_progress(configs: list[Any], quiet: bool) -> list[Any]:
         return run_many(configs, progress=lambda n: progress.advance(task, n))
 
 
+# the options, one constant each, so that the command's signature reads as a list
+_LENGTH = typer.Option("1024", "--length", help="Vector length(s), e.g. 128,1024,4096.")
+_SAMPLES = typer.Option(200, "--samples", help="Vector pairs per run.")
+_SEED = typer.Option(0, "--seed", help="RNG seed (runs of one length share vectors).")
+_SIGMA = typer.Option(0.01, "--sigma", help="Std of the vector elements.")
+_RHO = typer.Option("0", "--rho", help="Correlation(s) in [0, 1).")
+_CORRELATION_MODEL = typer.Option(
+    "exact",
+    "--correlation-model",
+    help="exact: b = rho*z1 + sqrt(1-rho^2)*z2 (corr = rho); "
+    "simple: the simfloat notebook's b = rho*z1 + (1-rho)*z2.",
+)
+_FORMAT = typer.Option("e4m3", "--format", help="Element format(s).")
+_ROUNDING = typer.Option("nearest_even", "--rounding", help="Element rounding.")
+_SCALING = typer.Option(
+    "auto", "--scaling", help="Fixed factor(s) (1, 64, 128) or auto (amax -> target)."
+)
+_BLOCK = typer.Option("none", "--block", help="Per-block dynamic scaling: none, 512, 128, 64.")
+_SCALE_TARGET = typer.Option(
+    None, "--scale-target", help="Value amax maps to (default: the format's max)."
+)
+_SCALE_RULE = typer.Option(
+    "exact",
+    "--scale-rule",
+    help="How auto scaling turns amax into a scale: exact (target/amax in float64, "
+    "the notebook's) or a rule of fp8lab.scaling: max, pow2_down, pow2_up, mx_floor, "
+    "mx_ceil, mx_even, mx_rceil (with --block 32: MX).",
+)
+_ACCUMULATOR = typer.Option(
+    DEFAULT_ACCUMULATOR,
+    "--accumulator",
+    help="Format of products and running sum, rounded after every addition (e.g. "
+    "e4m3, e8m8, bf16, fp32; fp64 = exact), or a tensor-core model of fp8lab.gemm "
+    "summing MMA groups (limited; GPU names such as h100, h200, ada, l40s, b200, "
+    "b200-tcgen05).",
+)
+_ACC_ROUNDING = typer.Option(
+    None, "--acc-rounding", help="Rounding of a format accumulator (default: --rounding)."
+)
+_PROMOTE_EVERY = typer.Option(
+    "none", "--promote-every", help="Promote the partial sum to float64 every N: none, 512, 128."
+)
+_SATURATE = typer.Option(True, "--saturate/--no-saturate", help="Clamp overflow to +-max.")
+_POOLED = typer.Option(
+    False, "--pooled", help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2)."
+)
+_JSON = typer.Option(False, "--json", help="Print the runs as JSON.")
+_PLOT = typer.Option(None, "--plot", help="Write histograms to this PNG.")
+_PRESET = typer.Option(
+    None,
+    "--preset",
+    help="A named study (writes figures + table + JSON to --out): seed000 (every figure "
+    "of the blog article '从DeepSeek V3看FP8训练的挑战'), or seed000-asrun (as its "
+    "simfloat notebook ran them, bugs included).",
+)
+_OUT = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset.")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("snr", help=HELP)
     def snr_command(
-        length: str = typer.Option(
-            "1024", "--length", help="Vector length(s), e.g. 128,1024,4096."
-        ),
-        samples: int = typer.Option(200, "--samples", help="Vector pairs per run."),
-        seed: int = typer.Option(0, "--seed", help="RNG seed (runs of one length share vectors)."),
-        sigma: float = typer.Option(0.01, "--sigma", help="Std of the vector elements."),
-        rho: str = typer.Option("0", "--rho", help="Correlation(s) in [0, 1)."),
-        correlation_model: str = typer.Option(
-            "exact",
-            "--correlation-model",
-            help="exact: b = rho*z1 + sqrt(1-rho^2)*z2 (corr = rho); "
-            "simple: the simfloat notebook's b = rho*z1 + (1-rho)*z2.",
-        ),
-        fmt: str = typer.Option("e4m3", "--format", help="Element format(s)."),
-        rounding: str = typer.Option("nearest_even", "--rounding", help="Element rounding."),
-        scaling: str = typer.Option(
-            "auto", "--scaling", help="Fixed factor(s) (1, 64, 128) or auto (amax -> target)."
-        ),
-        block: str = typer.Option(
-            "none", "--block", help="Per-block dynamic scaling: none, 512, 128, 64."
-        ),
-        scale_target: float | None = typer.Option(
-            None, "--scale-target", help="Value amax maps to (default: the format's max)."
-        ),
-        scale_rule: str = typer.Option(
-            "exact",
-            "--scale-rule",
-            help="How auto scaling turns amax into a scale: exact (target/amax in float64, "
-            "the notebook's) or a rule of fp8lab.scaling: max, pow2_down, pow2_up, mx_floor, "
-            "mx_ceil, mx_even, mx_rceil (with --block 32: MX).",
-        ),
-        accumulator: str = typer.Option(
-            DEFAULT_ACCUMULATOR,
-            "--accumulator",
-            help="Format of products and running sum, rounded after every addition (e.g. "
-            "e4m3, e8m8, bf16, fp32; fp64 = exact), or a tensor-core model of fp8lab.gemm "
-            "summing MMA groups (limited; GPU names such as h100, h200, ada, l40s, b200, "
-            "b200-tcgen05).",
-        ),
-        acc_rounding: str | None = typer.Option(
-            None,
-            "--acc-rounding",
-            help="Rounding of a format accumulator (default: --rounding).",
-        ),
-        promote_every: str = typer.Option(
-            "none",
-            "--promote-every",
-            help="Promote the partial sum to float64 every N: none, 512, 128.",
-        ),
-        saturate: bool = typer.Option(
-            True, "--saturate/--no-saturate", help="Clamp overflow to +-max."
-        ),
-        pooled: bool = typer.Option(
-            False,
-            "--pooled",
-            help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2).",
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
-        plot: Path | None = typer.Option(None, "--plot", help="Write histograms to this PNG."),
-        preset: str | None = typer.Option(
-            None,
-            "--preset",
-            help="A named study (writes figures + table + JSON to --out): seed000 (every figure "
-            "of the blog article '从DeepSeek V3看FP8训练的挑战'), or seed000-asrun (as its "
-            "simfloat notebook ran them, bugs included).",
-        ),
-        out: Path = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset."),
+        length: str = _LENGTH,
+        samples: int = _SAMPLES,
+        seed: int = _SEED,
+        sigma: float = _SIGMA,
+        rho: str = _RHO,
+        correlation_model: str = _CORRELATION_MODEL,
+        fmt: str = _FORMAT,
+        rounding: str = _ROUNDING,
+        scaling: str = _SCALING,
+        block: str = _BLOCK,
+        scale_target: float | None = _SCALE_TARGET,
+        scale_rule: str = _SCALE_RULE,
+        accumulator: str = _ACCUMULATOR,
+        acc_rounding: str | None = _ACC_ROUNDING,
+        promote_every: str = _PROMOTE_EVERY,
+        saturate: bool = _SATURATE,
+        pooled: bool = _POOLED,
+        json_out: bool = _JSON,
+        plot: Path | None = _PLOT,
+        preset: str | None = _PRESET,
+        out: Path = _OUT,
     ) -> None:
         try:
             if preset is not None:
@@ -270,15 +282,20 @@ def register(app: typer.Typer) -> None:
         except (ValueError, TypeError) as exc:
             typer.echo(f"Error: {exc}", err=True)
             raise typer.Exit(2) from None
-        _warn_overflow(results)
+        _report(results, pooled, json_out, plot)
+
+
+def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None) -> None:
+    """Warnings, the optional plot, then the JSON or the table."""
+    _warn_overflow(results)
+    if plot is not None:
+        _plot_sweep(results, plot)
+    if json_out:
+        typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
+    else:
+        _print_table(results, pooled, "fp8lab snr")
         if plot is not None:
-            _plot_sweep(results, plot)
-        if json_out:
-            typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
-        else:
-            _print_table(results, pooled, "fp8lab snr")
-            if plot is not None:
-                typer.echo(f"wrote {plot}")
+            typer.echo(f"wrote {plot}")
 
 
 def _warn_overflow(results: list[Any]) -> None:
