@@ -53,6 +53,12 @@ def main() -> None:
             f"published; predicted {p['predicted'][0]:.2f}x vs {p['predicted'][1]:.2f}x: "
             + ("agree" if p["agree"] else "DISAGREE")
         )
+    print("\n## Second split: H200 NVL calibration applied to B300 (cross-architecture)\n")
+    for r in C.cross_architecture_check(cal):
+        print(
+            f"- {r.recipe} {r.quantity}: published {r.published:.3f}, predicted "
+            f"{r.predicted:.3f} ({100 * r.error:+.1f} %)"
+        )
     ext = C.external_check(cal)
     print("\n## External check: Llama 3.1 405B on Blackwell\n")
     print(f"source: {ext['source']}; status: {ext['status']}")

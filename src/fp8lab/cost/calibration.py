@@ -32,6 +32,7 @@ __all__ = [
     "Residual",
     "calibrate",
     "calibration_toml",
+    "cross_architecture_check",
     "external_check",
     "ordering_check",
     "published",
@@ -197,6 +198,27 @@ def ordering_check(cal: dict[str, Any] | None = None, margin: float = 0.05) -> l
                     {"device": name, "pair": (a, b), "published": (sp[a], sp[b]),
                      "predicted": (sq[a], sq[b]), "agree": agree}
                 )  # fmt: skip
+    return out
+
+
+def cross_architecture_check(cal: dict[str, Any] | None = None) -> list[Residual]:
+    """Second split: Hopper's calibration (H200 NVL) applied to B300's peaks and bandwidth, for
+    the recipes both devices publish (bf16, te-current, te-delayed): layer times and speedups
+    over bf16 (quantity ``layer`` / ``speedup``), all held out."""
+    from fp8lab.cost.devices import load_calibration
+
+    full = load_calibration() if cal is None else cal
+    hop = full["h200-nvl"]
+    dev = get_device("b300", calibration={"b300": hop})
+    pub = published()["b300"]
+    layer = {
+        r: price_layer(r, dev, te_shape(), "te-benchmark").layer_ms
+        for r in ("bf16", "te-current", "te-delayed")
+    }
+    out = [Residual("b300", r, "layer", pub[r]["layer"], t, True) for r, t in layer.items()]
+    for r in ("te-current", "te-delayed"):
+        sp_pub = pub["bf16"]["layer"] / pub[r]["layer"]
+        out.append(Residual("b300", r, "speedup", sp_pub, layer["bf16"] / layer[r], True))
     return out
 
 
