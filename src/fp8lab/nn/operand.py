@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from fp8lab.gemm import Accumulator, qmatmul
-from fp8lab.nn._epilogue import epilogue
 from fp8lab.nn._kernels import round_bf16
 from fp8lab.nn.buffers import POOL
 from fp8lab.nn.plan import OperandPlan, Reuse
@@ -179,28 +178,12 @@ def gemm(
     acc: Accumulator, a: Operand, b: Operand, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b (+ bias)``; a: [M, K], b: [K, N]. Two quantized operands go through
-    `fp8lab.qmatmul` (its fp32 path multiplies K-constant scales onto the product of the grid
-    values, as the hardware does); otherwise one fp32 ``addmm``/``mm`` of the dense operands."""
+    `fp8lab.qmatmul` under ``acc`` (scales and bias in its epilogue; K-varying scales with fp32
+    accumulation multiply the memoised dequantized operands); otherwise one fp32
+    ``addmm``/``mm`` of the dense operands (torch's own linear for the ``fp32`` recipe)."""
     qa, qb = a.used, b.used
     if isinstance(qa, QTensor) and isinstance(qb, QTensor):
-        scale = None
-        if acc.kind == "fp32" and qa.scales.shape[1] > 1 and qb.scales.shape[0] > 1:
-            # scales vary along K: qmatmul's fp32 path is mm(dequantized, dequantized)
-            out = torch.mm(a.dense(), b.dense())
-        elif acc.kind == "fp32" and _per_tensor(qa) and _per_tensor(qb):
-            # qmatmul's fp32 path for per-tensor scales, mm(values) * fl32(sa * sb), with the
-            # scale and the bias applied in one serial pass instead of two threaded torch ops
-            out = torch.mm(qa.values, qb.values)
-            scale = (qa.scales.reshape(()) * qb.scales.reshape(())).numpy()
-        else:
-            out = qmatmul(qa, qb, acc)
-        if (scale is not None or bias is not None) and out.numel():
-            epilogue(out, scale, bias)
-        return out
+        return qmatmul(qa, qb, acc, bias=bias)
     if bias is not None:
         return torch.addmm(bias, a.dense(), b.dense())
     return a.dense() @ b.dense()
-
-
-def _per_tensor(q: QTensor) -> bool:
-    return q.scales.numel() == 1 and q.global_scale is None and q.values.dtype == torch.float32
