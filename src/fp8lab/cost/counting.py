@@ -229,13 +229,14 @@ def _spec_info(spec: Any) -> tuple[str, tuple[int, int], str]:
 
 
 def _needs_amax_pass(spec: Any) -> bool:
-    """A separate read of the tensor for its amax: current scaling over a whole tensor (the cast
-    cannot start before the amax is known), or NVFP4's tensor-level amax. Block amaxes are taken
-    in registers by the cast kernel; delayed scaling records the amax inside the cast."""
+    """A separate read of the tensor for its amax: current scaling whose block spans a whole
+    axis (per tensor, row or column: the cast cannot start before the amax is known), or NVFP4's
+    tensor-level amax (unless a static ``tensor_scale`` is given). Block amaxes are taken in
+    registers by the cast kernel; delayed scaling records the amax inside the cast."""
     if spec.is_delayed or isinstance(spec.scaling, float):
         return False
     if spec.scaling == "nvfp4":
-        return spec.two_level
+        return spec.two_level and getattr(spec, "tensor_scale", None) is None
     return -1 in spec.block
 
 
@@ -265,12 +266,16 @@ def _classify(plan: Any, gemm: str, role: str, earlier: Any) -> list[tuple[str, 
 
 
 def plan_operand(plan: Any, gemm: str, role: str) -> Any:
+    """The `OperandPlan` of ``role`` in ``gemm``."""
     return getattr(plan, gemm)[role]
 
 
-#: (earlier GEMM) of each later (GEMM, role), as `fp8lab.nn.plan.CHAINS`
-_EARLIER = {("dgrad", "weight"): "fprop", ("wgrad", "input"): "fprop"}
-_EARLIER[("wgrad", "grad_output")] = "dgrad"
+#: the earlier GEMM a later (GEMM, role) takes its operand from (`fp8lab.nn.plan.CHAINS`)
+_EARLIER = {
+    ("dgrad", "weight"): "fprop",
+    ("wgrad", "input"): "fprop",
+    ("wgrad", "grad_output"): "dgrad",
+}
 
 
 def count_linear_step(recipe: Recipe | str, dims: dict[str, int] | None = None) -> StepCounts:
