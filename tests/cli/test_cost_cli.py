@@ -33,7 +33,8 @@ def test_json_schema_exact():
 def test_tables_and_skipped_recipes_on_hopper():
     res = runner.invoke(app, ["cost", "--device", "h200", *SMALL])
     assert res.exit_code == 0, res.output
-    for text in ("Per-GEMM", "bytes ledger", "Per-layer totals", "qkv.wgrad", "deepseek-v3"):
+    for text in ("Per-GEMM", "bytes ledger", "by precision", "read bf16", "written fp8",
+                 "Per-layer totals", "qkv.wgrad", "deepseek-v3"):  # fmt: skip
         assert text in res.stdout
     assert "skipped mxfp8" in res.stderr and "skipped nvfp4" in res.stderr
 

@@ -122,6 +122,15 @@ def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
             cells.append(f"{rd:.0f}+{wr:.0f}" if row else "-")
         led.add_row(t, *cells)
     con.print(led)
+    keys = sorted({k for lg in ledgers.values() for row in lg.values() for k in row})
+    prec = Table(title="Quantization bytes per layer by precision (MB)")
+    prec.add_column("recipe")
+    for k in keys:
+        prec.add_column(k.replace(":", " "), justify="right")
+    for r in names:
+        tot_r = {k: sum(row.get(k, 0) for row in ledgers[r].values()) for k in keys}
+        prec.add_row(r, *(f"{tot_r[k] / 1e6:.1f}" for k in keys))
+    con.print(prec)
     tot = Table(title="Per-layer totals")
     for col in ("recipe", "layer ms", "GEMM ms", "quantize ms", "quantize %", "speedup vs bf16",
                 "model ms", "GB moved"):  # fmt: skip
