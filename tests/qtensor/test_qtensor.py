@@ -161,3 +161,13 @@ def test_scale_codes_refuse_other_scales():
         q = QTensor(values=torch.zeros(1, 32), scales=torch.tensor([[bad]]), spec=QuantSpec())
         with pytest.raises(ValueError, match="powers of two"):
             q.scale_codes()
+
+
+def test_replaced_scales_recompute_the_copy():
+    import dataclasses
+
+    q = fp8lab.quantize(data(), "e4m3", "row")
+    d = q.dequantize()
+    r = dataclasses.replace(q, scales=q.scales * 2)  # same values, other scales
+    assert same_bits(r.dequantize(), slow_dequantize(r)) and not same_bits(r.dequantize(), d)
+    assert same_bits(q.dequantize(), d)

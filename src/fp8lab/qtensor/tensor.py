@@ -86,20 +86,26 @@ class QTensor:
 
     def _set_dense(self, d: torch.Tensor) -> None:
         """Adopt ``d`` (bit for bit ``values * scales``) as the memoised dequantized copy."""
-        self._dense[0] = (_layout(self.values), d)
+        self._dense[0] = (self._key(self.values), d)
 
     def _dense_copy(self) -> torch.Tensor:
         v = self.values
         held = self._dense[0]
         if held is not None:
             key, d = held
-            if key == _layout(v):
+            if key == self._key(v):
                 return d
-            if v.dim() == 2 and key == _layout(v.t()):
+            if v.dim() == 2 and key == self._key(v.t()):
                 return d.t()
         d = self._compute_dense()
-        self._dense[0] = (_layout(v), d)
+        self._dense[0] = (self._key(v), d)
         return d
+
+    def _key(self, v: torch.Tensor) -> tuple:
+        """What the memoised copy was computed from: the values' layout and the scales' storage
+        (the same for a ``t()`` copy, different after replacing values or scales)."""
+        g = self.global_scale
+        return _layout(v), self.scales.data_ptr(), None if g is None else g.data_ptr()
 
     def _compute_dense(self) -> torch.Tensor:
         s2 = shape_2d(self.values.shape)
