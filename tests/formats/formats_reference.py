@@ -92,7 +92,8 @@ def _mbits(e: np.ndarray) -> np.ndarray:
 
 
 def hif8_hybrid_ref(x: np.ndarray, saturate: bool = True) -> np.ndarray:
-    """Ascend HR (hybrid) per reference §1.5: ``x`` float32 (fp32 rule) or float16 (fp16 rule)."""
+    """Ascend HR (hybrid) as docs/formats.md states it: ``x`` float32 (fp32 rule) or float16
+    (fp16 rule)."""
     is16 = x.dtype == np.float16
     with np.errstate(all="ignore"):
         a = np.abs(x.astype(np.float64))

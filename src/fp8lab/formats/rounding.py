@@ -29,10 +29,11 @@ Semantics (see also the README section "formats"):
   above about 2**-9 grid steps; below that, and for float64 remainders deeper than 32 bits, it is
   truncated to 32 bits (bias < 2**-32 of a grid step).
 * ``hybrid`` (HiF8 only) is Ascend's HR rule (CANN's ``Hybrid`` round mode; docs/formats.md):
-  TA for binades 2^-3..2^3, SSR elsewhere. SSR rounds up iff the 14 bits just below the kept mantissa (f14) are >= the lowest 14
-  bits of the fp32 fraction (t14); for float16 input, iff the 2 bits below the kept mantissa are
-  >= 2 * (fp16 mantissa LSB) + 1. bfloat16 input uses the fp32 rule on its exact fp32 value. An
-  exact remainder is never rounded; |x| >= 40960 overflows; |x| < 2^-23 gives 0.
+  TA for binades 2^-3..2^3, SSR elsewhere. SSR rounds up iff the 14 bits just below the kept
+  mantissa (f14) are >= the lowest 14 bits of the fp32 fraction (t14); for float16 input, iff
+  the 2 bits below the kept mantissa are >= 2 * (fp16 mantissa LSB) + 1. bfloat16 input uses the
+  fp32 rule on its exact fp32 value. An exact remainder is never rounded; |x| >= 40960 overflows;
+  |x| < 2^-23 gives 0.
 * Overflow: a result is an overflow when the rounded value (the grid continued above max with the
   top binade's spacing) exceeds max. ``saturate=True`` gives ±max (also for ±Inf inputs);
   ``saturate=False`` gives the format's Inf, or NaN where it has no Inf (e4m3: |x| > 464 -> NaN).

@@ -81,8 +81,9 @@ def quantize(
     ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
     the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
     step); with a `DelayedScalingConfig` alone (a preset's spec) step 0's scale comes from a
-    throwaway state and nothing is recorded. ``generator`` feeds stochastic rounding. float16/bfloat16/float64 inputs are first
-    converted to float32 (float64 rounds once there; TE multiplies in FP32 as well).
+    throwaway state and nothing is recorded. ``generator`` feeds stochastic rounding.
+    float16/bfloat16/float64 inputs are first converted to float32 (float64 rounds once there; TE
+    multiplies in FP32 as well).
 
     Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
     ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),
