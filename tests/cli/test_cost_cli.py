@@ -52,7 +52,8 @@ def test_bad_input_exit_2():
         (["--device", "a100"], "unknown device 'a100'"),
         (["--recipes", "hif8-current", "--device", "b300"], "HiF8"),
         (["--recipes", "nope"], "unknown recipe 'nope'"),
-        (["--model", "gpt"], "not supported yet"),
+        (["--model", "my_models.py:make"], "not supported yet"),
+        (["--model", "gpt", "--hidden", "64"], "drop --hidden"),
         (["--hidden", "0"], "hidden must be a positive integer"),
         (["--scenario", "inference"], "unknown scenario"),
         (["--recipes", "mxfp8", "--device", "h100"], "no recipe of mxfp8 runs on h100"),
@@ -67,3 +68,15 @@ def test_help():
     res = runner.invoke(app, ["cost", "--help"])
     assert res.exit_code == 0
     assert "--recipes" in res.stdout and "te-benchmark" in res.stdout
+
+
+def test_model_gpt_prices_the_lab_gpt():
+    res = runner.invoke(app, ["cost", "--model", "gpt", "--device", "b300", "--json"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)["recipes"]
+    assert isinstance(rec["bf16"]["quantize_ms"], float)
+    # d_model 256 on 1024 tokens: memory-bound GEMMs, quantization passes make FP8 slower
+    assert rec["te-delayed"]["speedup_vs_bf16"] < 1
+    res = runner.invoke(app, ["cost", "--model", "gpt", "--device", "h200"])
+    assert res.exit_code == 0, res.output
+    assert "gate.fprop" in res.stdout and "hidden 256" in res.stdout

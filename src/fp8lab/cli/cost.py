@@ -17,7 +17,8 @@ Counts come from fp8lab's own execution of one Linear step per recipe (amax and 
 transposes, re-tilings, scale bytes, promotion FMAs); times from a roofline whose efficiencies
 are calibrated on the fprop timings Transformer Engine publishes (docs/cost.md lists the held-out
 residuals). Shapes: --hidden/--ffn/--layers/--tokens (default: TE's 5B example, M = 15,872
-tokens). --scenario training prices a forward+backward step (each tensor quantized once);
+tokens), or --model gpt: the lab's built-in GPT (its default config; tokens = batch 8 x 128
+unless --tokens; model factories are not supported yet). --scenario training prices a forward+backward step (each tensor quantized once);
 te-benchmark prices TE's benchmark_gemm.py (each GEMM timed as its own forward). Only GEMMs and
 their quantization are priced: attention, norms and communication are not. Devices: h100, h200,
 h200-nvl, b200, b300. A recipe the device lacks the tensor cores for (mxfp8, nvfp4 on Hopper) is
@@ -26,36 +27,63 @@ can run (HiF8, fp32 GEMMs).
 """
 
 
-def _shape(model: str | None, hidden: int, ffn: int, layers: int, tokens: int) -> Any:
+#: TE's 5B example (docs/examples/gemm_profiling): the default layer shape
+TE_5B = {"hidden": 4096, "ffn": 16384, "layers": 24, "tokens": 15872}
+
+
+def _shape(model: str | None, given: dict[str, int | None]) -> tuple[Any, list | None]:
+    """(TransformerShape for the header, the layer's Linears or None for the shape's own)."""
     from fp8lab.cost.model import TransformerShape
 
-    if model is not None:
+    if model is None:
+        kw = {k: (TE_5B[k] if v is None else v) for k, v in given.items()}
+        return TransformerShape(**kw), None
+    if model != "gpt":
         raise ValueError(
-            f"--model {model!r}: pricing a model factory is not supported yet; give the layer "
-            "shape with --hidden, --ffn, --layers and --tokens"
+            f"--model {model!r}: pricing a model factory is not supported yet; use --model gpt "
+            "(the lab's built-in GPT) or give the layer shape with --hidden, --ffn, --layers "
+            "and --tokens"
         )
-    return TransformerShape(hidden=hidden, ffn=ffn, layers=layers, tokens=tokens)
+    if any(v is not None for k, v in given.items() if k != "tokens"):
+        raise ValueError("--model gpt sets hidden, ffn and layers: drop --hidden/--ffn/--layers")
+    from fp8lab.lab.gpt import GPTConfig
+    from fp8lab.lab.train import TrainConfig
+
+    cfg = GPTConfig()
+    d, ff = cfg.d_model, cfg.d_ff
+    tokens = given["tokens"] or TrainConfig().batch_size * cfg.block_size
+    shape = TransformerShape(hidden=d, ffn=ff, layers=cfg.n_layer, tokens=tokens)
+    # the lab GPT's converted Linears of one block (the output head stays high precision)
+    linears = [("qkv", d, 3 * d), ("proj", d, d), ("gate", d, ff), ("up", d, ff), ("down", ff, d)]
+    return shape, linears
 
 
-def _price(recipes: list[str], device: str, shape: Any, scenario: str) -> tuple[Any, dict]:
+def _price(
+    recipes: list[str], device: str, shape: Any, linears: list | None, scenario: str
+) -> tuple[Any, dict]:
     from fp8lab.cost.devices import get_device
-    from fp8lab.cost.model import UnpriceableError, price_layer
+    from fp8lab.cost.model import UnpriceableError, price_linears
     from fp8lab.recipe import get_recipe
 
     dev = get_device(device)
     for r in recipes:
         get_recipe(r)  # unknown names fail before any pricing
+    lins = shape.linears() if linears is None else linears
+
+    def one(r: str) -> Any:
+        return price_linears(r, dev, lins, shape.tokens, scenario, shape)
+
     costs, skipped = {}, {}
     for r in recipes:
         try:
-            costs[r] = price_layer(r, dev, shape, scenario)
+            costs[r] = one(r)
         except UnpriceableError as exc:
             if not exc.device_limit:
                 raise
             skipped[r] = str(exc)
     if not costs:
         raise ValueError(f"no recipe of {', '.join(recipes)} runs on {dev.name}")
-    base = costs["bf16"] if "bf16" in costs else price_layer("bf16", dev, shape, scenario)
+    base = costs["bf16"] if "bf16" in costs else one("bf16")
     return dev, {"bf16_ms": base.layer_ms, "costs": costs, "skipped": skipped}
 
 
@@ -155,12 +183,14 @@ def register(app: typer.Typer) -> None:
         recipes: str = typer.Option(DEFAULT_RECIPES, "--recipes", help="Comma-separated recipes."),
         device: str = typer.Option("h200", "--device", help="h100, h200, h200-nvl, b200, b300."),
         model: str | None = typer.Option(
-            None, "--model", help="A model factory (not supported yet: use the shape options)."
+            None, "--model", help="gpt: the lab's built-in GPT (other factories: not yet)."
         ),
-        hidden: int = typer.Option(4096, "--hidden", help="Hidden size."),
-        ffn: int = typer.Option(16384, "--ffn", help="FFN (intermediate) size."),
-        layers: int = typer.Option(24, "--layers", help="Number of layers."),
-        tokens: int = typer.Option(15872, "--tokens", help="Tokens per step (micro-batch x seq)."),
+        hidden: int | None = typer.Option(None, "--hidden", help="Hidden size (default 4096)."),
+        ffn: int | None = typer.Option(None, "--ffn", help="FFN size (default 16384)."),
+        layers: int | None = typer.Option(None, "--layers", help="Layers (default 24)."),
+        tokens: int | None = typer.Option(
+            None, "--tokens", help="Tokens per step, micro-batch x sequence (default 15872)."
+        ),
         scenario: str = typer.Option(
             "training", "--scenario", help="training or te-benchmark (see above)."
         ),
@@ -170,8 +200,9 @@ def register(app: typer.Typer) -> None:
         if not names:
             raise fail("--recipes is empty")
         with clear_errors():
-            shape = _shape(model, hidden, ffn, layers, tokens)
-            dev, priced = _price(names, device, shape, scenario)
+            given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
+            shape, linears = _shape(model, given)
+            dev, priced = _price(names, device, shape, linears, scenario)
         for r, why in priced["skipped"].items():
             typer.echo(f"skipped {r}: {why}", err=True)
         if json_out:

@@ -144,11 +144,11 @@ class LayerCost:
 
     @property
     def gemm_ms(self) -> float:
-        return sum(g.ms for g in self.gemms)
+        return sum((g.ms for g in self.gemms), 0.0)
 
     @property
     def quantize_ms(self) -> float:
-        return sum(k.ms for k in self.kernels)
+        return sum((k.ms for k in self.kernels), 0.0)
 
     @property
     def layer_ms(self) -> float:
