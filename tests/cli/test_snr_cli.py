@@ -98,6 +98,17 @@ def test_accumulator_overflow_warns() -> None:
     assert "overflowed the e4m3 accumulator" in res.stderr
 
 
+def test_overflow_of_a_tensor_core_model_warns() -> None:
+    # bf16 elements scaled to bf16's max: the products overflow FP32, the H100 model's range
+    res = _run("--length", "64", "--samples", "3", "--format", "bf16", "--accumulator", "h100")
+    assert res.exit_code == 0, res.output
+    assert "overflowed the h100 accumulator (max 3.40282e+38)" in res.stderr
+    assert "wider --accumulator" not in res.stderr
+    ok = _run("--length", "64", "--samples", "3", "--format", "bf16", "--scaling", "1",
+              "--accumulator", "h100")  # fmt: skip
+    assert ok.exit_code == 0 and "overflowed" not in ok.stderr
+
+
 def test_defaults_give_a_meaningful_first_result() -> None:
     # all defaults used to sum in the element format: 100 % overflow and exactly 0 dB
     res = _run("--json")

@@ -299,22 +299,20 @@ def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None)
 
 
 def _warn_overflow(results: list[Any]) -> None:
+    from fp8lab.formats import get_format
+
     for r in results:
         if r.acc_overflow_fraction > 0:
             c = r.config
+            fix = "lower --scale-target / --scaling"
+            if c.accumulator_max < get_format("fp32").max:
+                fix += " or use a wider --accumulator (e.g. e8m8, fp32)"
             typer.echo(
                 f"warning: in {100 * r.acc_overflow_fraction:.0f}% of the samples of the run "
                 f"(length={c.length}, scaling={c.scaling}, block={c.block}) products overflowed "
-                f"the {c.accumulator_name} accumulator (max {get_max(c.accumulator_name):g}): "
-                "lower --scale-target / --scaling or use a wider --accumulator (e.g. e8m8, fp32)",
+                f"the {c.accumulator_name} accumulator (max {c.accumulator_max:g}): {fix}",
                 err=True,
             )
-
-
-def get_max(fmt: str) -> float:
-    from fp8lab.formats import get_format
-
-    return float(get_format(fmt).max)
 
 
 def _plot_sweep(results: list[Any], path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fp8lab.lab.snr import SnrConfig
 
@@ -59,6 +60,11 @@ def test_accumulator_kinds_are_told_apart() -> None:
     d = SnrConfig(accumulator="limited").to_dict()
     assert d["accumulator"] == "limited" and d["acc_rounding"] is None
     assert SnrConfig().to_dict()["accumulator"] == "e4m3"  # the library default stays
+    f32max = float(torch.finfo(torch.float32).max)
+    assert SnrConfig(accumulator="h100").accumulator_max == f32max  # FP32 accumulator
+    assert SnrConfig(format="e4m3-ieee").accumulator_max == 240.0
+    assert SnrConfig(accumulator="e8m8").accumulator_max > 1e38
+    assert SnrConfig(accumulator="fp64").accumulator_max == float("inf")
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,14 @@ class SnrConfig:
         return self.rounding
 
     @property
+    def accumulator_max(self) -> float:
+        """Largest finite value of the accumulator: its format's max; FP32's for a tensor-core
+        model (its accumulator and output are FP32); inf for ``"fp64"``."""
+        if self.accumulator == EXACT_ACCUMULATOR:
+            return math.inf
+        return float(get_format("fp32" if self.uses_model else self.accumulator_name).max)
+
+    @property
     def target(self) -> float:
         if self.scale_target is not None:
             return self.scale_target

@@ -113,6 +113,15 @@ def _overflow_fraction(p: np.ndarray, pq: np.ndarray, acc: str) -> float:
     return float(np.mean(over.any(axis=1)))
 
 
+def _model_overflow_fraction(p: _Prepared, result: np.ndarray, config: SnrConfig) -> float:
+    """Fraction of samples a tensor-core model could not hold: a product beyond FP32's max (the
+    model's terms and output are FP32) or a non-finite result."""
+    fmax = config.accumulator_max
+    with np.errstate(over="ignore", invalid="ignore"):
+        big = (np.abs(p.qa * p.qb) > fmax).any(axis=1)
+    return float(np.mean(big | ~np.isfinite(result)))
+
+
 def _run_sequential(group: Sequence[SnrConfig], vectors: _VectorCache) -> list[SnrResult]:
     """One stack of configs sharing length, samples and a format accumulator: one loop."""
     first = group[0]
@@ -160,7 +169,8 @@ def _run_model(c: SnrConfig, vectors: _VectorCache) -> SnrResult:
             total += parts[:, j]
     if not c.block:
         total /= p.sa[:, 0] * p.sb[:, 0]
-    return SnrResult(c, snr_db(p.reference, total), p.reference, total, 0.0)
+    over = _model_overflow_fraction(p, total, c)
+    return SnrResult(c, snr_db(p.reference, total), p.reference, total, over)
 
 
 def _stack_key(c: SnrConfig) -> tuple:
