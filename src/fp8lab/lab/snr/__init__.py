@@ -45,7 +45,7 @@ Modules: `config` (`SnrConfig`), `result` (`SnrResult`, `snr_db`, `quantile`), `
 draws them). The lab never imports the report layer.
 """
 
-from fp8lab.lab.snr.casts import cast_array, make_rounder
+from fp8lab.lab.snr.casts import Rounder, cast_array, make_rounder
 from fp8lab.lab.snr.config import (
     CORRELATION_MODELS,
     EXACT_ACCUMULATOR,
@@ -67,6 +67,7 @@ __all__ = [
     "Figure",
     "Panel",
     "Preset",
+    "Rounder",
     "SnrConfig",
     "SnrResult",
     "cast_array",
