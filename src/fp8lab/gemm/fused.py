@@ -52,7 +52,7 @@ from fp8lab.qtensor import QTensor
 
 __all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
 
-_NT = 64  # output columns per tile of the fast kernel (a tile's b rows stay in L1)
+_NT = 512  # output columns per tile of the fast kernel (long SIMD loops; b rows stay in L2)
 _RB = 16  # output rows per job of the fast kernel
 _LO = np.float32(2.0**-100)  # 2**E outside (_LO, _HI): a lane of the fast kernel falls back
 _HI = np.float32(2.0**100)
