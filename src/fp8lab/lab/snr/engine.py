@@ -160,7 +160,7 @@ def _run_model(c: SnrConfig, vectors: _VectorCache) -> SnrResult:
 
     p = _prepare(c, vectors)
     chunk = c.block or c.promote_every or c.length
-    parts = chunk_sums(p.qa, p.qb, chunk, c.accumulator_name, c.format)
+    parts = chunk_sums(p.qa, p.qb, chunk, c.accumulator_name, get_format(c.format).name)
     total = np.zeros(c.samples)
     for j in range(parts.shape[1]):
         if c.block:
