@@ -46,8 +46,7 @@ from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
 from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
-from fp8lab.gemm.limited import c_start, check_promotion, interval_scales
-from fp8lab.gemm.operands import k_constant_scales
+from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
 from fp8lab.qtensor import QTensor
 
 __all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
@@ -326,15 +325,7 @@ def fused(
         _fused_general(*args, acc.group, f_bits, acc.out_bits,
                        acc.out_rounding == "nearest_even", acc.c_entry == "after", floor_p,
                        gpp)  # fmt: skip
-    if pe is not None:
-        if a.global_scale is not None or b.global_scale is not None:
-            g = torch.ones(())
-            for q in (a, b):
-                if q.global_scale is not None:
-                    g = g * q.global_scale
-            out.mul_(g)
-        return out
-    return accbuf.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
+    return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
 
 
 def fused_dot(

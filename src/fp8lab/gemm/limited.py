@@ -14,7 +14,7 @@ from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
 from fp8lab.qtensor import QTensor
 
-__all__ = ["c_start", "check_promotion", "interval_scales", "limited"]
+__all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
 
 _ROW_CHUNK = 64  # output rows per pass of the limited model
 _BATCH_K = 512  # K elements per batched group-sum GEMM
@@ -227,9 +227,16 @@ def limited(
             _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
         if pe is None:  # never promoted: out = f32(acc), scales applied below
             _acc_step(acc_np, zero[:, :rows], drop, rne, 1, o_np[r0:r1], unit_a[:rows], unit_b)
-    if pe is None:
-        out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
-    elif a.global_scale is not None or b.global_scale is not None:
+    return output_scales(out, a, b, pe is not None)
+
+
+def output_scales(out: torch.Tensor, a: QTensor, b: QTensor, promoted: bool) -> torch.Tensor:
+    """The scales left for the output of a tensor-core model, in place: promoted sums carry
+    their K groups' scales already (only global scales remain); never promoted, the K-constant
+    scales multiply the chain's result (cuBLAS's epilogue)."""
+    if not promoted:
+        return out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
+    if a.global_scale is not None or b.global_scale is not None:
         g = torch.ones(())
         for q in (a, b):
             if q.global_scale is not None:
