@@ -47,6 +47,7 @@ def speed(size: int, repeat: int, per_product: bool) -> None:
     h100 = Accumulator("h100")
     h100_p = Accumulator("h100", promote_every=128)
     qa_t, qb_t = quantize(a, tensor), quantize(b, tensor)
+    qa_b, qb_b = quantize(a, act), quantize(b, wgt)
 
     cases: list[tuple[str, Callable[[], object], str]] = [
         ("fp32 a @ b (baseline)", lambda: a @ b, ""),
@@ -86,6 +87,11 @@ def speed(size: int, repeat: int, per_product: bool) -> None:
             "1x128 x 128x128, H100 model (exact), promote 128, incl. quant.",
             lambda: qmatmul(a, b, h100_p, spec=act, spec_b=wgt),
             "<= 20",
+        ),
+        (
+            "1x128 x 128x128, H100 model, promote 128 (pre-quantized)",
+            lambda: qmatmul(qa_b, qb_b, h100_p),
+            "",
         ),
     ]
     if per_product:
