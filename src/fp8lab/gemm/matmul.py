@@ -37,7 +37,9 @@ def qmatmul(
         a, b: `QTensor` operands, or float tensors quantized here with ``spec`` (``a``) and
             ``spec_b`` (``b``; default: ``spec`` with its block transposed, so that a (1, 128)
             activation spec gives (128, 1) for ``b``).
-        accumulator: an `Accumulator`, its kind as a string (``"fp32"``, ``"limited"``) or a dict.
+        accumulator: an `Accumulator`, its kind or a GPU name as a string (``"fp32"``,
+            ``"limited"``, ``"h100"``, ``"ada"``, ...: the GPU's row for the operands' formats)
+            or a dict.
         out_format: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"``: the output's rounding.
         bias: ``[N]``, added to the scaled FP32 result (before ``out_format``), bit for bit
             ``out.mul_(scale).add_(bias)``: one FP32 rounding for the scale, one for the bias.
@@ -50,8 +52,9 @@ def qmatmul(
 
     Raises:
         ValueError: non-2-D operands, mismatched K, scale blocks along K that do not line up
-            (e.g. ``b`` tiled along N instead of K: retile it), a limited accumulator without
-            promotion over K-varying scales, or ``native`` where it does not apply.
+            (e.g. ``b`` tiled along N instead of K: retile it), a tensor-core accumulator without
+            promotion over K-varying scales, a GPU name without a row for the operands'
+            formats, or ``native`` where it does not apply.
     """
     qa, qb = as_qtensors(a, b, spec, spec_b)
     acc = Accumulator.parse(accumulator, (qa.spec.format, qb.spec.format))
