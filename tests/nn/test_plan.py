@@ -1,0 +1,53 @@
+"""The LinearPlan: frozen, built once per (module, recipe), its reuse decisions as the recipes
+define them (per-tensor: one quantization serves two GEMMs; DeepSeek-V3 re-tiles; MXFP8 and NVFP4
+re-quantize the fp32 tensor), and delayed specs bound to the module's own state objects."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp8lab
+from fp8lab.nn import Linear
+from fp8lab.nn.plan import Reuse, build_plan
+from fp8lab.nn.state import ScalingState
+
+S, R, H = Reuse.SAME, Reuse.RETILE, Reuse.SOURCE
+
+
+@pytest.mark.parametrize(
+    ("name", "weight", "grad", "x"),
+    [
+        ("te-delayed", S, S, S),  # per-tensor: block shape does not depend on direction
+        ("te-current", S, S, S),
+        ("bf16", S, S, S),  # the same bf16 rounding serves both GEMMs
+        ("deepseek-v3", S, R, R),  # 128x128 weights transpose to themselves; 1x128 -> 128x1
+        ("mxfp8", H, H, H),  # 1x32 -> 32x1, re-quantized from fp32 (TE MXFP8)
+        ("nvfp4", S, H, H),  # 16x16 weights transpose to themselves
+    ],
+)
+def test_reuse_decisions(name, weight, grad, x):
+    rec = fp8lab.get_recipe(name)
+    plan = build_plan(rec, ScalingState(rec))
+    assert plan.fprop["input"].reuse is None and plan.dgrad["grad_output"].reuse is None
+    got = (plan.dgrad["weight"].reuse, plan.wgrad["grad_output"].reuse, plan.wgrad["input"].reuse)
+    assert got == (weight, grad, x)
+    # a re-tiled operand's source writes its dequantized copy while quantizing
+    assert plan.fprop["input"].retile_source == (x is R)
+    hp = rec.replace(save_for_backward="high_precision")
+    plan_hp = build_plan(hp, ScalingState(hp))
+    assert all(plan_hp.wgrad[r].reuse is not R for r in ("input", "grad_output"))
+
+
+def test_plan_is_frozen_and_binds_the_modules_state():
+    mod = Linear(16, 8, recipe="te-delayed")
+    mod(torch.randn(4, 16)).sum().backward()
+    plan, state = mod._plan(mod.recipe)
+    assert mod._plan(mod.recipe)[0] is plan  # built once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.name = "x"  # type: ignore[misc]
+    assert plan.fprop["input"].spec.scaling is mod.scaling_states["input"]
+    assert plan.wgrad["grad_output"].spec.scaling is mod.scaling_states["grad_output"]
+    assert state.by_key is mod._state.by_key
+    # a recipe without delayed scaling has an empty state: nothing to update
+    assert not ScalingState(fp8lab.get_recipe("te-current"))
