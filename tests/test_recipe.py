@@ -21,6 +21,7 @@ EXPECTED = [
     "te-delayed-hopper",
     "te-current",
     "deepseek-v3",
+    "deepseek-v3-h100",
     "mxfp8",
     "hif8-current",
     "hif8-delayed",
@@ -66,12 +67,23 @@ def test_preset_contents_follow_their_sources():
     assert (ds.history_len, ds.algorithm, ds.margin) == (1024, "max", 0)
     assert all(te.gemm(g).accumulator.kind == "fp32" for g in GEMMS)
     hop = get_recipe("te-delayed-hopper")
-    assert hop.fprop.accumulator.kind == "limited" and hop.fprop.accumulator.promote_every is None
+    # Hopper's fast FP8 accumulation in fprop, never promoted: the H100 tensor-core model
+    assert hop.fprop.accumulator.kind == "fused" and hop.fprop.accumulator.promote_every is None
+    assert hop.fprop.accumulator.hardware == "h100"
     assert hop.dgrad.accumulator.kind == "fp32"
     dsv3 = get_recipe("deepseek-v3")
     assert dsv3.input.granularity == (1, 128) and dsv3.weight.granularity == (128, 128)
     assert {dsv3.input.format, dsv3.weight.format, dsv3.grad_output.format} == {"e4m3"}
     assert all(dsv3.gemm(g).accumulator.promote_every == 128 for g in GEMMS)
+    h = get_recipe("deepseek-v3-h100")
+    assert (
+        h.replace(name="deepseek-v3", description=dsv3.description, source=dsv3.source).replace(
+            **{g: dsv3.gemm(g) for g in GEMMS}
+        )
+        == dsv3
+    )  # deepseek-v3 but for the accumulator
+    assert all(h.gemm(g).accumulator.hardware == "h100" for g in GEMMS)
+    assert all(h.gemm(g).accumulator.promote_every == 128 for g in GEMMS)
     assert dsv3.optimizer_state == "bf16" and dsv3.master_weights == "fp32"
     mx = get_recipe("mxfp8")
     assert mx.input.granularity == "mx" and mx.input.scaling == "mx_rceil"
