@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+import torch
+
 import fp8lab
 from fp8lab import QuantSpec
 
@@ -62,3 +64,8 @@ def test_describe_matches_the_stats_name_where_that_one_is_complete():
     for s in variants():
         if not s.is_delayed and s.describe().count(" (") == 0:
             assert spec_name(s) == s.describe(), s
+
+
+def test_qtensor_repr_shows_the_spec_text():
+    q = fp8lab.quantize(torch.randn(4, 256), "e4m3", (1, 128), "pow2_down")
+    assert "e4m3:1x128:pow2_down" in repr(q) and "(4, 256)" in repr(q)

@@ -179,9 +179,8 @@ class QTensor:
 
     def __repr__(self) -> str:
         return (
-            f"QTensor(shape={tuple(self.values.shape)}, format={self.spec.format!r}, "
-            f"granularity={self.spec.granularity!r}, scales={tuple(self.scales.shape)}, "
-            f"retiled={self.retiled})"
+            f"QTensor(shape={tuple(self.values.shape)}, spec={self.spec.describe()!r}, "
+            f"scales={tuple(self.scales.shape)}, retiled={self.retiled})"
         )
 
 
