@@ -1,0 +1,316 @@
+"""`Recipe`: which tensor is quantized how, and how each GEMM of a Linear layer runs.
+
+A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It describes:
+
+* per tensor **role** -- ``input`` (activation), ``weight``, ``grad_output`` -- a `QuantSpec`
+  (format, granularity, scaling rule or delayed-scaling *configuration*, rounding), or ``None``
+  (kept fp32);
+* per **GEMM** of a linear layer (NVIDIA developer blog "探索 FP8 训练中 Debug 思路与技巧") --
+  ``fprop`` ``y = x Wᵀ``, ``dgrad`` ``dx = dy W``,
+  ``wgrad`` ``dW = dyᵀ x`` -- a `GemmConfig`: the `Accumulator`, an optional high-precision
+  override (``"fp32"``, ``"bf16"``, ``"fp16"``: both operands merely rounded to that format) and
+  optional per-(GEMM, role) spec overrides (that blog's cure: current scaling for
+  ``grad_output`` in ``dgrad`` only, while the same gradient feeds ``wgrad`` under the delayed
+  spec);
+* what is saved for backward (``"high_precision"``, the default: the fp32 operands, quantized
+  again in backward, as TE and torchao do; ``"quantized"``: the forward's quantized operands,
+  re-tiled from the quantized values where the backward GEMM needs other blocks, as DeepSeek-V3
+  does);
+* whether attention's two matmuls are quantized (``attention``, off by default like TE's fp8_dpa);
+* the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
+
+Granularity convention: a role's block shape is written for the tensor in its natural layout
+(``input`` ``[tokens, in]``, ``weight`` ``[out, in]``, ``grad_output`` ``[tokens, out]``) as used by
+the GEMM that reduces along its *last* axis (fprop for input and weight, dgrad for grad_output).
+A GEMM that reduces along the first axis (dgrad for weight, wgrad for both operands) uses the
+transposed blocks: ``(1, 128)`` becomes ``(128, 1)``, ``"row"`` becomes ``"col"`` (re-tiling).
+Per-(GEMM, role) overrides follow the same convention.
+
+A recipe is configuration only: a `DelayedScaling` given in a spec is stored as its frozen
+`DelayedScalingConfig`; the scaling state belongs to whoever quantizes (`fp8lab.nn.Linear`, or
+the user through `DelayedScaling.bind`). Presets are therefore immutable and shareable.
+
+Recipe files (`Recipe.load`) are type-checked key by key; every error (`RecipeFileError`) names
+the file, the table and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8lab.gemm import Accumulator
+from fp8lab.qtensor import QuantSpec
+from fp8lab.recipe.config import (
+    GEMM_OPERANDS,
+    GEMMS,
+    LOSS_SCALINGS,
+    OPTIMIZER_STATES,
+    ROLES,
+    SAVE_MODES,
+    GemmConfig,
+    RecipeFileError,
+    _spec,
+)
+from fp8lab.recipe.plain import recipe_from_plain
+from fp8lab.recipe.toml_writer import dump_toml
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
+
+__all__ = ["Recipe"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A complete simulated low-precision training recipe (see the module docstring).
+
+    Frozen configuration: equal to its TOML or JSON round trip, hashable.
+    """
+
+    name: str = "custom"
+    input: QuantSpec | None = None
+    weight: QuantSpec | None = None
+    grad_output: QuantSpec | None = None
+    fprop: GemmConfig = field(default_factory=GemmConfig)
+    dgrad: GemmConfig = field(default_factory=GemmConfig)
+    wgrad: GemmConfig = field(default_factory=GemmConfig)
+    save_for_backward: str = "high_precision"
+    attention: bool = False
+    optimizer_state: str = "fp32"
+    master_weights: str = "fp32"
+    loss_scaling: str = "none"
+    loss_scale: float = 2.0**16
+    description: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            object.__setattr__(self, role, _spec(getattr(self, role), role))
+        for g in GEMMS:
+            v = getattr(self, g)
+            if isinstance(v, Mapping):
+                v = GemmConfig.from_dict(v)
+            elif not isinstance(v, GemmConfig):
+                raise TypeError(f"{g} must be a GemmConfig or dict, got {type(v).__name__}")
+            object.__setattr__(self, g, v)
+        if self.save_for_backward not in SAVE_MODES:
+            raise ValueError(
+                f"save_for_backward must be one of {SAVE_MODES}, got {self.save_for_backward!r}"
+            )
+        if self.loss_scaling not in LOSS_SCALINGS:
+            raise ValueError(
+                f"loss_scaling must be one of {LOSS_SCALINGS}, got {self.loss_scaling!r}"
+            )
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ValueError(f"loss_scale must be finite and > 0, got {self.loss_scale}")
+        object.__setattr__(self, "loss_scale", float(self.loss_scale))
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}"
+            )
+        if self.master_weights not in ("fp32", "bf16", "fp16"):
+            raise ValueError(
+                f"master_weights must be fp32, bf16 or fp16, got {self.master_weights!r}"
+            )
+        if not isinstance(self.attention, bool):
+            raise TypeError(f"attention must be a bool, got {type(self.attention).__name__}")
+
+    # ------------------------------------------------------------------ queries
+    def gemm(self, gemm: str) -> GemmConfig:
+        if gemm not in GEMMS:
+            raise ValueError(f"unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
+        return getattr(self, gemm)
+
+    def spec(self, gemm: str, role: str) -> QuantSpec | None:
+        """The spec of ``role`` in ``gemm`` (the override if any, else the role's spec), in the
+        natural-layout convention; ``None`` when the operand stays unquantized."""
+        cfg = self.gemm(gemm)
+        if role not in (r for r, _ in GEMM_OPERANDS[gemm]):
+            raise ValueError(f"{role!r} is not an operand of {gemm}")
+        ov = cfg.override(role)
+        return ov if ov is not None else getattr(self, role)
+
+    @property
+    def is_delayed(self) -> bool:
+        """Whether any operand uses delayed scaling (the module then keeps state)."""
+        return any(
+            s is not None and s.is_delayed
+            for g in GEMMS
+            for r, _ in GEMM_OPERANDS[g]
+            for s in [self.spec(g, r)]
+        )
+
+    # ------------------------------------------------------------------ derivation
+    def replace(self, **changes: Any) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+    def with_high_precision(self, *gemms: str, precision: str = "bf16") -> Recipe:
+        """Copy with ``gemms`` run in high precision (the per-GEMM bisection of NVIDIA's
+        developer blog "探索 FP8 训练中 Debug 思路与技巧")."""
+        ch = {g: dataclasses.replace(self.gemm(g), high_precision=precision) for g in gemms}
+        return dataclasses.replace(self, **ch)
+
+    def with_override(self, gemm: str, role: str, spec: QuantSpec | Mapping | str) -> Recipe:
+        """Copy with ``role``'s spec replaced in ``gemm`` only."""
+        cfg = self.gemm(gemm)
+        if role not in (r for r, _ in GEMM_OPERANDS[gemm]):
+            raise ValueError(f"{role!r} is not an operand of {gemm}")
+        ov = dict(cfg.overrides)
+        ov[role] = _spec(spec, f"override for {role}")
+        return dataclasses.replace(self, **{gemm: dataclasses.replace(cfg, overrides=ov)})
+
+    def with_accumulator(self, accumulator: Accumulator | str, *gemms: str) -> Recipe:
+        """Copy with the accumulator of ``gemms`` (default: all three) replaced."""
+        acc = Accumulator.parse(accumulator)
+        ch = {g: dataclasses.replace(self.gemm(g), accumulator=acc) for g in (gemms or GEMMS)}
+        return dataclasses.replace(self, **ch)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (no None: absent role = unquantized), TOML/JSON friendly."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "save_for_backward": self.save_for_backward,
+            "attention": self.attention,
+            "optimizer_state": self.optimizer_state,
+            "master_weights": self.master_weights,
+            "loss_scaling": self.loss_scaling,
+            "loss_scale": self.loss_scale,
+        }
+        for role in ROLES:
+            s = getattr(self, role)
+            if s is not None:
+                d[role] = s.to_dict()
+        for g in GEMMS:
+            d[g] = self.gemm(g).to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "recipe") -> Recipe:
+        """Inverse of `to_dict`, type-checked key by key: a `RecipeFileError` (a ValueError)
+        names ``where`` (e.g. the file), the table and the key of a bad or unknown entry."""
+        return recipe_from_plain(cls, d, where)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "recipe") -> Recipe:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RecipeFileError(f"{where}: not valid JSON: {exc}") from None
+        return cls.from_dict(d, where=where)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    @classmethod
+    def from_toml(cls, text: str, *, where: str = "recipe") -> Recipe:
+        try:
+            d = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise RecipeFileError(f"{where}: not valid TOML: {exc}") from None
+        return cls.from_dict(d, where=where)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``.toml`` or ``.json`` (by suffix)."""
+        p = Path(path)
+        if p.suffix == ".toml":
+            p.write_text(self.to_toml(), encoding="utf-8")
+        elif p.suffix == ".json":
+            p.write_text(self.to_json() + "\n", encoding="utf-8")
+        else:
+            raise ValueError(f"recipe files end in .toml or .json, got {p.name!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipe:
+        """Read a ``.toml`` or ``.json`` recipe file. Every problem is a `RecipeFileError`
+        naming the file: "no such recipe file", unreadable, not TOML/JSON, or a bad table/key."""
+        p = Path(path)
+        if p.suffix not in (".toml", ".json"):
+            raise ValueError(f"recipe files end in .toml or .json, got {p.name!r}")
+        if not p.exists():
+            raise RecipeFileError(f"no such recipe file: {str(p)!r}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeFileError(f"cannot read recipe file {str(p)!r}: {exc}") from None
+        where = f"recipe file {str(p)!r}"
+        if p.suffix == ".toml":
+            return cls.from_toml(text, where=where)
+        return cls.from_json(text, where=where)
+
+    def fingerprint(self) -> str:
+        """Canonical JSON of the numerics (name and prose excluded): equal iff same numerics.
+
+        Computed once per (immutable) recipe: modules look it up on every forward."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            d = self.to_dict()
+            for k in ("name", "description", "source"):
+                d.pop(k)
+            cached = json.dumps(d, sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached
+
+    def __repr__(self) -> str:
+        def spec_str(s: QuantSpec | None) -> str:
+            if s is None:
+                return "fp32"
+            sc = s.scaling
+            if isinstance(sc, DelayedScaling | DelayedScalingConfig):
+                sc_s = (
+                    f"delayed(h={sc.history_len}, {sc.algorithm}, margin={sc.margin}"
+                    + (f", interval={sc.interval}" if sc.interval != 1 else "")
+                    + (f", nguard={sc.nguard}" if sc.nguard else "")
+                    + (f", first={sc.first_step}" if sc.first_step != "unit" else "")
+                    + ")"
+                )
+            else:
+                sc_s = str(sc)
+            g = (
+                s.granularity
+                if isinstance(s.granularity, str)
+                else "x".join(map(str, s.granularity))
+            )
+            extra = "" if s.rounding == "nearest_even" else f" {s.rounding}"
+            return f"{s.format}/{g}/{sc_s}{extra}"
+
+        def gemm_str(name: str) -> str:
+            c = self.gemm(name)
+            a = c.accumulator
+            acc = (
+                "fp32"
+                if a.kind == "fp32"
+                else (
+                    f"limited(m={a.mantissa_bits}"
+                    + (f", promote={a.promote_every}" if a.promote_every else "")
+                    + ")"
+                )
+            )
+            parts = [f"acc={acc}"]
+            if c.high_precision:
+                parts.append(f"high_precision={c.high_precision}")
+            for r, s in c.overrides:
+                parts.append(f"{r}={spec_str(s)}")
+            return f"{name}({', '.join(parts)})"
+
+        lines = [f"Recipe({self.name!r}"]
+        lines.append("  roles: " + ", ".join(f"{r}={spec_str(getattr(self, r))}" for r in ROLES))
+        lines.append("  gemms: " + ", ".join(gemm_str(g) for g in GEMMS))
+        lines.append(
+            f"  save_for_backward={self.save_for_backward}, attention={self.attention}, "
+            f"optimizer_state={self.optimizer_state}, master_weights={self.master_weights}, "
+            f"loss_scaling={self.loss_scaling}"
+            + (f"({self.loss_scale:g})" if self.loss_scaling != "none" else "")
+            + ")"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Plain data (TOML/JSON tables) -> `Recipe`, type-checked key by key.
+
+Every error is a `RecipeFileError` naming where the data came from (a file), the table
+(``[top level]``, ``[input]``, ``[input.scaling.delayed]``, ``[fprop.accumulator]``,
+``[dgrad.overrides.grad_output]``...) and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fp8lab._keys import check_keys
+from fp8lab.gemm import Accumulator
+from fp8lab.qtensor import QuantSpec
+from fp8lab.recipe.config import GEMMS, ROLES, GemmConfig, RecipeFileError, _spec
+from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
+
+__all__ = ["recipe_from_plain"]
+
+# expected plain-data types per key: TOML/JSON values (objects built in Python pass too)
+_NUMBER = (int, float)
+_TYPE_NAMES = {str: "a string", bool: "a bool (true/false)", int: "an integer", float: "a number"}
+
+
+def _plain_types(cls: type, overrides: Mapping[str, tuple[type, ...]]) -> dict[str, tuple]:
+    """Key -> accepted types of a frozen dataclass's plain form: ``overrides``, else the type of
+    the field's default (a float field takes ints too; a None default is not checked)."""
+    out: dict[str, tuple] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            out[f.name] = overrides[f.name]
+            continue
+        d = f.default
+        if isinstance(d, bool | int | str):
+            out[f.name] = (type(d),)
+        elif isinstance(d, float):
+            out[f.name] = _NUMBER
+    return out
+
+
+def _what(types: tuple[type, ...]) -> str:
+    return " or ".join(_TYPE_NAMES.get(t, "a table" if t is Mapping else t.__name__) for t in types)
+
+
+def _check_table(
+    d: Any, types: Mapping[str, tuple], known: Any, what: str, where: str, table: str
+) -> None:
+    """Unknown keys (`check_keys`) and each known key's type, errors naming where/table/key."""
+    if not isinstance(d, Mapping):
+        raise RecipeFileError(f"{where}: [{table}] must be a table, got {d!r}")
+    try:
+        check_keys(d, known, what)
+    except ValueError as exc:
+        raise RecipeFileError(f"{where}: [{table}] {exc}") from None
+    for key, v in d.items():
+        t = types.get(key)
+        # bool is an int in Python: an int key must not take true/false, nor a number key
+        ok = t is None or (isinstance(v, t) and not (isinstance(v, bool) and bool not in t))
+        if not ok:
+            raise RecipeFileError(
+                f"{where}: [{table}] key {key!r}: expected {_what(t)}, got {v!r} "
+                f"({type(v).__name__})"
+            )
+
+
+def _build(where: str, table: str, make: Any, *args: Any) -> Any:
+    """``make(*args)`` with a constructor's ValueError/TypeError prefixed by where and table."""
+    try:
+        return make(*args)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, RecipeFileError):
+            raise
+        raise RecipeFileError(f"{where}: [{table}] {exc}") from None
+
+
+def _granularity_ok(g: Any) -> bool:
+    return isinstance(g, str) or (
+        isinstance(g, list | tuple)
+        and len(g) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in g)
+    )
+
+
+def _spec_from_plain(v: Any, where: str, table: str) -> Any:
+    """A role or override entry: a format name, a QuantSpec, or a type-checked spec table."""
+    if v is None or isinstance(v, str | QuantSpec):
+        return _build(where, table, _spec, v, table)
+    types = _plain_types(
+        QuantSpec,
+        {
+            "granularity": (str, list, tuple),
+            "scaling": (str, *_NUMBER, Mapping, DelayedScalingConfig, DelayedScaling),
+            "rounding": (str,),
+        },
+    )
+    known = [f.name for f in dataclasses.fields(QuantSpec)]
+    _check_table(v, types, known, "QuantSpec", where, table)
+    if "granularity" in v and not _granularity_ok(v["granularity"]):
+        raise RecipeFileError(
+            f"{where}: [{table}] key 'granularity': expected a name or [rows, cols], "
+            f"got {v['granularity']!r}"
+        )
+    sc = v.get("scaling")
+    if isinstance(sc, Mapping):
+        _check_table(sc, {"delayed": (Mapping,)}, ["delayed"], "scaling", where, f"{table}.scaling")
+        types = _plain_types(DelayedScalingConfig, {})
+        known = [f.name for f in dataclasses.fields(DelayedScalingConfig)]
+        t = f"{table}.scaling.delayed"
+        _check_table(sc.get("delayed", {}), types, known, "DelayedScaling", where, t)
+    return _build(where, table, _spec, dict(v), table)
+
+
+def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
+    if isinstance(v, GemmConfig):
+        return v
+    types = {"accumulator": (str, Mapping, Accumulator), "high_precision": (str,)}
+    types["overrides"] = (Mapping,)
+    _check_table(v, types, types, "GemmConfig", where, g)
+    acc = v.get("accumulator")
+    if isinstance(acc, Mapping):
+        at = _plain_types(Accumulator, {})
+        known = [f.name for f in dataclasses.fields(Accumulator)]
+        _check_table(acc, at, known, "Accumulator", where, f"{g}.accumulator")
+    acc = _build(where, f"{g}.accumulator", Accumulator.parse, acc)
+    ov = v.get("overrides", {})
+    _check_table(ov, {}, ROLES, "override role", where, f"{g}.overrides")
+    overrides = {r: _spec_from_plain(s, where, f"{g}.overrides.{r}") for r, s in ov.items()}
+    return _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides)
+
+
+def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
+    """``cls(**d)`` (``cls`` is `Recipe`) with every table and key checked, errors naming
+    where/table/key."""
+    types = _plain_types(
+        cls,
+        {
+            **{r: (str, Mapping, QuantSpec) for r in ROLES},
+            **{g: (Mapping, GemmConfig) for g in GEMMS},
+            "loss_scale": _NUMBER,
+        },
+    )
+    known = [f.name for f in dataclasses.fields(cls)]
+    _check_table(d, types, known, "Recipe", where, "top level")
+    kw = dict(d)
+    for r in ROLES:
+        if r in kw:
+            kw[r] = _spec_from_plain(kw[r], where, r)
+    for g in GEMMS:
+        if g in kw:
+            kw[g] = _gemm_from_plain(kw[g], where, g)
+    return _build(where, "top level", lambda: cls(**kw))

@@ -1,0 +1,208 @@
+"""The preset recipes (`recipes`, `get_recipe`), each from its public source."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp8lab.gemm import Accumulator
+from fp8lab.qtensor import QuantSpec
+from fp8lab.recipe.config import GEMMS, GemmConfig
+from fp8lab.recipe.core import Recipe
+from fp8lab.scaling.delayed import DelayedScalingConfig
+
+__all__ = ["get_recipe", "recipes"]
+
+
+def _e(fmt: str, gran: Any = "tensor", scaling: Any = "max", **kw: Any) -> QuantSpec:
+    return QuantSpec(format=fmt, granularity=gran, scaling=scaling, **kw)
+
+
+def _hp(precision: str) -> dict[str, GemmConfig]:
+    return {g: GemmConfig(high_precision=precision) for g in GEMMS}
+
+
+def _te_delayed() -> DelayedScalingConfig:
+    return DelayedScalingConfig(history_len=1024, algorithm="max", margin=0)
+
+
+def _build_presets() -> dict[str, Recipe]:
+    te_src = "NVIDIA Transformer Engine transformer_engine/common/recipe/__init__.py"
+    hif8_src = '"HiFloat8:高性能训练之路" (GCC / Huawei, 2025-12-19); HiFloat8 arXiv 2409.16626'
+    mixed_src = '"混合精度训练:FP16、BF16、FP8深度对比"'
+    # save_for_backward is stated by every preset: the dataclass default changed to
+    # "high_precision" and a preset's fingerprint (run directories resume on it) must not
+    ds_acc = Accumulator(kind="limited", mantissa_bits=13, group=32, promote_every=128)
+    h100_fast = Accumulator("h100")  # the H100 tensor core, bit-exact (fp8lab.gemm.fused)
+    h100_ds = Accumulator("h100", promote_every=128)
+    hif8_round = "nearest_away"  # HiF8's native TA rounding (arXiv 2409.16626)
+    p: list[Recipe] = [
+        Recipe(
+            name="fp32",
+            **_hp("fp32"),
+            save_for_backward="quantized",
+            description="Everything in fp32: the reference; fp8lab.nn.Linear == torch.nn.Linear.",
+            source="baseline",
+        ),
+        Recipe(
+            name="bf16",
+            **_hp("bf16"),
+            save_for_backward="quantized",
+            description="GEMM operands rounded to bf16 (RNE), fp32 accumulation and output.",
+            source=f"standard BF16 mixed precision ({mixed_src}; emulated in fp32, docs/design.md)",
+        ),
+        Recipe(
+            name="fp16-amp",
+            **_hp("fp16"),
+            save_for_backward="quantized",
+            loss_scaling="dynamic",
+            loss_scale=2.0**16,
+            description="fp16 operands, fp32 accumulation, dynamic loss scaling (2^16, x2/2000, x0.5).",
+            source="Micikevicius et al., 'Mixed Precision Training', arXiv 1710.03740; "
+            + mixed_src,
+        ),
+        Recipe(
+            name="te-delayed",
+            input=_e("e4m3", scaling=_te_delayed()),
+            weight=_e("e4m3", scaling=_te_delayed()),
+            grad_output=_e("e5m2", scaling=_te_delayed()),
+            save_for_backward="quantized",
+            description="TE DelayedScaling(): HYBRID (E4M3 fwd, E5M2 grads), per-tensor, amax "
+            "history 1024, max, margin 0; fp32 accumulation in all GEMMs.",
+            source=te_src + " DelayedScaling",
+        ),
+        Recipe(
+            name="te-delayed-hopper",
+            input=_e("e4m3", scaling=_te_delayed()),
+            weight=_e("e4m3", scaling=_te_delayed()),
+            grad_output=_e("e5m2", scaling=_te_delayed()),
+            fprop=GemmConfig(accumulator=h100_fast),
+            save_for_backward="quantized",
+            description="te-delayed with Hopper's fast FP8 accumulation in fprop (TE "
+            "_2X_ACC_FPROP=False: the H100 tensor core's 13-bit fused accumulator, never "
+            "promoted, bit-exact model); dgrad/wgrad split-accumulate (fp32).",
+            source=te_src + " module/base.py _2X_ACC_*; Khattak & Mikaitis, 'Accurate Models "
+            "of NVIDIA Tensor Cores', arXiv 2512.07004 (H100 model)",
+        ),
+        Recipe(
+            name="te-current",
+            input=_e("e4m3"),
+            weight=_e("e4m3"),
+            grad_output=_e("e5m2"),
+            save_for_backward="quantized",
+            description="TE Float8CurrentScaling(): HYBRID, per-tensor scale fmt_max/amax of the "
+            "current tensor; fp32 accumulation.",
+            source=te_src + " Float8CurrentScaling",
+        ),
+        Recipe(
+            name="deepseek-v3",
+            input=_e("e4m3", (1, 128)),
+            weight=_e("e4m3", (128, 128)),
+            grad_output=_e("e4m3", (1, 128)),
+            fprop=GemmConfig(accumulator=ds_acc),
+            dgrad=GemmConfig(accumulator=ds_acc),
+            wgrad=GemmConfig(accumulator=ds_acc),
+            optimizer_state="bf16",
+            save_for_backward="quantized",
+            description="DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles "
+            "(128x1 for wgrad, re-tiled from the quantized values), weights 128x128 blocks, "
+            "online amax/448 scales; limited accumulation promoted to fp32 every 128; BF16 AdamW "
+            "moments, FP32 master weights. Embedding and output head stay high precision.",
+            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2",
+        ),
+        Recipe(
+            name="deepseek-v3-h100",
+            input=_e("e4m3", (1, 128)),
+            weight=_e("e4m3", (128, 128)),
+            grad_output=_e("e4m3", (1, 128)),
+            fprop=GemmConfig(accumulator=h100_ds),
+            dgrad=GemmConfig(accumulator=h100_ds),
+            wgrad=GemmConfig(accumulator=h100_ds),
+            optimizer_state="bf16",
+            save_for_backward="quantized",
+            description="deepseek-v3 with the bit-exact H100 tensor-core accumulator (13-bit "
+            "fused block FMA over 32 products) promoted to fp32 every 128, instead of the fast "
+            "approximate limited model.",
+            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2; Khattak & "
+            "Mikaitis, arXiv 2512.07004 (H100 model)",
+        ),
+        Recipe(
+            name="mxfp8",
+            input=_e("e4m3", "mx", "mx_rceil"),
+            weight=_e("e4m3", "mx", "mx_rceil"),
+            grad_output=_e("e4m3", "mx", "mx_rceil"),
+            save_for_backward="high_precision",
+            description="TE MXFP8BlockScaling(): E4M3 everywhere, 1x32 blocks with E8M0 scales "
+            "rounded up (rceil, never clips); rowwise and columnwise copies quantized "
+            "independently from the high-precision tensor.",
+            source=te_src + " MXFP8BlockScaling; TE quantize_mxfp8.cuh",
+        ),
+        Recipe(
+            name="hif8-current",
+            input=_e("hif8", rounding=hif8_round),
+            weight=_e("hif8", rounding=hif8_round),
+            grad_output=_e("hif8", rounding=hif8_round),
+            save_for_backward="quantized",
+            description="HiFloat8 on all tensors, per-tensor current scaling, TA rounding.",
+            source=hif8_src,
+        ),
+        Recipe(
+            name="hif8-delayed",
+            input=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
+            weight=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
+            grad_output=_e("hif8", scaling=_hif8_delayed(), rounding=hif8_round),
+            save_for_backward="quantized",
+            description="HiFloat8 per-tensor delayed scaling: amax measured every 5 steps "
+            "(interval 5), guard margin Nguard=8 binades, first step current scaling.",
+            source=hif8_src + " (interval 5, Nguard 8-12 for HiF8)",
+        ),
+        Recipe(
+            name="nvfp4",
+            input=_e("e2m1", "nvfp4", "nvfp4"),
+            weight=_e("e2m1", (16, 16), "nvfp4"),
+            grad_output=_e("e2m1", "nvfp4", "nvfp4", rounding="stochastic"),
+            save_for_backward="high_precision",
+            description="TE NVFP4BlockScaling(): E2M1 elements, 1x16 blocks with E4M3 scales "
+            "under an FP32 tensor scale, 16x16 weight blocks, stochastic rounding of grads. "
+            "The random Hadamard transform is not modelled.",
+            source=te_src + " NVFP4BlockScaling; TE reference_nvfp4.py",
+        ),
+    ]
+    return {r.name: r for r in p}
+
+
+def _hif8_delayed() -> DelayedScalingConfig:
+    return DelayedScalingConfig(
+        history_len=1024, algorithm="max", margin=0, interval=5, nguard=8, first_step="current"
+    )
+
+
+_PRESETS: dict[str, Recipe] | None = None
+
+
+def _presets() -> dict[str, Recipe]:
+    global _PRESETS
+    if _PRESETS is None:
+        _PRESETS = _build_presets()
+    return _PRESETS
+
+
+def recipes() -> list[str]:
+    """Names of the preset recipes."""
+    return list(_presets())
+
+
+def get_recipe(name: str | Recipe) -> Recipe:
+    """The preset ``name`` (a `Recipe` passes through). Unknown names raise, listing valid ones.
+
+    Presets are immutable configuration (delayed scaling as a frozen `DelayedScalingConfig`):
+    quantizing under a preset's spec never changes the preset; each quantizing module owns its
+    state (`DelayedScaling.bind`), so a preset can be shared by any number of layers and runs.
+    """
+    if isinstance(name, Recipe):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
+    pres = _presets()
+    if name not in pres:
+        raise ValueError(f"unknown recipe {name!r}; valid: {', '.join(pres)}")
+    return pres[name]
