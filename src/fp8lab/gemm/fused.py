@@ -186,9 +186,11 @@ def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rn
 
 
 @njit(parallel=True, cache=True)
-def _fused_fast(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp):
+def _fused_fast(
+    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
+):  # pragma: no cover
     """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
-    SIMD across a tile of output columns; same contract as `_fused_general`."""  # pragma: no cover
+    SIMD across a tile of output columns; same contract as `_fused_general`."""
     m, k = va.shape
     ncols = vb.shape[1]
     ng = (k + group - 1) // group
