@@ -60,7 +60,6 @@ from fp8lab.recipe.config import (
 )
 from fp8lab.recipe.plain import recipe_from_plain
 from fp8lab.recipe.toml_writer import dump_toml
-from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = ["Recipe"]
 
@@ -263,26 +262,7 @@ class Recipe:
 
     def __repr__(self) -> str:
         def spec_str(s: QuantSpec | None) -> str:
-            if s is None:
-                return "fp32"
-            sc = s.scaling
-            if isinstance(sc, DelayedScaling | DelayedScalingConfig):
-                sc_s = (
-                    f"delayed(h={sc.history_len}, {sc.algorithm}, margin={sc.margin}"
-                    + (f", interval={sc.interval}" if sc.interval != 1 else "")
-                    + (f", nguard={sc.nguard}" if sc.nguard else "")
-                    + (f", first={sc.first_step}" if sc.first_step != "unit" else "")
-                    + ")"
-                )
-            else:
-                sc_s = str(sc)
-            g = (
-                s.granularity
-                if isinstance(s.granularity, str)
-                else "x".join(map(str, s.granularity))
-            )
-            extra = "" if s.rounding == "nearest_even" else f" {s.rounding}"
-            return f"{s.format}/{g}/{sc_s}{extra}"
+            return "fp32" if s is None else s.describe()  # the one text form of a spec
 
         def gemm_str(name: str) -> str:
             c = self.gemm(name)
