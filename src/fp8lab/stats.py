@@ -317,14 +317,9 @@ def parse_spec(spec: Any) -> Any:
 
 
 def spec_name(spec: Any) -> str:
-    """Printable name of a spec: the string itself, or ``format:granularity[:scaling]``."""
-    if isinstance(spec, str):
-        return spec
-    g = spec.granularity
-    gran = g if isinstance(g, str) else f"{g[0]}x{g[1]}"
-    sc = spec.scaling
-    sc = f"{sc:g}" if isinstance(sc, float) else (sc if isinstance(sc, str) else "delayed")
-    return f"{spec.format}:{gran}:{sc}"
+    """Printable name of a spec: the string itself, or `QuantSpec.describe` (the one text form:
+    ``format:granularity:scaling`` plus the fields that differ from their defaults)."""
+    return spec if isinstance(spec, str) else spec.describe()
 
 
 def _blocks(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
