@@ -184,17 +184,22 @@ def _set_keys() -> str:
 
 def _summary_table(summary: dict[str, Any]) -> Any:
     """The summary as a rich table (the report holds every column)."""
+    from rich import box
     from rich.table import Table
 
     from fp8lab.report.training import table_rows
 
-    cols = (("recipe", "recipe"), ("final_val_loss", "val loss"), ("rel_gap_pct", "gap %"),
-            ("max_rel_gap_pct", "max gap %"), ("skipped_steps", "skipped"),
-            ("tokens_per_s", "tokens/s"), ("step_ratio", "time / fp32"),
-            ("mem_total", "MiB"), ("diverged", "diverged"))  # fmt: skip
-    table = Table(title=f"fp8lab compare (baseline {summary['baseline']})")
+    cols = (("recipe", "recipe"), ("final_val_loss", "val\nloss"), ("rel_gap_pct", "gap\n%"),
+            ("max_rel_gap_pct", "max\ngap %"), ("skipped_steps", "skipped\nsteps"),
+            ("tokens_per_s", "tokens\n/s"), ("step_ratio", "time /\nfp32"),
+            ("mem_total", "total\nMiB"), ("diverged", "diverged"))  # fmt: skip
+    table = Table(title=f"fp8lab compare (baseline {summary['baseline']})", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # fmt: skip
     for key, title in cols:
-        table.add_column(title, justify="left" if key == "recipe" else "right", overflow="fold")
+        if key == "recipe":
+            table.add_column(title, overflow="fold", min_width=10)
+        else:  # numbers are never folded; the headers wrap instead
+            table.add_column(title, justify="right", no_wrap=True)
     for row in table_rows(summary):
         table.add_row(*(row[k] for k, _ in cols))
     return table
