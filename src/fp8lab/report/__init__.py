@@ -1,1 +1,2 @@
-"""L4: figures and tables (matplotlib PNGs, Markdown) written from lab results."""
+"""L8: figures and tables (matplotlib PNGs, Markdown, HTML) written from the lab's results; the
+command line (L9) calls it."""
