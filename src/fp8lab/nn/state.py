@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fp8lab.nn.context import defer_forward_update, in_autocast
+from fp8lab.nn.context import ForwardScaling, defer_forward_update, in_autocast
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 from fp8lab.scaling.delayed import DelayedScaling
 
-__all__ = ["FORWARD_ROLES", "ScalingState", "state_key"]
+__all__ = ["FORWARD_ROLES", "ScalingState", "after_forward", "state_key"]
 
 FORWARD_ROLES = ("input", "weight")
 
@@ -67,12 +67,12 @@ class ScalingState:
                 ds.update()
 
 
-def after_forward(owner: ScalingState | object) -> None:
+def after_forward(owner: ForwardScaling) -> None:
     """After a forward of ``owner`` (a `ScalingState`, or a module updating all of its states):
     update the forward roles now, at the outermost autocast exit, or discard under no_grad."""
     if in_autocast():
-        defer_forward_update(owner)  # type: ignore[arg-type]
+        defer_forward_update(owner)
     elif torch.is_grad_enabled():
-        owner.update_forward()  # type: ignore[attr-defined]
+        owner.update_forward()
     else:
-        owner.discard_forward()  # type: ignore[attr-defined]
+        owner.discard_forward()
