@@ -1,0 +1,31 @@
+"""Statistics hooks for any training loop (layer L6: imports nn, qtensor, scaling, stats).
+
+* `watch` -- ``with fp8lab.watch(model, every=50, out="watch.jsonl") as w:`` records amax, scale,
+  underflow %, saturation % and SQNR of the operands every converted GEMM consumed, per
+  layer x GEMM x role, into JSONL / CSV / TensorBoard.
+* `sample` -- one step's rows, for a loop with its own writer (the lab's ``stats.jsonl``).
+* `read_records`, `flag`, `THRESHOLDS` -- reading the files back and the fine / warning /
+  critical levels `fp8lab observe-report` colours by (docs/observe.md).
+"""
+
+from __future__ import annotations
+
+from fp8lab.observe.levels import CRITICAL_PCT, FINE_PCT, LEVELS, THRESHOLDS, flag
+from fp8lab.observe.records import FIELDS, OperandStats, operand_row
+from fp8lab.observe.sinks import read_records
+from fp8lab.observe.watch import Watch, sample, watch
+
+__all__ = [
+    "CRITICAL_PCT",
+    "FIELDS",
+    "FINE_PCT",
+    "LEVELS",
+    "THRESHOLDS",
+    "OperandStats",
+    "Watch",
+    "flag",
+    "operand_row",
+    "read_records",
+    "sample",
+    "watch",
+]

@@ -1,0 +1,184 @@
+"""One row of statistics per GEMM operand, from the operands the GEMMs really consumed.
+
+The nn collection hook (`fp8lab.nn.collect_operands`, `fp8lab.nn.operand.COLLECTORS`) hands over,
+per ``(layer, gemm, role)``, the high-precision operand ``hp`` (natural layout) and the tensor
+the GEMM consumed ``used`` (the quantized operand's dequantized copy, or the bf16/fp16-rounded
+tensor). The statistics are those of `fp8lab.stats.error_stats` on that pair. Scale and
+saturation need the quantized values in the scaled domain: they come from re-quantizing ``hp``
+with the scale the module used (a delayed scale read from the module's own state before it is
+updated; current scaling recomputed; a reused or re-tiled backward operand rebuilt from the
+forward's), accepted only when its dequantized copy equals ``used`` bit for bit (``exact``);
+otherwise ``scale``/``saturation_pct`` are None rather than a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8lab.nn import Linear, active_recipe
+from fp8lab.nn.plan import OperandPlan
+from fp8lab.qtensor import QTensor, QuantSpec, quantize
+from fp8lab.scaling.delayed import DelayedScaling, delayed_scale
+from fp8lab.stats import error_stats
+
+__all__ = ["FIELDS", "OperandStats", "operand_row"]
+
+#: the columns of a record, in order (JSONL keys, CSV header)
+FIELDS = (
+    "step",
+    "layer",
+    "gemm",
+    "role",
+    "call",
+    "format",
+    "spec",
+    "numel",
+    "amax",
+    "scale",
+    "scale_min",
+    "scale_max",
+    "underflow_pct",
+    "saturation_pct",
+    "sqnr_db",
+    "exact",
+)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.float32:
+        return bool(torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)))
+    return bool(torch.equal(a, b))
+
+
+def _fixed_scale_spec(spec: QuantSpec, hp: torch.Tensor) -> QuantSpec:
+    """``spec`` with a delayed scale replaced by the fixed multiplier in force right now (read,
+    never updated: no amax is staged, the training state is untouched)."""
+    if not spec.is_delayed:
+        return spec
+    finite = hp.detach().abs()
+    amax = torch.nan_to_num(finite, nan=0.0).amax().to(torch.float32) if hp.numel() else None
+    sc = spec.scaling
+    if isinstance(sc, DelayedScaling):
+        s = sc.scale_for(amax, spec.fmt)
+    else:  # a bare configuration quantizes with a throwaway state (step 0)
+        s = delayed_scale(sc, amax if amax is not None else torch.zeros(()), spec.fmt)
+    return spec.replace(scaling=float(s.reshape(())))
+
+
+class OperandStats:
+    """Turns hook calls into rows for one model: finds each layer's operand plan, rebuilds the
+    QTensor the GEMM consumed, and measures it. ``earlier`` keeps the last rebuilt operand per
+    ``(layer, role)`` within a step, for backward operands reused or re-tiled from the forward."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.modules: dict[str, Linear] = {}
+        if model is not None:
+            for n, m in model.named_modules():
+                if isinstance(m, Linear):
+                    if m.name is None:
+                        m.name = n
+                    self.modules[m.name] = m
+        self.earlier: dict[tuple[str, str], QTensor] = {}
+
+    def new_step(self) -> None:
+        self.earlier.clear()
+
+    def plan(self, layer: str, gemm: str, role: str) -> OperandPlan | None:
+        m = self.modules.get(layer)
+        if m is None:
+            return None
+        # the module's cached plan for the recipe in force (autocast may override it)
+        plan, _ = m._plan(active_recipe(m.recipe))
+        return getattr(plan, gemm)[role]
+
+    def rebuild(self, layer: str, role: str, op: OperandPlan, hp: torch.Tensor,
+                used: torch.Tensor) -> QTensor | None:  # fmt: skip
+        """The QTensor whose dequantized copy is ``used`` (bit for bit), or None."""
+        spec = _fixed_scale_spec(op.spec, hp)  # type: ignore[arg-type]
+        prev = self.earlier.get((layer, role))
+        if prev is not None and _same_bits(prev.dequantize(), used):
+            return prev  # reused as is (Reuse.SAME)
+        cands = [hp]
+        if prev is not None:  # re-tiled from the forward's dequantized operand (Reuse.RETILE)
+            cands.append(prev.dequantize())
+        for src in cands:
+            if src.shape != used.shape:
+                continue
+            q = quantize(src.detach(), spec)
+            if _same_bits(q.dequantize(), used):
+                self.earlier[(layer, role)] = q
+                return q
+        return None
+
+    def row(self, layer: str, gemm: str, role: str, hp: torch.Tensor,
+            used: Any) -> dict[str, Any] | None:  # fmt: skip
+        """The statistics of one operand (None for an operand the GEMM took unchanged in fp32)."""
+        if isinstance(used, QTensor):  # a hook handing over the QTensor itself
+            q: QTensor | None = used
+            used = used.dequantize()
+        else:
+            q = None
+        op = self.plan(layer, gemm, role)
+        hp32 = hp.detach()
+        if hp32.dtype != torch.float32:
+            hp32 = hp32.float()
+        if op is not None and op.high_precision is not None:
+            if op.high_precision == "fp32":
+                return None
+            return operand_row(hp32, used, op.high_precision, op.high_precision, None)
+        if op is None or op.spec is None:
+            if q is None:
+                return None
+            spec = q.spec
+        else:
+            spec = op.spec
+            if q is None:
+                q = self.rebuild(layer, role, op, hp32, used)
+        return operand_row(hp32, used, spec.fmt.name, spec.describe(), q)
+
+
+def operand_row(
+    hp: torch.Tensor, used: torch.Tensor, fmt: str, spec: str, q: QTensor | None
+) -> dict[str, Any]:
+    """Statistics of one operand pair (`fp8lab.stats.error_stats`, float64 sums).
+
+    ``amax``: max |hp| (the tensor scaling looks at). ``underflow_pct``: % of the nonzero
+    elements of ``hp`` that are 0 in ``used``. ``saturation_pct``: % of all elements whose scaled
+    value sits at +-max of ``fmt`` while |hp| > |used| (clamped), or overflowed to Inf/NaN from a
+    finite input; needs the scaled values (``q``), else None -- except for a plain rounding to
+    bf16/fp16 (scale 1, ``q`` None, ``spec`` equal to ``fmt``). ``sqnr_db``: 10 log10(sum hp^2 /
+    sum (hp - used)^2), +inf (JSON null) when exact. ``scale``: the per-tensor quantization
+    multiplier (values = cast(hp * scale)); ``scale_min``/``scale_max`` over the blocks.
+    """
+    plain = q is None and spec == fmt
+    values = q.values.reshape(used.shape) if q is not None else (used if plain else None)
+    st = error_stats(hp, used, fmt if values is not None else None, values)
+    row: dict[str, Any] = {
+        "format": fmt,
+        "spec": spec,
+        "numel": int(st["numel"]),
+        "amax": st["amax"],
+        "scale": None,
+        "scale_min": None,
+        "scale_max": None,
+        "underflow_pct": st["underflow_pct"],
+        "saturation_pct": None if values is None else st["saturation_pct"],
+        "sqnr_db": st["sqnr_db"],
+        "exact": q is not None or plain,
+    }
+    if plain:
+        row["scale"] = row["scale_min"] = row["scale_max"] = 1.0
+    elif q is not None:
+        m = q.scale_multipliers
+        if m is None:  # multipliers = 1 / dequantization scales
+            m = torch.reciprocal(q.scale_tensor())
+        m = m.reshape(-1)
+        if m.numel():
+            lo, hi = float(m.min()), float(m.max())
+            row["scale_min"], row["scale_max"] = lo, hi
+            row["scale"] = lo if lo == hi or m.numel() == 1 else None
+    return row
