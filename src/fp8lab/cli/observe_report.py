@@ -1,0 +1,55 @@
+"""``fp8lab observe-report``: heatmaps of underflow and saturation per layer over steps, drawn
+from an `fp8lab.watch` record file (JSONL or CSV)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from fp8lab.cli._common import clear_errors, fail
+
+HELP = """Heatmaps of underflow % and saturation % per layer over steps from an fp8lab.watch
+record file (JSONL, or CSV by its .csv suffix). Each cell is the layer's worst operand (GEMM x
+role) at that step. Levels: fine below 0.5 %, warning from 0.5 % to 4 %, critical above 4 %
+(docs/observe.md). Writes a PNG or a self-contained HTML page (--out; default PATH with .png),
+prints the flagged cells (--json: the whole heatmap data as JSON). Exit code 2 on a missing,
+empty or corrupt file.
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("observe-report", help=HELP)
+    def observe_report(
+        path: Path = typer.Argument(..., help="fp8lab.watch records (.jsonl or .csv)."),
+        out: Path | None = typer.Option(
+            None, "--out", help="Figure to write: FILE.png or FILE.html (default: PATH.png)."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the heatmap data as JSON."),
+    ) -> None:
+        from fp8lab.observe import read_records
+        from fp8lab.report.observe import draw_png, heatmap_data, write_html
+
+        target = out if out is not None else path.with_suffix(".png")
+        if target.suffix.lower() not in (".png", ".html"):
+            raise fail(f"--out must end in .png or .html, got {str(target)!r}")
+        with clear_errors():
+            data = heatmap_data(read_records(path))
+            if target.suffix.lower() == ".html":
+                write_html(data, target, source=str(path))
+            else:
+                draw_png(data, target)
+        if as_json:
+            typer.echo(json.dumps({**data, "figure": str(target)}))
+            return
+        n_crit = sum(f["level"] == "critical" for f in data["flags"])
+        typer.echo(
+            f"{len(data['layers'])} layers x {len(data['steps'])} steps; "
+            f"{n_crit} critical, {len(data['flags']) - n_crit} warning cells -> {target}"
+        )
+        for f in data["flags"]:
+            typer.echo(
+                f"  {f['level']:<8} step {f['step']:>6}  {f['layer']:<24} "
+                f"{f['metric'].removesuffix('_pct')} {f['value']:.3g} % ({f['worst']})"
+            )
