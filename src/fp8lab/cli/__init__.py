@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from fp8lab.cli import compare, cost, formats, inspect, observe_report, snr
+from fp8lab.cli import comm_sim, compare, cost, formats, inspect, observe_report, snr
 
 app = typer.Typer(
     name="fp8lab",
@@ -36,7 +36,7 @@ def _root(
         raise typer.Exit()
 
 
-for _module in (formats, snr, inspect, compare, cost, observe_report):
+for _module in (formats, snr, inspect, compare, cost, observe_report, comm_sim):
     _module.register(app)
 
 
