@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "lab": 7,
     "report": 8,
     "cli": 9,
+    "__main__": 9,  # `python -m fp8lab`: the command line
 }
 
 
