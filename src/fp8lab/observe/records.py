@@ -37,6 +37,7 @@ FIELDS = (
     "numel",
     "amax",
     "scale",
+    "scale_inv",
     "scale_min",
     "scale_max",
     "underflow_pct",
@@ -152,7 +153,9 @@ def operand_row(
     finite input; needs the scaled values (``q``), else None -- except for a plain rounding to
     bf16/fp16 (scale 1, ``q`` None, ``spec`` equal to ``fmt``). ``sqnr_db``: 10 log10(sum hp^2 /
     sum (hp - used)^2), +inf (JSON null) when exact. ``scale``: the per-tensor quantization
-    multiplier (values = cast(hp * scale)); ``scale_min``/``scale_max`` over the blocks.
+    multiplier (values = cast(hp * scale)) and ``scale_inv`` the dequantization multiplier
+    (used = values * scale_inv), when one serves the whole tensor; ``scale_min``/``scale_max``
+    over the blocks (quantization multipliers).
     """
     plain = q is None and spec == fmt
     values = q.values.reshape(used.shape) if q is not None else (used if plain else None)
@@ -163,6 +166,7 @@ def operand_row(
         "numel": int(st["numel"]),
         "amax": st["amax"],
         "scale": None,
+        "scale_inv": None,
         "scale_min": None,
         "scale_max": None,
         "underflow_pct": st["underflow_pct"],
@@ -171,7 +175,7 @@ def operand_row(
         "exact": q is not None or plain,
     }
     if plain:
-        row["scale"] = row["scale_min"] = row["scale_max"] = 1.0
+        row["scale"] = row["scale_inv"] = row["scale_min"] = row["scale_max"] = 1.0
     elif q is not None:
         m = q.scale_multipliers
         if m is None:  # multipliers = 1 / dequantization scales
@@ -180,5 +184,7 @@ def operand_row(
         if m.numel():
             lo, hi = float(m.min()), float(m.max())
             row["scale_min"], row["scale_max"] = lo, hi
-            row["scale"] = lo if lo == hi or m.numel() == 1 else None
+            if lo == hi:  # one multiplier for the whole tensor
+                row["scale"] = lo
+                row["scale_inv"] = float(q.scale_tensor().reshape(-1)[0])
     return row
