@@ -1,0 +1,154 @@
+"""Amax reduction groups: which ranks share the amax of a delayed-scaled tensor.
+
+Transformer Engine all-reduces each delayed-scaling amax (``reduce_amax=True``) over its
+``amax_reduction_group`` before the scale update (TE ``DelayedScaling.reduce_amax``;
+``fp8_autocast(fp8_group=...)``). Reducing over the wrong group is silent: Megatron-LM PR #442
+fixed a 40B FP8 run that diverged that way. Here the group is runtime state of each
+`fp8lab.scaling.delayed.DelayedScalingState` (``state.group``, never saved), set for a whole
+model by `set_amax_group`:
+
+``world``  all-reduce MAX over the default process group: every rank quantizes with the same
+           scale at every step, bit for bit (`assert_identical_scales` checks it).
+``none``   each rank keeps its local amax (a one-rank group per rank): the scales drift apart;
+           `scale_spread` measures by how many binades.
+
+Only data parallelism is modelled: with tensor or sequence parallelism one tensor's amax is split
+over ranks and ``none`` would be wrong inside a layer; those are out of scope.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fp8lab.scaling.delayed import DelayedScaling
+
+AMAX_GROUPS = ("world", "none")
+
+__all__ = [
+    "AMAX_GROUPS",
+    "assert_identical_scales",
+    "delayed_states",
+    "gather_scales",
+    "scale_spread",
+    "set_amax_group",
+]
+
+
+def delayed_states(model: torch.nn.Module) -> dict[str, DelayedScaling]:
+    """Every `DelayedScaling` a model's modules own, by ``module_name.state_key`` (sorted).
+
+    Found by walking each module's attributes (the scaling state objects of `fp8lab.nn` and any
+    dict/list/object holding `DelayedScaling` objects), each object once.
+    """
+    found: dict[str, DelayedScaling] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, name: str, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        if isinstance(obj, DelayedScaling):
+            seen.add(id(obj))
+            found[name] = obj
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            for k, v in obj.items():
+                walk(v, f"{name}.{k}", depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
+            for i, v in enumerate(obj):
+                walk(v, f"{name}.{i}", depth + 1)
+        elif not isinstance(obj, (torch.Tensor, torch.nn.Module)) and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            for k, v in vars(obj).items():
+                walk(v, f"{name}.{k}", depth + 1)
+
+    for mname, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            walk(value, f"{mname or '<root>'}.{attr}", 0)
+    return {k: found[k] for k in sorted(found)}
+
+
+def _dist() -> Any:
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()):
+        raise RuntimeError("torch.distributed is not initialized (run under torchrun)")
+    return d
+
+
+def _own_group(d: Any) -> Any:
+    """A one-rank process group of this rank (every rank creates all of them, as required)."""
+    mine = None
+    for r in range(d.get_world_size()):
+        g = d.new_group([r])
+        if r == d.get_rank():
+            mine = g
+    return mine
+
+
+def set_amax_group(model: torch.nn.Module, mode: str = "world", group: Any = None) -> int:
+    """Set the amax reduction group of every delayed-scaling state of ``model``.
+
+    ``mode`` is ``"world"`` (``group``, default the whole world) or ``"none"`` (local amaxes).
+    Collective under torch.distributed for ``"none"`` (new groups): call it on every rank.
+    A state whose config has ``reduce_amax=False`` refuses ``"world"`` (it would not reduce).
+    Returns the number of states set.
+    """
+    if mode not in AMAX_GROUPS:
+        raise ValueError(f"unknown amax group {mode!r}: expected one of {AMAX_GROUPS}")
+    states = delayed_states(model)
+    if mode == "world":
+        off = [k for k, ds in states.items() if not ds.cfg.reduce_amax]
+        if off:
+            raise ValueError(
+                f"--amax-group world needs reduce_amax=True; these states have it off: {off[:3]}"
+            )
+        target = group
+    else:
+        d = torch.distributed
+        target = _own_group(d) if d.is_available() and d.is_initialized() else None
+    for ds in states.values():
+        ds.group = target
+    return len(states)
+
+
+def gather_scales(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
+    """The state names and every rank's current scales: float32 ``[world, states]``
+    (all-gather: collective, call it on every rank)."""
+    d = _dist()
+    states = delayed_states(model)
+    names = list(states)
+    mine = torch.stack([ds.scale.reshape(()) for ds in states.values()]) if names else None
+    if mine is None:
+        return names, torch.zeros((d.get_world_size(), 0), dtype=torch.float32)
+    out = [torch.empty_like(mine) for _ in range(d.get_world_size())]
+    d.all_gather(out, mine.contiguous())
+    return names, torch.stack(out)
+
+
+def scale_spread(model: torch.nn.Module) -> dict[str, float]:
+    """Per state, ``log2(max / min)`` of its scale over the ranks (binades; 0 = identical).
+    Collective."""
+    names, scales = gather_scales(model)
+    out = {}
+    for i, name in enumerate(names):
+        col = scales[:, i].double()
+        lo, hi = float(col.min()), float(col.max())
+        out[name] = math.log2(hi / lo) if lo > 0 and math.isfinite(hi) else math.inf
+    return out
+
+
+def assert_identical_scales(model: torch.nn.Module) -> None:
+    """Raise AssertionError naming the first state whose scale differs between ranks in any bit.
+    Collective."""
+    names, scales = gather_scales(model)
+    bits = scales.view(torch.int32)
+    for i, name in enumerate(names):
+        if not torch.all(bits[:, i] == bits[0, i]):
+            raise AssertionError(f"scale of {name} differs between ranks: {scales[:, i].tolist()}")

@@ -1,0 +1,64 @@
+"""One rank of the 2-process gloo tests (run as a script by tests/dist/test_*_dist.py).
+
+argv: rank world port out_file mode [steps]. world == 1 runs without torch.distributed (the
+one-rank reference on the same global batch). Writes a dict of tensors with torch.save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main() -> None:
+    rank, world, port, out, mode = (
+        int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5],
+    )  # fmt: skip
+    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 3
+    torch.set_num_threads(1)
+    from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
+    from fp8lab.dist.amax import set_amax_group
+    from fp8lab.dist.data import allreduce_sum_hook, gather_token_losses, global_token_loss
+    from fp8lab.dist.data import shard_batch
+    from fp8lab.lab.gpt import GPT, GPTConfig
+    from fp8lab.nn import convert
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, d_ff=128, block_size=16))
+    convert(model, "te-delayed")
+    net = model
+    if world > 1:
+        set_amax_group(model, mode)
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        net.register_comm_hook(None, allreduce_sum_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(1)
+    result: dict[str, object] = {"names": list(delayed_states(model))}
+    for step in range(steps):
+        x = torch.randint(0, 256, (4, 16), generator=gen)
+        y = torch.randint(0, 256, (4, 16), generator=gen)
+        xs, ys = shard_batch(x, y, rank, world)
+        logits, _ = net(xs)
+        loss, per_token = global_token_loss(logits, ys, y.numel())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            per_token = gather_token_losses(per_token)
+            if mode == "world":
+                assert_identical_scales(model)  # raises naming the state otherwise
+            result[f"spread{step}"] = torch.tensor(list(scale_spread(model).values()))
+        result[f"tokens{step}"] = per_token
+        result[f"scales{step}"] = torch.stack([ds.scale for ds in delayed_states(model).values()])
+    torch.save(result, out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
