@@ -18,10 +18,18 @@ def main() -> None:
     )  # fmt: skip
     steps = int(sys.argv[6]) if len(sys.argv) > 6 else 3
     torch.set_num_threads(1)
-    from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
-    from fp8lab.dist.amax import set_amax_group
-    from fp8lab.dist.data import allreduce_sum_hook, gather_token_losses, global_token_loss
-    from fp8lab.dist.data import shard_batch
+    from fp8lab.dist.amax import (
+        assert_identical_scales,
+        delayed_states,
+        scale_spread,
+        set_amax_group,
+    )
+    from fp8lab.dist.data import (
+        allreduce_sum_hook,
+        gather_token_losses,
+        global_token_loss,
+        shard_batch,
+    )
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
