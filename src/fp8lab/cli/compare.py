@@ -19,17 +19,18 @@ import typer
 
 from fp8lab.cli._common import clear_errors, console
 
-HELP = """Train the same small GPT from the same initial weights on the same batches under several
-recipes and report how far each drifts from the baseline (loss curves, relative gap, grad norms,
-tokens/s, simulated memory, operand statistics) in OUT/report.html. Rerunning with the same --out
-resumes; a different configuration in --out is refused, and so is a non-empty directory fp8lab did
-not make. Progress goes to stderr (bars on a terminal, otherwise a line every tenth of the run);
---json prints only the summary on stdout: {"schema_version": 1, "baseline": ...,
-"baseline_diverged": ..., "recipes": {name: {final_train_loss, final_val_loss, rel_gap_pct,
-max_rel_gap_pct, skipped_steps, tokens_per_s, diverged}}}. A run is diverged when its loss is not
-finite or its validation loss exceeds ln(256) = 5.55 (worse than a uniform guess); its gaps are
-null, and every gap is null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops
-and keeps the checkpoints (rerun the same command to resume).
+HELP = """Train the same model (a small GPT, or yours: --model) from the same initial weights
+on the same batches under several recipes and report how far each drifts from the baseline (loss
+curves, relative gap, grad norms, tokens/s, simulated memory, operand statistics) in
+OUT/report.html. Rerunning with the same --out resumes; a different configuration in --out is
+refused, and so is a non-empty directory fp8lab did not make. Progress goes to stderr (bars on a
+terminal, otherwise a line every tenth of the run); --json prints only the summary on stdout:
+{"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "recipes": {name:
+{final_train_loss, final_val_loss, rel_gap_pct, max_rel_gap_pct, skipped_steps, tokens_per_s,
+diverged}}}. A run is diverged when its loss is not finite or its validation loss exceeds ln(V)
+for V logits (ln(256) = 5.55: worse than a uniform guess); its gaps are null, and every gap is
+null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
+(rerun the same command to resume).
 """
 
 INTERRUPTED = "interrupted; rerun the same command to resume"
@@ -231,6 +232,16 @@ def register(app: typer.Typer) -> None:
             help="TOML file with [model] [data] [train] [inject] tables and an optional "
             "[compare] table (recipes, baseline, jobs); --print-config writes one.",
         ),
+        model: str | None = typer.Option(
+            None,
+            "--model",
+            help="The model: 'gpt' (the built-in GPT, default), MODULE:FACTORY (a dotted import "
+            "path) or path/to/file.py:FACTORY (a function returning a torch.nn.Module mapping "
+            "int64 tokens [B, T] to logits [B, T, V>=256] or an object with .logits), or "
+            "hf:CONFIG.json (a transformers causal LM from a config, random init, never "
+            "downloaded; needs pip install 'fp8lab[hf]'). Same as --set model.factory=...",
+            show_default=False,
+        ),
         out: Path = typer.Option(Path("runs/compare"), "--out", help="Output directory."),
         json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
         data: list[Path] = typer.Option(
@@ -288,6 +299,7 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
     ) -> None:
         from fp8lab.lab.compare import json_summary
+        from fp8lab.lab.models import ModelConfig
         from fp8lab.lab.train import LabConfig
 
         with clear_errors():
@@ -304,6 +316,8 @@ def register(app: typer.Typer) -> None:
             n_jobs = jobs if jobs is not None else section.get("jobs", 1)
             if overrides:
                 cfg = cfg.with_overrides(overrides)
+            if model is not None:
+                cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
             if steps is not None:
                 cfg = cfg.replace_train(steps=steps)
             if data:

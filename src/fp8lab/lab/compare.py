@@ -1,5 +1,9 @@
 """Several recipes side by side: one initial model, one batch order, one set of results.
 
+The model is the built-in GPT or a user's (``[model] factory``: a ``MODULE:FACTORY`` function, a
+``path/to/file.py:FACTORY`` function or a ``hf:CONFIG.json`` transformers config; see
+:mod:`fp8lab.lab.models`), built once per recipe under ``train.seed`` before conversion.
+
 ``run_comparison(cfg, recipes, baseline, out_dir)`` validates everything first (recipes, config,
 corpus, output directory), then trains every recipe with :func:`train_run` (one after another,
 or ``jobs`` at a time in separate processes), summarises each run against the baseline, writes
@@ -41,6 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.train import (
@@ -189,6 +196,43 @@ def simulated_memory(model_cfg: GPTConfig, batch_size: int, recipe: Any) -> dict
     return {"weights": weights, "optimizer": optimizer, "activations": activations, "total": total}
 
 
+def model_memory(
+    model: Any, vocab_size: int, batch_size: int, block_size: int, recipe: Any
+) -> dict[str, float]:
+    """:func:`simulated_memory` for a user's model (any architecture), from the built model:
+    weights and optimizer as there (every parameter, plus the low-precision copy of each Linear
+    ``convert`` would quantize); activations only as far as they are known without the
+    architecture, so a lower bound: the input of every such Linear (``save_for_backward``) and
+    the fp32 logits."""
+    from fp8lab.nn import select_linears
+
+    N = batch_size * block_size
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if recipe is None:
+        act, master, state, inp, wspec, save = 4, "fp32", "fp32", None, None, "hp"
+    else:
+        hp = {getattr(recipe, g).high_precision for g in ("fprop", "dgrad", "wgrad")}
+        act = _HP_BYTES["fp32" if hp == {"fp32"} else "bf16"]
+        master, state = recipe.master_weights, recipe.optimizer_state
+        inp, wspec, save = recipe.input, recipe.weight, recipe.save_for_backward
+    weights = n_params * _HP_BYTES[master]
+    saved = 0.0
+    for name in select_linears(model):
+        out_f, in_f = model.get_submodule(name).weight.shape
+        if wspec is not None:
+            weights += _spec_bytes(wspec, out_f, in_f)
+        elif act != 4:
+            weights += out_f * in_f * act
+        quantized = inp is not None and save == "quantized"
+        saved += _spec_bytes(inp, N, in_f) if quantized else N * in_f * act
+    optimizer = 2 * n_params * _STATE_BYTES[state]
+    if _STATE_BYTES[state] == 1:
+        optimizer += 2 * math.ceil(n_params / 128) * 4
+    activations = saved + N * vocab_size * 4
+    total = weights + optimizer + activations
+    return {"weights": weights, "optimizer": optimizer, "activations": activations, "total": total}
+
+
 # ----------------------------------------------------------------------------- running
 def set_threads(threads: int) -> None:
     """Limit torch's and numba's thread pools (0 = leave both alone).
@@ -201,7 +245,6 @@ def set_threads(threads: int) -> None:
     if threads == 0:
         return
     import numba
-    import torch
 
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -256,6 +299,9 @@ def prepare_out_dir(out: Path, cfg: LabConfig, baseline: str, corpus: Corpus) ->
     directory holding no run yet (e.g. a failed start) is reused under the new configuration.
     """
     meta = {"lab": cfg.to_dict(), "baseline": baseline, "corpus": corpus_config(corpus)}
+    identity = models.model_identity(cfg.model)
+    if identity is not None:  # a user's model: its source or config file hash
+        meta["model"] = identity
     path = out / "config.json"
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another output directory")
@@ -399,7 +445,19 @@ def summarize_comparison(
     base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
     base_final = runs[baseline]["summary"]["final_val_loss"]
     vocab = cfg.model.vocab_size
-    base_diverged = _diverged(runs[baseline]["summary"], vocab)
+    user_model = None
+    if not models.is_builtin(cfg.model):  # built once, unconverted, for the memory model
+        with torch.random.fork_rng(devices=[]):
+            user_model = models.build(cfg.model, cfg.train.seed)
+
+    def memory(recipe: Any) -> dict[str, float]:
+        bs, T = cfg.train.batch_size, cfg.model.block_size
+        if user_model is None:
+            return simulated_memory(cfg.model, bs, recipe)
+        v = models.vocab_size_of(user_model, cfg.model)
+        return model_memory(user_model, v, bs, T, recipe)
+
+    base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for n in names:
@@ -409,7 +467,7 @@ def summarize_comparison(
             for r in metrics[n]
             if "val_loss" in r and r["step"] in base_val
         ]
-        diverged = _diverged(s, vocab)
+        diverged = _diverged(s, runs[n].get("vocab_size", vocab))
         no_gap = diverged or base_diverged
         finite_gaps = [g for g in gaps if g is not None]
         table[n] = {
@@ -426,7 +484,7 @@ def summarize_comparison(
             "spikes": s["spikes"],
             "steps_done": s["steps_done"],
             "step_time_ms": s["step_time_ms"],
-            "memory_bytes": simulated_memory(cfg.model, cfg.train.batch_size, recipe),
+            "memory_bytes": memory(recipe),
             "settings": recipe_settings(recipe),
             "negative_control": n == NEGATIVE_CONTROL,
         }
@@ -500,6 +558,9 @@ def run_comparison(
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
     cfg.check()
+    if not models.is_builtin(cfg.model):  # a wrong output is an error before anything is written
+        with torch.random.fork_rng(devices=[]):
+            models.build(cfg.model, cfg.train.seed)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
     out = Path(out_dir)
     prepare_out_dir(out, cfg, baseline, corpus)

@@ -1,7 +1,8 @@
 """The training loop of the lab: one recipe, one model, fp32 master weights, resumable.
 
-``train_run(recipe, cfg, corpus, run_dir, callback)`` trains a :class:`~fp8lab.lab.gpt.GPT` under
-a recipe (``None`` = plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
+``train_run(recipe, cfg, corpus, run_dir, callback)`` trains a :class:`~fp8lab.lab.gpt.GPT` (or
+a user's model: ``cfg.model.factory``, see :mod:`fp8lab.lab.models`) under a recipe (``None`` =
+plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
 
 - ``metrics.jsonl``: one record per step -- ``step`` (steps done), ``lr``, ``train_loss``,
   ``grad_norm`` (before clipping), ``skipped`` / ``skipped_steps``, ``loss_scale``, ``spike``,
@@ -39,9 +40,11 @@ from typing import Any
 import torch
 
 from fp8lab._keys import check_keys
+from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, DataConfig, get_batch, val_batches
-from fp8lab.lab.gpt import GPT, GPTConfig
+from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.inject import InjectConfig, Injector
+from fp8lab.lab.models import ModelConfig
 
 Callback = Callable[[dict[str, Any]], None]
 CHECKPOINT = "checkpoint.pt"
@@ -113,15 +116,18 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LabConfig:
-    """Everything that defines a run except the recipe: model, data, training, injection."""
+    """Everything that defines a run except the recipe: model, data, training, injection.
+    ``model`` is a :class:`~fp8lab.lab.models.ModelConfig` (the GPT's sizes and ``factory``;
+    a plain GPTConfig is the built-in GPT)."""
 
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: GPTConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["model"] = self.model.to_dict()  # "factory" only when it is not the built-in GPT
         d["data"]["paths"] = list(self.data.paths)
         return d
 
@@ -165,17 +171,25 @@ class LabConfig:
 
     def check(self) -> None:
         """Checks across sections (each section checks itself when built): the gradient spike
-        must fall inside the run, and the outlier glob must match a Linear of the model.
-        Raises ValueError naming the keys."""
+        must fall inside the run, the model factory must resolve (module or file found, the
+        function callable, a config file that parses), and the outlier glob must match a Linear
+        of the model. Raises ValueError naming the keys."""
         spike = self.inject.grad_spike_step
         if spike >= self.train.steps:
             raise ValueError(
                 f"inject.grad_spike_step={spike} is beyond the run (train.steps="
                 f"{self.train.steps}: steps 0..{self.train.steps - 1}); use -1 for no spike"
             )
+        if not models.is_builtin(self.model):
+            models.resolve(models.factory_of(self.model))
         if self.inject.outlier_channels > 0:
-            with torch.device("meta"):  # names and shapes only: no memory, no initialisation
-                model = GPT(self.model)
+            # the built-in GPT on the meta device (names and shapes only: no memory, no
+            # initialisation); a user's model may not build there
+            meta = (
+                torch.device("meta") if models.is_builtin(self.model) else contextlib.nullcontext()
+            )
+            with torch.random.fork_rng(devices=[]), meta:
+                model = models.build(self.model, self.train.seed)
             Injector(model, self.inject).remove()
 
     def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> LabConfig:
@@ -211,7 +225,7 @@ class LabConfig:
         return replace(self, train=replace(self.train, **kw))
 
 
-SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "inject": InjectConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "inject": InjectConfig}
 
 
 def _describe(v: Any) -> str:
@@ -263,10 +277,11 @@ def recipe_name(recipe: Any) -> str:
     return "fp32-torch" if recipe is None else str(getattr(recipe, "name", repr(recipe)))
 
 
-def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> GPT:
-    """Same initial weights for every recipe: init under ``seed`` first, then convert."""
-    torch.manual_seed(seed)
-    model = GPT(model_cfg)
+def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> torch.nn.Module:
+    """Same initial weights for every recipe: init under ``seed`` first, then convert. The
+    model is the built-in GPT or a user's (``model_cfg.factory``, see ``fp8lab.lab.models``),
+    which maps ``(idx, targets)`` to ``(logits, loss)`` either way."""
+    model = models.build(model_cfg, seed)
     if recipe is not None:
         from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
 
@@ -298,7 +313,7 @@ def _num(x: float | None) -> float | None:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean cross-entropy (nats/byte) over fixed validation batches.
 
     Runs under ``no_grad``, where converted layers discard the forward amaxes instead of
@@ -449,7 +464,7 @@ def stats_rows(record: dict, recipe: Any) -> list[dict[str, Any]]:
 @dataclass
 class RunResult:
     summary: dict[str, Any]
-    model: GPT
+    model: torch.nn.Module
     records: list[dict[str, Any]]
 
 
@@ -464,8 +479,12 @@ class LoopState:
 
 def checkpoint_config(cfg: LabConfig, recipe: Any, corpus: Corpus | None = None) -> dict[str, Any]:
     """What a checkpoint must have been written under to be resumed: lab config, recipe
-    settings and (when given) the corpus fingerprint."""
+    settings, (when given) the corpus fingerprint, and a user model's identity (its factory
+    and source hash, or its config file's hash: ``fp8lab.lab.models.model_identity``)."""
     out = {"lab": cfg.to_dict(), "recipe": recipe_settings(recipe)}
+    identity = models.model_identity(cfg.model)
+    if identity is not None:
+        out["model"] = identity
     if corpus is not None:
         out["corpus"] = corpus_config(corpus)
     return out
@@ -539,11 +558,13 @@ def train_run(
         for f in (metrics_f, stats_f):
             if f:
                 f.close()
-    summary = summarize(records, tc.steps, st, cfg.model.vocab_size)
+    summary = summarize(records, tc.steps, st, models.vocab_size_of(model, cfg.model))
     summary["recipe"] = name
     emit({"event": "end", "recipe": name, **summary})
     if run_path:
-        _write_text(run_path / "run.json", json.dumps({"summary": summary, **ckpt_cfg}, indent=2))
+        vocab = models.vocab_size_of(model, cfg.model)
+        run = {"summary": summary, "vocab_size": vocab, **ckpt_cfg}
+        _write_text(run_path / "run.json", json.dumps(run, indent=2))
     return RunResult(summary=summary, model=model, records=records)
 
 

@@ -1,0 +1,338 @@
+"""The lab's models: the built-in GPT, a user's factory, or a ``transformers`` config.
+
+``[model] factory`` (``--model`` on ``fp8lab compare``) names where the model comes from:
+
+- ``"gpt"`` (the default): :class:`fp8lab.lab.gpt.GPT` with the sizes of the ``[model]`` table;
+- ``"MODULE:FACTORY"``: a function imported by dotted path (``mypkg.models:tiny_llama``);
+- ``"path/to/file.py:FACTORY"``: a function in a Python file (imported under a private name);
+- ``"hf:CONFIG.json"``: a ``transformers`` causal LM built from a config file with random init
+  (``AutoModelForCausalLM.from_config``; nothing is ever downloaded; needs ``pip install
+  'fp8lab[hf]'``).
+
+A factory is called without arguments and returns a ``torch.nn.Module`` that maps int64 tokens
+[B, T] to logits [B, T, V] (or an object with ``.logits``, as Hugging Face models return), with
+V >= 256: the lab's data are bytes. With a factory, only ``block_size`` (the sequence length) of
+the ``[model]`` table is read; the sizes are the factory's. The lab wraps such a model in
+:class:`CausalLM` (parameter names gain the prefix ``model.``), which computes the same
+cross-entropy as the GPT.
+
+The model is built under ``train.seed`` before any conversion, so every recipe starts from the
+same weights. Its identity (:func:`model_identity`: the factory and the SHA-256 of its source
+file, or of the config file, and the ``transformers`` version) is part of a run's configuration:
+a checkpoint written for another model is refused on resume. Bad input (factory not found, not
+callable, wrong output, a config that does not parse, ``transformers`` missing) raises
+``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8lab.lab.gpt import GPT, GPTConfig
+
+BUILTIN = "gpt"
+HF_PREFIX = "hf:"
+MIN_VOCAB = 256  # byte tokens
+
+
+@dataclass(frozen=True)
+class ModelConfig(GPTConfig):
+    """The ``[model]`` table: the GPT's sizes and ``factory`` (where the model comes from; see
+    the module docstring). With a factory other than ``"gpt"`` only ``block_size`` is read."""
+
+    factory: str = BUILTIN
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factory, str) or not self.factory.strip():
+            raise ValueError(
+                f"model.factory must be 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY' or "
+                f"'hf:CONFIG.json', got {self.factory!r}"
+            )
+        self.gpt()  # the sizes are checked as the GPT checks them
+
+    def gpt(self) -> GPTConfig:
+        """The plain GPT sizes (without ``factory``)."""
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.factory == BUILTIN:  # the built-in GPT's configuration stays what it always was
+            del d["factory"]
+        return d
+
+
+def factory_of(model_cfg: GPTConfig) -> str:
+    """The factory string of a model config (a plain GPTConfig is the built-in GPT)."""
+    return getattr(model_cfg, "factory", BUILTIN)
+
+
+def is_builtin(model_cfg: GPTConfig) -> bool:
+    return factory_of(model_cfg) == BUILTIN
+
+
+# ----------------------------------------------------------------------------- resolving
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved factory: ``make()`` builds the raw model (uses the global torch RNG);
+    ``identity`` is what a checkpoint records of it; ``call_kwargs`` are passed to its forward."""
+
+    spec: str
+    make: Callable[[], Any]
+    identity: dict[str, Any]
+    call_kwargs: dict[str, Any]
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _source_hash(obj: Any) -> str:
+    """SHA-256 of the file that defines ``obj`` (its source text when it has no file)."""
+    try:
+        f = inspect.getsourcefile(obj)
+        if f and os.path.isfile(f):
+            return _sha256_file(Path(f))
+        return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+    except (TypeError, OSError):
+        return "unknown"
+
+
+def _attr(module: Any, dotted: str, spec: str) -> Any:
+    obj = module
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--model {spec!r}: {module.__name__} has no attribute {dotted!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(
+            f"--model {spec!r}: {dotted!r} is not callable (a {type(obj).__name__}); name a "
+            "function returning a torch.nn.Module"
+        )
+    return obj
+
+
+def _from_file(spec: str, path_text: str, name: str) -> ModelSource:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--model {spec!r}: no such Python file: {path}")
+    digest = _sha256_file(path)
+    mod_name = f"_fp8lab_user_model_{digest[:16]}"
+    module = sys.modules.get(mod_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"--model {spec!r}: cannot import {path}")
+        module = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ValueError(f"--model {spec!r}: importing {path} failed: "
+                             f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+        sys.modules[mod_name] = module  # so that pickling (spawned workers) finds it
+    fn = _attr(module, name, spec)
+    return ModelSource(spec, fn, {"factory": spec, "sha256": digest}, {})
+
+
+def _from_module(spec: str, module_name: str, name: str) -> ModelSource:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"--model {spec!r}: cannot import module {module_name!r} ({exc}); give "
+            "'MODULE:FACTORY' with MODULE importable, or 'path/to/file.py:FACTORY'"
+        ) from None
+    fn = _attr(module, name, spec)
+    return ModelSource(spec, fn, {"factory": spec, "sha256": _source_hash(fn)}, {})
+
+
+def read_hf_config(spec: str, path_text: str) -> dict[str, Any]:
+    """The JSON object of a ``transformers`` config file; ValueError when it does not parse."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--model {spec!r}: no such config file: {path}")
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--model {spec!r}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--model {spec!r}: {path} must hold a JSON object (a model config)")
+    if not isinstance(d.get("model_type"), str):
+        raise ValueError(
+            f'--model {spec!r}: {path} has no "model_type" (e.g. "llama", "gpt2"); '
+            "transformers needs it to choose the architecture"
+        )
+    return d
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the hub: configs are local
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(
+            "--model hf:...: the package 'transformers' is not installed (pip install "
+            f"'fp8lab[hf]' or pip install transformers) ({exc})"
+        ) from None
+    return transformers
+
+
+def _from_hf(spec: str, path_text: str) -> ModelSource:
+    d = read_hf_config(spec, path_text)
+    digest = _sha256_file(Path(path_text))
+    version = _transformers().__version__  # a clear error now when it is missing
+
+    def make() -> Any:
+        tf = _transformers()
+        kw = dict(d)
+        model_type = kw.pop("model_type")
+        try:
+            config = tf.AutoConfig.for_model(model_type, **kw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--model {spec!r}: transformers rejects the config: {exc}") from None
+        try:
+            return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"--model {spec!r}: no causal LM for this config ({type(exc).__name__}: {exc})"
+            ) from None
+
+    identity = {"factory": spec, "sha256": digest, "transformers": version}
+    return ModelSource(spec, make, identity, {"use_cache": False})
+
+
+def resolve(factory: str) -> ModelSource:
+    """Resolve a factory string (not ``"gpt"``) without building the model; ValueError when it
+    cannot be found, is not callable, or its config file does not parse."""
+    spec = factory.strip()
+    if spec.startswith(HF_PREFIX):
+        return _from_hf(spec, spec[len(HF_PREFIX) :])
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(
+            f"--model {spec!r}: expected 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY' or "
+            "'hf:CONFIG.json'"
+        )
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        return _from_file(spec, target, name)
+    return _from_module(spec, target, name)
+
+
+def model_identity(model_cfg: GPTConfig) -> dict[str, Any] | None:
+    """What a run records of its model beyond the ``[model]`` table: None for the built-in GPT
+    (its sizes are the table), else ``{"factory", "sha256"}`` (+ ``"transformers"`` version)."""
+    return None if is_builtin(model_cfg) else resolve(factory_of(model_cfg)).identity
+
+
+# ----------------------------------------------------------------------------- the wrapper
+class CausalLM(nn.Module):
+    """A user's model with the GPT's interface: ``forward(idx, targets=None) -> (logits, loss)``,
+    loss = mean cross-entropy over [B*T]. Checks every output: logits [B, T, V >= 256]."""
+
+    def __init__(self, model: nn.Module, spec: str, call_kwargs: dict[str, Any] | None = None):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.call_kwargs = dict(call_kwargs or {})
+        self.vocab_size: int | None = None
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.model(idx, **self.call_kwargs)
+        logits = logits_of(out, idx, self.spec)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+
+def logits_of(out: Any, idx: torch.Tensor, spec: str) -> torch.Tensor:
+    """The logits of a model's output (a tensor, or an object with ``.logits``), checked to be a
+    floating [B, T, V >= 256] tensor for ``idx`` [B, T]; ValueError naming the model otherwise."""
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, tuple | list) and logits and isinstance(logits[0], torch.Tensor):
+        logits = logits[0]
+    B, T = idx.shape
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"--model {spec!r}: the model returned a {type(out).__name__}, expected logits "
+            "[B, T, V] (a tensor or an object with .logits)"
+        )
+    shape = tuple(logits.shape)
+    if (len(shape) != 3 or shape[:2] != (B, T) or shape[2] < MIN_VOCAB
+            or not logits.is_floating_point()):  # fmt: skip
+        raise ValueError(
+            f"--model {spec!r}: the model maps tokens [{B}, {T}] to {logits.dtype} {list(shape)}; "
+            f"expected floating logits [{B}, {T}, V] with V >= {MIN_VOCAB} (byte tokens)"
+        )
+    return logits
+
+
+# ----------------------------------------------------------------------------- building
+def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
+    """The unconverted model, initialised under ``seed`` (the global torch RNG is seeded here):
+    a :class:`GPT`, or a user's model in :class:`CausalLM` after a probe forward (eval mode, no
+    grad, the RNG state restored) of ``[1, block_size]`` tokens that checks its output."""
+    torch.manual_seed(seed)
+    if is_builtin(model_cfg):
+        return GPT(model_cfg)
+    source = resolve(factory_of(model_cfg))
+    try:
+        raw = source.make()
+    except Exception as exc:  # the user's code failed: name it, keep its message
+        if isinstance(exc, ValueError) and str(exc).startswith("--model"):
+            raise
+        raise ValueError(
+            f"--model {source.spec!r}: the factory raised {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(raw, nn.Module):
+        raise ValueError(
+            f"--model {source.spec!r}: the factory returned a {type(raw).__name__}, expected a "
+            "torch.nn.Module"
+        )
+    raw = raw.float()
+    model = CausalLM(raw, source.spec, source.call_kwargs)
+    model.vocab_size = probe(model, model_cfg.block_size)
+    model.train()
+    return model
+
+
+def probe(model: CausalLM, block_size: int) -> int:
+    """Run one forward of zeros [1, block_size] and return V; ValueError on a wrong output."""
+    idx = torch.zeros(1, block_size, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                logits, _ = model(idx)
+            except Exception as exc:
+                if isinstance(exc, ValueError) and str(exc).startswith("--model"):
+                    raise
+                raise ValueError(
+                    f"--model {model.spec!r}: a forward of tokens [1, {block_size}] (int64) "
+                    f"failed: {type(exc).__name__}: {exc}"
+                ) from None
+    finally:
+        model.train(was_training)
+    return int(logits.shape[-1])
+
+
+def vocab_size_of(model: nn.Module, model_cfg: GPTConfig) -> int:
+    """V of a built model (the GPT's ``vocab_size``, or what the probe found)."""
+    v = getattr(model, "vocab_size", None)
+    return int(v) if isinstance(v, int) else int(model_cfg.vocab_size)
