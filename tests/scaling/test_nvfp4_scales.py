@@ -123,3 +123,18 @@ def test_tensor_amax_edges_follow_te_kernel(tamax):
     w_blk, w_dec, w_enc = te_scales(blk, torch.tensor(tamax))
     assert same_bits(s_blk, w_blk) and same_bits(s_dec, w_dec) and same_bits(enc, w_enc)
     assert math.isfinite(float(s_dec))
+
+
+def test_block_order_divide_follows_the_older_te_arithmetic():
+    # (block_amax / 6) * s_enc, two roundings, against the kernel's block_amax * (s_enc * fl32(1/6))
+    g = torch.Generator().manual_seed(5)
+    blk = torch.rand(20000, generator=g) * 100
+    tamax = torch.tensor(97.3)
+    s_enc = torch.tensor(448.0 * 6.0) / tamax
+    s_dec = torch.tensor(1.0) / s_enc
+    want = ((blk / torch.tensor(6.0)) * s_enc).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    s_blk, d, enc = rules.nvfp4_scales(blk, tamax, "e2m1", block_order="divide")
+    assert same_bits(s_blk, want) and same_bits(d, s_dec)
+    assert same_bits(enc, torch.minimum(1.0 / (want * s_dec), torch.tensor(FLT_MAX)))
+    with pytest.raises(ValueError, match="block_order"):
+        rules.nvfp4_scales(blk, None, "e2m1", block_order="torchao")

@@ -236,6 +236,7 @@ def nvfp4_scales(
     *,
     scale_format: str | FloatFormat = "e4m3",
     tensor_scale: float | None = None,
+    block_order: str = "kernel",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 two-level scales with ``fmt_max`` = 6 (E2M1) and ``scale_max`` = 448 (E4M3).
 
@@ -263,10 +264,16 @@ def nvfp4_scales(
     Blocks whose amax exceeds ``tensor_scale * 448 * 6`` saturate their E4M3 scale (and then
     their elements).
 
+    ``block_order`` picks step 2's ordering: ``"kernel"`` (default, as above) or ``"divide"``,
+    ``(block_amax / fmt_max) * s_enc`` with two roundings (the older TE reference and the
+    emulation path of TE's quantize-transpose kernel).
+
     With ``tensor_amax=None`` and no ``tensor_scale`` (single level):
     ``s_blk = cast(clamp(block_amax / fmt_max, smallest positive, scale_max))``, ``s_dec = 1``,
     ``enc = 1 / s_blk``.
     """
+    if block_order not in ("kernel", "divide"):
+        raise ValueError(f"block_order must be 'kernel' or 'divide', got {block_order!r}")
     f = get_format(fmt)
     sf = get_format(scale_format)
     block_amax = _f32(block_amax)
@@ -288,10 +295,13 @@ def nvfp4_scales(
         s_enc = torch.minimum(torch.div(smax * fmax, tensor_amax), flt_max)
         s_enc = torch.where((tensor_amax == 0) | (s_enc == 0), one, s_enc)
         s_dec = torch.reciprocal(s_enc)
-    inv_fmax = torch.reciprocal(fmax)  # fl32(1/6)
+    if block_order == "kernel":
+        pre = block_amax * (s_enc * torch.reciprocal(fmax))  # fl32(1/6) folded into s_enc
+    else:
+        pre = torch.div(block_amax, fmax) * s_enc
     # a scale format without zero (e.g. E8M0) cannot hold an all-zero block's 0: its smallest value
     lo = -sf.max if sf.has_zero else sf.min_subnormal
-    s_blk = _to_scale_grid((block_amax * (s_enc * inv_fmax)).clamp(lo, sf.max), sf)
+    s_blk = _to_scale_grid(pre.clamp(lo, sf.max), sf)
     enc = torch.minimum(torch.reciprocal(s_blk * s_dec), flt_max)
     return s_blk, s_dec, enc
 
