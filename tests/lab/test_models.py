@@ -215,3 +215,32 @@ def test_examples_build_offline():
         cfg = _cfg(f"hf:{root / name}.json")
         model = models.build(cfg.model, 0)
         assert type(model.model).__name__ == arch and model.vocab_size >= 256
+
+
+def test_conv1d_converts_to_the_linear_with_the_transposed_weight():
+    from transformers.pytorch_utils import Conv1D
+
+    from fp8lab.nn import Linear, convert
+
+    torch.manual_seed(0)
+    conv = Conv1D(64, 128)  # nf=64 outputs, nx=128 inputs: weight [128, 64]
+    torch.nn.init.normal_(conv.weight, std=0.05)
+    torch.nn.init.normal_(conv.bias, std=0.05)
+    model = torch.nn.Sequential(conv, torch.nn.Linear(64, 256))  # the last Linear stays as is
+    ref = torch.nn.Linear(128, 64)
+    ref.weight = torch.nn.Parameter(conv.weight.detach().t().contiguous())
+    ref.bias = torch.nn.Parameter(conv.bias.detach().clone())
+    x = torch.randn(4, 8, 128)
+    plain = conv(x)
+    convert(model, "te-delayed")
+    assert isinstance(model[0], Linear) and model[0].weight.shape == (64, 128)
+    assert model[0].bias is conv.bias  # shared; the weight is a transposed copy
+    expected = Linear.from_linear(ref, "te-delayed")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model[0](xa), expected(xb)
+    assert torch.equal(ya, yb)  # bit for bit the Linear of the transposed weight
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(model[0].weight.grad, expected.weight.grad)
+    assert (ya - plain).abs().max() < 0.1 * plain.abs().max()  # and near the fp32 Conv1D

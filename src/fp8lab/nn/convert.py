@@ -24,6 +24,12 @@ Layers that would not run as modules are never claimed converted:
   Linears that fast path is switched off (`unconvert` switches it back on), so eval runs the
   converted modules.
 
+``transformers``' ``Conv1D`` (the GPT-2 family's projections: ``y = x @ W + b`` with the
+weight stored transposed, [in, out]) counts as a Linear layer: it is converted to an
+:class:`fp8lab.nn.Linear` whose weight is a NEW ``Parameter`` holding the transposed copy
+[out, in] (the bias is shared), so build the optimizer after converting such a model. It is recognised by its class (name
+``Conv1D`` from a ``transformers`` module), so this module never imports ``transformers``.
+
 `convert` warns when it converts nothing. `unconvert` swaps converted layers back to plain
 ``torch.nn.Linear`` sharing the same parameters.
 """
@@ -91,6 +97,32 @@ def _match(name: str, pattern: Pattern) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+def _is_conv1d(m: torch.nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (or a subclass), recognised without importing it."""
+    return any(
+        k.__name__ == "Conv1D" and k.__module__.startswith("transformers") for k in type(m).__mro__
+    )
+
+
+def _is_linear(m: torch.nn.Module) -> bool:
+    return isinstance(m, torch.nn.Linear) or _is_conv1d(m)
+
+
+def _as_torch_linear(m: torch.nn.Module) -> torch.nn.Linear:
+    """A ``torch.nn.Linear`` computing the same map as a Linear or a ``Conv1D`` [in, out]: a
+    Conv1D's weight becomes a new Parameter holding its contiguous transpose [out, in]."""
+    if isinstance(m, torch.nn.Linear):
+        return m
+    w = m.weight
+    lin = torch.nn.Linear.__new__(torch.nn.Linear)
+    torch.nn.Module.__init__(lin)
+    lin.in_features, lin.out_features = w.shape
+    lin.weight = torch.nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+    lin.bias = m.bias
+    lin.train(m.training)
+    return lin
+
+
 def _functional_only(model: torch.nn.Module) -> set[str]:
     """Linear layers whose parent passes their weight to a functional kernel (MHA out_proj)."""
     return {
@@ -126,7 +158,7 @@ def _selection(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inc, exc = _as_list(include, "include"), _as_list(exclude, "exclude")
     modules = dict(model.named_modules())
-    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n]
+    linears = [n for n, m in modules.items() if _is_linear(m) and n]
     _check_patterns(modules, linears, inc, exc)
     chosen = [n for n in linears if not inc or any(_match(n, p) for p in inc)]
     chosen = [n for n in chosen if not any(_match(n, p) for p in exc)]
@@ -191,7 +223,7 @@ def convert(
             old.set_recipe(rec)
             old.name = name
         else:
-            setattr(parent, attr, Linear.from_linear(old, rec, name=name))
+            setattr(parent, attr, Linear.from_linear(_as_torch_linear(old), rec, name=name))
     if not names:
         warnings.warn(
             f"convert: no Linear layer of {type(model).__name__} was converted to "
