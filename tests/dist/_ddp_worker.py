@@ -36,6 +36,10 @@ def main() -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if mode == "fsdp":
+        torch.save(fsdp_gather(rank, world), out)
+        torch.distributed.destroy_process_group()
+        return
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, d_ff=128, block_size=16))
     convert(model, "te-delayed")
@@ -66,6 +70,30 @@ def main() -> None:
     torch.save(result, out)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def fsdp_gather(rank: int, world: int) -> dict[str, object]:
+    """FP8 all-gather of every Linear weight of the default lab GPT vs unsharded quantization."""
+    from fp8lab.dist.fsdp import fp8_all_gather, shard_rows
+    from fp8lab.lab.gpt import GPT, GPTConfig
+    from fp8lab.qtensor import quantize
+    from fp8lab.recipe import get_recipe
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    result: dict[str, object] = {}
+    for preset in ("te-current", "deepseek-v3", "mxfp8"):
+        spec = get_recipe(preset).spec("fprop", "weight")
+        same = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.detach()
+                got = fp8_all_gather(shard_rows(w, rank, world), spec, w.shape[0])
+                want = quantize(w, spec).dequantize()
+                same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32))))
+                result[f"{preset}:{name}"] = torch.tensor(same[-1])
+        result[f"{preset}:count"] = torch.tensor(len(same))
+    return result
 
 
 if __name__ == "__main__":
