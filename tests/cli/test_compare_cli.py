@@ -289,3 +289,93 @@ def test_scripts_check_report_help():
     assert res.returncode == 0, res.stderr
     assert "usage" in res.stdout.lower() and "report.html" in res.stdout
     assert "does not exist" not in res.stderr
+
+
+# ----------------------------------------------------------------------------- issue 13: --model
+USER_MODEL = """
+import torch
+from torch import nn
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=256):
+        super().__init__()
+        self.emb = nn.Embedding(256, 128)
+        self.fc = nn.Linear(128, 128)
+        self.head = nn.Linear(128, vocab)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.fc(self.emb(idx))))
+
+def tiny():
+    return Tiny()
+
+def narrow():
+    return Tiny(vocab=100)
+
+VALUE = 1
+"""
+
+
+def test_model_from_file_and_transformers_config(tmp_path, text):
+    pytest.importorskip("transformers")
+    src = tmp_path / "mymodel.py"
+    src.write_text(USER_MODEL)
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16,te-delayed", "--json", "--steps", "2",
+                         "--model", f"{src}:tiny")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert set(summary["recipes"]) == {"bf16", "te-delayed"}
+    assert not any(r["diverged"] for r in summary["recipes"].values())
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["lab"]["model"]["factory"] == f"{src}:tiny" and len(meta["model"]["sha256"]) == 64
+    # the factory's source changed: the runs are refused, with the reason
+    src.write_text(USER_MODEL + "# changed\n")
+    res2, _ = _tiny_run(tmp_path, text, "--recipes", "bf16,te-delayed", "--steps", "2",
+                        "--model", f"{src}:tiny")  # fmt: skip
+    _bad(res2, "different configuration", "sha256")
+    # the acceptance command's shape (README): a Llama config, three recipes; smaller sizes
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+                                 "intermediate_size": 256, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "max_position_embeddings": 64}))  # fmt: skip
+    res3, out3 = _tiny_run(tmp_path, text, "--recipes", "bf16,te-delayed,mxfp8", "--json", "--steps", "2",
+                           "--model", f"hf:{llama}", out=tmp_path / "hf")  # fmt: skip
+    assert res3.exit_code == 0, res3.output
+    assert set(json.loads(res3.stdout)["recipes"]) == {"bf16", "te-delayed", "mxfp8"}
+    assert (out3 / "report.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ("no_such_pkg_123:make", ["cannot import module 'no_such_pkg_123'"]),
+        ("{src}:missing", ["has no attribute 'missing'"]),
+        ("{src}:VALUE", ["'VALUE' is not callable"]),
+        ("{src}:narrow", ["V >= 256", "[1, 16, 100]"]),
+        ("hf:{bad_json}", ["not valid JSON"]),
+        ("hf:{no_file}", ["no such config file"]),
+    ],
+)
+def test_bad_model_is_exit_code_2_and_writes_nothing(tmp_path, text, model, words):
+    src = tmp_path / "mymodel.py"
+    src.write_text(USER_MODEL)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"model_type": "llama",,}')
+    spec = model.format(src=src, bad_json=bad_json, no_file=tmp_path / "none.json")
+    res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", "--model", spec)
+    _bad(res, *words)
+    assert not out.exists()
+
+
+def test_missing_transformers_names_the_package(tmp_path, text, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    llama = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-tiny.json"
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "bf16", "--model", f"hf:{llama}")
+    _bad(res, "'transformers' is not installed", "fp8lab[hf]")
+
+
+def test_print_config_shows_the_model_factory(tmp_path, text):
+    res = _run("--print-config", "--model", "hf:examples/models/llama-tiny.json")
+    assert res.exit_code == 0, res.output
+    assert tomllib.loads(res.stdout)["model"]["factory"] == "hf:examples/models/llama-tiny.json"
