@@ -94,6 +94,9 @@ def lab_recipes() -> dict[str, Any]:
             input=QuantSpec(format="e4m3"),
             weight=QuantSpec(format="e4m3"),
             grad_output=QuantSpec(format="e4m3", scaling=1.0),
+            # stated, as every preset does: the fingerprint (run directories resume by it)
+            # predates the dataclass default's change to "high_precision"
+            save_for_backward="quantized",
             description="NEGATIVE CONTROL, must fail: te-current's E4M3 forward, but gradients "
             "cast to E4M3 with a fixed scale of 1 (no scaling, no loss scaling). Gradients of a "
             "mean loss are ~1e-4..1e-6, below E4M3's smallest subnormal 2^-9, so they flush to "
