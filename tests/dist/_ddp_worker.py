@@ -36,8 +36,8 @@ def main() -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    if mode == "fsdp":
-        torch.save(fsdp_gather(rank, world), out)
+    if mode == "fsdp":  # plus the --grad-comm DDP hook (one launch for both)
+        torch.save({**fsdp_gather(rank, world), **grad_comm(rank)}, out)
         torch.distributed.destroy_process_group()
         return
     torch.manual_seed(0)
@@ -70,6 +70,34 @@ def main() -> None:
     torch.save(result, out)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def grad_comm(rank: int) -> dict[str, object]:
+    """DDP with GradCommHook: the gradient equals ring_allreduce of the ranks' local gradients."""
+    import copy
+
+    from fp8lab.dist.comm import GRAD_COMMS, ring_allreduce
+    from fp8lab.dist.hooks import GradCommHook
+
+    result: dict[str, object] = {}
+    for p in GRAD_COMMS:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(5, 8, bias=False)
+        local = copy.deepcopy(lin)
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 + rank)) * 4.0**rank
+        local(x).square().sum().backward()
+        grads = [torch.empty_like(local.weight.grad) for _ in range(2)]
+        torch.distributed.all_gather(grads, local.weight.grad)
+        want = ring_allreduce(torch.stack(grads).reshape(2, -1), p).out.reshape(8, 5)
+        ddp = torch.nn.parallel.DistributedDataParallel(lin)
+        hook = GradCommHook(p).register(ddp)
+        ddp(x).square().sum().backward()
+        result[f"comm:{p}"] = torch.tensor(
+            bool(torch.equal(lin.weight.grad.view(torch.int32), want.view(torch.int32)))
+        )
+        result[f"comm:{p}:err"] = torch.tensor(hook.rel_error())
+        result[f"comm:{p}:bytes"] = torch.tensor(hook.bytes_sent)
+    return result
 
 
 def fsdp_gather(rank: int, world: int) -> dict[str, object]:

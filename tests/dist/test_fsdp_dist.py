@@ -1,4 +1,5 @@
-"""FP8 all-gather of row shards (uint8 codes + scales) on 2 gloo processes, and refusals."""
+"""FP8 all-gather of row shards (uint8 codes + scales) and the --grad-comm DDP hook on 2 gloo
+processes; refusals."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from fp8lab.dist.fsdp import check_shardable, shard_rows
 from fp8lab.qtensor import QuantSpec
 
 
-def test_gathered_weight_equals_unsharded_quantization(tmp_path) -> None:
-    ranks = run_ranks(tmp_path, 2, "fsdp")
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(tmp_path_factory.mktemp("fsdp"), 2, "fsdp")
+
+
+def test_gathered_weight_equals_unsharded_quantization(ranks: list[dict]) -> None:
     for res in ranks:
         for preset in ("te-current", "deepseek-v3", "mxfp8"):
             layers = {
@@ -20,6 +25,18 @@ def test_gathered_weight_equals_unsharded_quantization(tmp_path) -> None:
             assert len(layers) == int(res[f"{preset}:count"]) >= 9  # every Linear of the GPT
             bad = [k for k, v in layers.items() if not bool(v)]
             assert not bad, bad
+
+
+def test_grad_comm_hook_equals_simulation(ranks: list[dict]) -> None:
+    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+
+    for res in ranks:
+        for p in GRAD_COMMS:
+            assert bool(res[f"comm:{p}"]), p  # DDP gradient == ring_allreduce, bit for bit
+            assert float(res[f"comm:{p}:bytes"]) == bytes_per_rank(40, 2, p)
+        assert float(res["comm:fp32:err"]) == 0.0
+        assert 0 < float(res["comm:fp8:err"]) < 0.2
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0] if k.startswith("comm:"))
 
 
 def test_straddling_blocks_are_refused() -> None:
