@@ -67,6 +67,13 @@ def main() -> None:
             result[f"spread{step}"] = torch.tensor(list(scale_spread(model).values()))
         result[f"tokens{step}"] = per_token
         result[f"scales{step}"] = torch.stack([ds.scale for ds in delayed_states(model).values()])
+    if world > 1:
+        from fp8lab.dist.runtime import agree_any, gather_scaling_states
+
+        result["agree"] = torch.tensor([agree_any(rank == 1), agree_any(False)])
+        states = gather_scaling_states(model)
+        result["states_ranks"] = torch.tensor(len(states))
+        result["states_scale_r1"] = torch.stack([v["scale"] for v in states[1].values()])
     torch.save(result, out)
     if world > 1:
         torch.distributed.destroy_process_group()

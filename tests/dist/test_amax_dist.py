@@ -37,6 +37,11 @@ def test_world_scales_identical_and_first_step_equals_one_rank(runs: dict) -> No
 
 def test_none_keeps_local_amaxes(runs: dict) -> None:
     r0, r1 = runs["none"]
+    # runtime helpers: a guard decision of one rank is every rank's; rank 0 gets rank 1's states
+    for r in (r0, r1):
+        assert r["agree"].tolist() == [True, False]
+        assert int(r["states_ranks"]) == 2
+        assert torch.equal(r["states_scale_r1"], r1["scales2"])
     spread = r0["spread0"]
     assert float(spread.max()) > 0  # the input amaxes of the two halves differ
     assert torch.equal(spread, r1["spread0"])

@@ -1,0 +1,94 @@
+"""The process-group runtime a training job needs under torchrun (no home-made process pool).
+
+`init_from_env` joins the group torchrun describes (``WORLD_SIZE``/``RANK``/``MASTER_*``) with a
+bounded timeout, so a rank that dies makes the others fail within that time instead of hanging
+(torchrun's agent also tears the job down and names the failed rank). `check_jobs` refuses
+parallel recipe jobs under torchrun (recipes run one after another there). `agree_any` makes a
+guard decision (rollback, stop) the same on every rank. `gather_scaling_states` collects every
+rank's delayed-scaling state for a rank-0 consolidated checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8lab.dist.amax import delayed_states
+
+__all__ = [
+    "DistContext",
+    "agree_any",
+    "check_jobs",
+    "gather_scaling_states",
+    "init_from_env",
+    "under_torchrun",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job: ``rank`` of ``world`` (rank 0 writes files)."""
+
+    rank: int
+    world: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this process with more than one rank (``WORLD_SIZE > 1``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def check_jobs(jobs: int) -> None:
+    """``--jobs > 1`` under torchrun is an error: the ranks already are the parallelism."""
+    if jobs > 1 and under_torchrun():
+        raise ValueError(
+            f"--jobs {jobs} cannot be combined with torchrun (WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE')}): recipes run one after another; use --jobs 1"
+        )
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> DistContext | None:
+    """Join torchrun's process group (gloo on CPU, nccl with CUDA) or return None when not
+    under torchrun. Collectives that wait longer than ``timeout_s`` raise (a dead rank)."""
+    if not under_torchrun():
+        return None
+    d = torch.distributed
+    if not d.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        d.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+    return DistContext(rank=d.get_rank(), world=d.get_world_size())
+
+
+def agree_any(flag: bool, group: Any = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank (all-reduce MAX; collective).
+    Without torch.distributed: ``flag``."""
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()):
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    d.all_reduce(t, op=d.ReduceOp.MAX, group=group)
+    return bool(t[0])
+
+
+def gather_scaling_states(model: torch.nn.Module) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Every rank's delayed-scaling ``state_dict`` by state name, in rank order (plain tensors,
+    loadable with ``weights_only=True``). Collective; without torch.distributed: this process's."""
+    mine = {k: ds.state_dict() for k, ds in delayed_states(model).items()}
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()):
+        return [mine]
+    out: list[Any] = [None] * d.get_world_size()
+    d.all_gather_object(out, mine)
+    return out

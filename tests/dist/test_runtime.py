@@ -1,0 +1,35 @@
+"""fp8lab.dist.runtime without a process group: torchrun detection, --jobs, agree_any."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8lab.dist.data import shard_batch
+from fp8lab.dist.runtime import agree_any, check_jobs, init_from_env, under_torchrun
+
+
+def test_jobs_under_torchrun_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert under_torchrun()
+    with pytest.raises(ValueError, match="--jobs 3 cannot be combined with torchrun"):
+        check_jobs(3)
+    check_jobs(1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not under_torchrun()
+    check_jobs(3)
+    assert init_from_env() is None
+
+
+def test_agree_any_without_a_group() -> None:
+    assert agree_any(True) and not agree_any(False)
+
+
+def test_shard_batch_needs_a_divisible_batch() -> None:
+    import torch
+
+    x = torch.arange(12).reshape(6, 2)
+    assert torch.equal(shard_batch(x, x, 1, 3)[0], x[2:4])
+    with pytest.raises(
+        ValueError, match="global batch size 6 is not divisible by the world size 4"
+    ):
+        shard_batch(x, x, 0, 4)
