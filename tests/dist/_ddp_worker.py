@@ -18,18 +18,9 @@ def main() -> None:
     )  # fmt: skip
     steps = int(sys.argv[6]) if len(sys.argv) > 6 else 3
     torch.set_num_threads(1)
-    from fp8lab.dist.amax import (
-        assert_identical_scales,
-        delayed_states,
-        scale_spread,
-        set_amax_group,
-    )
-    from fp8lab.dist.data import (
-        allreduce_sum_hook,
-        gather_token_losses,
-        global_token_loss,
-        shard_batch,
-    )
+    from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
+    from fp8lab.dist.data import gather_token_losses, global_token_loss, shard_batch
+    from fp8lab.dist.ddp import DataParallel
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
@@ -43,11 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, d_ff=128, block_size=16))
     convert(model, "te-delayed")
-    net = model
-    if world > 1:
-        set_amax_group(model, mode)
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        net.register_comm_hook(None, allreduce_sum_hook)
+    dp = DataParallel(model, mode) if world > 1 else None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     result: dict[str, object] = {"names": list(delayed_states(model))}
@@ -55,8 +42,12 @@ def main() -> None:
         x = torch.randint(0, 256, (4, 16), generator=gen)
         y = torch.randint(0, 256, (4, 16), generator=gen)
         xs, ys = shard_batch(x, y, rank, world)
-        logits, _ = net(xs)
-        loss, per_token = global_token_loss(logits, ys, y.numel())
+        if dp is None:
+            logits, _ = model(xs)
+            loss, per_token = global_token_loss(logits, ys, y.numel())
+        else:
+            loss, total, per_token = dp.loss(xs, ys)
+            result[f"loss{step}"] = torch.tensor(total)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

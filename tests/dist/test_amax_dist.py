@@ -29,6 +29,10 @@ def test_world_scales_identical_and_first_step_equals_one_rank(runs: dict) -> No
     assert torch.equal(_bits(r0["tokens0"]), _bits(one["tokens0"]))
     assert torch.equal(_bits(r0["scales0"]), _bits(one["scales0"]))
     assert not torch.equal(one["scales0"], torch.ones_like(one["scales0"]))  # they did update
+    # DataParallel's loss: the same float on both ranks, the global batch's mean
+    for step in range(3):
+        assert float(r0[f"loss{step}"]) == float(r1[f"loss{step}"])
+        assert abs(float(r0[f"loss{step}"]) - float(r0[f"tokens{step}"].mean())) < 1e-5
     # later steps: the fp32 gradient sum order differs -> close, measured tolerance
     for step in (1, 2):
         a, b = r0[f"tokens{step}"].mean(), one[f"tokens{step}"].mean()

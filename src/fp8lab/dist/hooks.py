@@ -30,6 +30,9 @@ class GradCommHook:
 
     precision: str = "fp32"
     group: Any = None
+    #: return the sum over ranks (``mean * N``: exact for a power-of-two N) instead of the mean,
+    #: for losses already divided by the global token count (`fp8lab.dist.data`)
+    sum_over_ranks: bool = False
     messages: int = 0
     underflow: int = 0
     overflow: int = 0
@@ -61,7 +64,7 @@ class GradCommHook:
         self.bytes_sent += res.bytes_per_rank
         self.sq_error += float((res.out.double() - ref.out.double()).square().sum())
         self.sq_ref += float(ref.out.double().square().sum())
-        buf.copy_(res.out)
+        buf.copy_(res.out * world if self.sum_over_ranks else res.out)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
