@@ -21,17 +21,24 @@ pytest.importorskip("transformers")
 
 FACTORY_SRC = textwrap.dedent(
     """
+    from dataclasses import dataclass
+
     import torch
     from torch import nn
 
+    @dataclass
+    class Sizes:  # a dataclass: its module must be importable while the file runs
+        width: int = 128
+
     class Tiny(nn.Module):
         # embedding -> two hidden Linears -> output head: logits [B, T, 256]
-        def __init__(self):
+        def __init__(self, sizes=Sizes()):
             super().__init__()
-            self.emb = nn.Embedding(256, 128)
-            self.fc1 = nn.Linear(128, 256)
-            self.fc2 = nn.Linear(256, 128)
-            self.head = nn.Linear(128, 256)
+            w = sizes.width
+            self.emb = nn.Embedding(256, w)
+            self.fc1 = nn.Linear(w, 256)
+            self.fc2 = nn.Linear(256, w)
+            self.head = nn.Linear(w, 256)
 
         def forward(self, idx):
             x = self.emb(idx)

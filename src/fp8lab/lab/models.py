@@ -137,12 +137,13 @@ def _from_file(spec: str, path_text: str, name: str) -> ModelSource:
         if loader_spec is None or loader_spec.loader is None:
             raise ValueError(f"--model {spec!r}: cannot import {path}")
         module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module  # before running it, as `import` does (dataclasses need it)
         try:
             loader_spec.loader.exec_module(module)
         except Exception as exc:
+            del sys.modules[mod_name]
             raise ValueError(f"--model {spec!r}: importing {path} failed: "
                              f"{type(exc).__name__}: {exc}") from None  # fmt: skip
-        sys.modules[mod_name] = module  # so that pickling (spawned workers) finds it
     fn = _attr(module, name, spec)
     return ModelSource(spec, fn, {"factory": spec, "sha256": digest}, {})
 
@@ -285,8 +286,9 @@ def logits_of(out: Any, idx: torch.Tensor, spec: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- building
 def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
     """The unconverted model, initialised under ``seed`` (the global torch RNG is seeded here):
-    a :class:`GPT`, or a user's model in :class:`CausalLM` after a probe forward (eval mode, no
-    grad, the RNG state restored) of ``[1, block_size]`` tokens that checks its output."""
+    a :class:`GPT`, or a user's model (cast to fp32: the lab keeps fp32 master weights) in
+    :class:`CausalLM` after a probe forward (eval mode, no grad, the RNG state restored) of
+    ``[1, block_size]`` tokens that checks its output."""
     torch.manual_seed(seed)
     if is_builtin(model_cfg):
         return GPT(model_cfg)
