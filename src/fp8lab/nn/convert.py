@@ -244,6 +244,8 @@ def converted(model: torch.nn.Module) -> list[str]:
 def unconvert(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every :class:`fp8lab.nn.Linear` of ``model`` back to a plain ``torch.nn.Linear``
     sharing the same ``Parameter`` objects (the scaling state is dropped); returns ``model``.
+    A converted ``transformers`` ``Conv1D`` comes back as a ``torch.nn.Linear`` (its weight is
+    the transposed [out, in] Parameter the conversion made), not as a Conv1D.
     A converted ``model`` itself cannot be replaced in place: it raises ``TypeError``."""
     if isinstance(model, Linear):
         raise TypeError("unconvert: model is itself an fp8lab.nn.Linear; use Linear.to_linear()")
