@@ -251,3 +251,18 @@ def test_conv1d_converts_to_the_linear_with_the_transposed_weight():
     assert torch.equal(xa.grad, xb.grad)
     assert torch.equal(model[0].weight.grad, expected.weight.grad)
     assert (ya - plain).abs().max() < 0.1 * plain.abs().max()  # and near the fp32 Conv1D
+
+
+def test_memory_model_of_a_user_model(user_files):
+    from fp8lab.lab.compare import model_memory, resolve_recipe
+
+    cfg = _cfg(_factory("module", user_files))
+    model = models.build(cfg.model, 0)
+    n = sum(p.numel() for p in model.parameters())
+    fp32 = model_memory(model, 256, 2, 16, None)
+    assert fp32["weights"] == 4 * n and fp32["optimizer"] == 8 * n
+    # saved inputs of fc1 (128 wide) and fc2 (256 wide; the head is not converted) + fp32 logits
+    assert fp32["activations"] == 4 * 32 * (128 + 256) + 4 * 32 * 256
+    te = model_memory(model, 256, 2, 16, resolve_recipe("te-delayed"))
+    # + an E4M3 copy (1 byte/element, one fp32 scale) of fc1 [256, 128] and fc2 [128, 256]
+    assert te["weights"] == 4 * n + 2 * (256 * 128 + 4)

@@ -221,7 +221,10 @@ def model_memory(
     weights = n_params * _HP_BYTES[master]
     saved = 0.0
     for name in select_linears(model):
-        out_f, in_f = model.get_submodule(name).weight.shape
+        layer = model.get_submodule(name)
+        out_f, in_f = layer.weight.shape
+        if type(layer).__name__ == "Conv1D":  # transformers' Conv1D stores the weight [in, out]
+            in_f, out_f = out_f, in_f
         if wspec is not None:
             weights += _spec_bytes(wspec, out_f, in_f)
         elif act != 4:
