@@ -230,3 +230,17 @@ def test_read_records_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"d.jsonl:2: not valid JSON"):
         read_records(tmp_path / "d.jsonl")
+
+
+def test_autocast_recipe_override_is_measured_in_forward_and_backward():
+    """Under fp8lab.autocast(other recipe) around the forward only, the backward operands are
+    still measured under the forward's recipe (exact rows, the other recipe's formats)."""
+    m = _model("te-delayed")
+    x = _batches(1)[0]
+    with watch(m, every=1) as w:
+        with fp8lab.autocast("mxfp8"):
+            y = m(x)
+        y.pow(2).mean().backward()
+    assert w.records and all(r["exact"] for r in w.records)
+    assert {r["spec"].split(":")[1] for r in w.records} <= {"mx", "mx_col"}
+    assert {r["gemm"] for r in w.records} == {"fprop", "dgrad", "wgrad"}

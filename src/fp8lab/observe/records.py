@@ -84,6 +84,7 @@ class OperandStats:
                         m.name = n
                     self.modules[m.name] = m
         self.earlier: dict[tuple[str, str], QTensor] = {}
+        self.plans: dict[str, Any] = {}
 
     def new_step(self) -> None:
         self.earlier.clear()
@@ -92,8 +93,12 @@ class OperandStats:
         m = self.modules.get(layer)
         if m is None:
             return None
-        # the module's cached plan for the recipe in force (autocast may override it)
-        plan, _ = m._plan(active_recipe(m.recipe))
+        plan = self.plans.get(layer)
+        if gemm == "fprop" or plan is None:
+            # the module's cached plan for the recipe in force (fp8lab.nn.autocast may override
+            # it); the backward runs under the forward's plan, also after autocast has exited
+            plan, _ = m._plan(active_recipe(m.recipe))
+            self.plans[layer] = plan
         return getattr(plan, gemm)[role]
 
     def rebuild(self, layer: str, role: str, op: OperandPlan, hp: torch.Tensor,
