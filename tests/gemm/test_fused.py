@@ -382,3 +382,12 @@ def test_c_without_promotion_enters_the_first_step():
     want = fused_dot(a, b.t().expand(6, 64), "h100", c=c.reshape(-1))
     assert torch.equal(got.reshape(-1), want)
     assert not torch.equal(got, qmatmul(_unit(a, "e4m3"), _unit(b, "e4m3"), "h100") + c)
+
+
+def test_describe():
+    assert Accumulator().describe() == "fp32"
+    assert Accumulator("limited", promote_every=128).describe() == "limited(m=13, promote=128)"
+    assert Accumulator("h100", promote_every=128).describe() == "h100(promote=128)"
+    assert Accumulator("ada").describe() == "ada()"
+    acc = Accumulator("fused", align_bits=None, out_bits=23, c_entry="after")
+    assert acc.describe() == "fused(G=32, F=exact, out=23, c after)"

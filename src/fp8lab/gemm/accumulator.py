@@ -175,6 +175,23 @@ class Accumulator:
             f"tensor-core rows take {have}; 16-bit operands must share one format)"
         )
 
+    def describe(self) -> str:
+        """One-line text form: ``fp32``, ``limited(m=13, promote=128)``, ``h100(promote=128)``,
+        ``fused(G=32, F=13, out=13)``."""
+        pe = f", promote={self.promote_every}" if self.promote_every else ""
+        if self.kind == "fp32":
+            return "fp32"
+        if self.kind == "limited":
+            pp = ", per_product" if self.per_product else ""
+            rn = "" if self.rounding == "toward_zero" else f", {self.rounding}"
+            return f"limited(m={self.mantissa_bits}{pe}{rn}{pp})"
+        if self.hardware is not None:
+            return f"{self.hardware}({pe[2:]})"
+        f = "exact" if self.align_bits is None else self.align_bits
+        extra = "" if self.c_entry == "aligned" else f", c {self.c_entry}"
+        extra += "" if self.out_rounding == "toward_zero" else f", {self.out_rounding}"
+        return f"fused(G={self.group}, F={f}, out={self.out_bits}{extra}{pe})"
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data: the fields of this kind; ``promote_every=None`` is omitted (TOML has no
         null), a hardware model is its name (plus promote_every)."""
