@@ -388,6 +388,6 @@ def test_describe():
     assert Accumulator().describe() == "fp32"
     assert Accumulator("limited", promote_every=128).describe() == "limited(m=13, promote=128)"
     assert Accumulator("h100", promote_every=128).describe() == "h100(promote=128)"
-    assert Accumulator("ada").describe() == "ada()"
+    assert Accumulator("ada").describe() == "ada"
     acc = Accumulator("fused", align_bits=None, out_bits=23, c_entry="after")
     assert acc.describe() == "fused(G=32, F=exact, out=23, c after)"

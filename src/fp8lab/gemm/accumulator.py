@@ -177,7 +177,7 @@ class Accumulator:
 
     def describe(self) -> str:
         """One-line text form: ``fp32``, ``limited(m=13, promote=128)``, ``h100(promote=128)``,
-        ``fused(G=32, F=13, out=13)``."""
+        ``ada``, ``fused(G=32, F=13, out=13)``."""
         pe = f", promote={self.promote_every}" if self.promote_every else ""
         if self.kind == "fp32":
             return "fp32"
@@ -186,7 +186,7 @@ class Accumulator:
             rn = "" if self.rounding == "toward_zero" else f", {self.rounding}"
             return f"limited(m={self.mantissa_bits}{pe}{rn}{pp})"
         if self.hardware is not None:
-            return f"{self.hardware}({pe[2:]})"
+            return f"{self.hardware}({pe[2:]})" if pe else self.hardware
         f = "exact" if self.align_bits is None else self.align_bits
         extra = "" if self.c_entry == "aligned" else f", c {self.c_entry}"
         extra += "" if self.out_rounding == "toward_zero" else f", {self.out_rounding}"
