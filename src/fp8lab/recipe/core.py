@@ -266,17 +266,7 @@ class Recipe:
 
         def gemm_str(name: str) -> str:
             c = self.gemm(name)
-            a = c.accumulator
-            acc = (
-                "fp32"
-                if a.kind == "fp32"
-                else (
-                    f"limited(m={a.mantissa_bits}"
-                    + (f", promote={a.promote_every}" if a.promote_every else "")
-                    + ")"
-                )
-            )
-            parts = [f"acc={acc}"]
+            parts = [f"acc={c.accumulator.describe()}"]  # the one text form of an accumulator
             if c.high_precision:
                 parts.append(f"high_precision={c.high_precision}")
             for r, s in c.overrides:
