@@ -497,11 +497,19 @@ def train_run(
     run_dir: str | Path | None = None,
     callback: Callback | None = None,
     stop_after: int | None = None,
+    amax_group: str = "world",
+    grad_comm: str = "fp32",
 ) -> RunResult:
     """Train one recipe; return its summary (see :func:`summarize`), model and records.
 
     ``run_dir`` None keeps everything in memory (no checkpoint). ``stop_after`` stops after that
     many steps in total (for tests of resume; the run is then incomplete).
+
+    Under torch.distributed (torchrun) the model runs as DDP on every rank
+    (`fp8lab.dist.ddp.DataParallel`: the global batch split across ranks, loss = token sum /
+    global token count, ``amax_group`` world|none, ``grad_comm`` fp32|bf16|fp8|fp8-msamp); rank 0
+    alone writes metrics, checkpoints (consolidated: DDP replicates the model) and run.json,
+    so a checkpoint resumes on any number of ranks. Single-process runs are unchanged.
     """
     from fp8lab.optim import LossScaler
 
@@ -514,6 +522,8 @@ def train_run(
     scaler = None if recipe is None else LossScaler.from_recipe(recipe)
     injector = Injector(model, cfg.inject)
     params = [p for g in opt.param_groups for p in g["params"]]
+    dp = _data_parallel(model, amax_group, grad_comm)
+    writer = dp is None or dp.is_main  # rank 0 writes every file
     st = LoopState()
     run_path = None if run_dir is None else Path(run_dir)
     ckpt_cfg = checkpoint_config(cfg, recipe, corpus)
@@ -521,22 +531,23 @@ def train_run(
         run_path.mkdir(parents=True, exist_ok=True)
         if (run_path / CHECKPOINT).exists():
             st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, name)
-            _truncate_jsonl(run_path / METRICS, st.step)
-            _truncate_jsonl(run_path / STATS, st.step)
-        else:  # a fresh run: drop partial logs of a run that never checkpointed
+            if writer:
+                _truncate_jsonl(run_path / METRICS, st.step)
+                _truncate_jsonl(run_path / STATS, st.step)
+        elif writer:  # a fresh run: drop partial logs of a run that never checkpointed
             for f in (METRICS, STATS):
                 (run_path / f).unlink(missing_ok=True)
     records: list[dict[str, Any]] = read_metrics(run_path) if run_path is not None else []
     val = val_batches(corpus.val, tc.batch_size, cfg.model.block_size, tc.seed, tc.eval_batches)
     tokens_per_step = tc.batch_size * cfg.model.block_size
     emit({"event": "start", "recipe": name, "step": st.step, "steps": tc.steps})
-    metrics_f = open(run_path / METRICS, "a") if run_path else None  # noqa: SIM115
-    stats_f = open(run_path / STATS, "a") if run_path else None  # noqa: SIM115
+    metrics_f = open(run_path / METRICS, "a") if run_path and writer else None  # noqa: SIM115
+    stats_f = open(run_path / STATS, "a") if run_path and writer else None  # noqa: SIM115
     try:
         end = tc.steps if stop_after is None else min(tc.steps, stop_after)
         while st.step < end and not st.diverged:
             rec, stat_rows = _train_step(
-                model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step
+                model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp
             )
             done = st.step
             if done % tc.eval_every == 0 or done == tc.steps:
@@ -549,9 +560,12 @@ def train_run(
                     stats_f.write(json.dumps({"step": done, **row}) + "\n")
             last = done == tc.steps or st.diverged or done == end
             if run_path and (done % tc.checkpoint_every == 0 or last):
-                metrics_f.flush()
-                stats_f.flush()
-                _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st)
+                if writer:
+                    metrics_f.flush()
+                    stats_f.flush()
+                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st)
+                if dp is not None:
+                    dp.barrier()  # no rank runs ahead of the last checkpoint
             emit({"event": "step", "recipe": name, **rec, "steps": tc.steps})
     finally:
         injector.remove()
@@ -561,14 +575,26 @@ def train_run(
     summary = summarize(records, tc.steps, st, models.vocab_size_of(model, cfg.model))
     summary["recipe"] = name
     emit({"event": "end", "recipe": name, **summary})
-    if run_path:
+    if run_path and writer:
         vocab = models.vocab_size_of(model, cfg.model)
         run = {"summary": summary, "vocab_size": vocab, **ckpt_cfg}
         _write_text(run_path / "run.json", json.dumps(run, indent=2))
     return RunResult(summary=summary, model=model, records=records)
 
 
-def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step):
+def _data_parallel(model: torch.nn.Module, amax_group: str, grad_comm: str) -> Any:
+    """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank."""
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+        return None
+    from fp8lab.dist.ddp import DataParallel
+
+    return DataParallel(model, amax_group, grad_comm)
+
+
+def _train_step(
+    model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp=None
+):
     tc = cfg.train
     step = st.step  # 0-based index of this step
     lr = tc.lr_at(step)
@@ -581,7 +607,10 @@ def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, t
     mult = injector.grad_multiplier(step)
     loss_scale = scaler.get_scale() if scaler is not None else 1.0
     with _collect(model, collect) as record:
-        _, loss = model(x, y)
+        if dp is None:
+            _, loss = model(x, y)
+        else:  # this rank's shard; loss_all: the global batch's loss, equal on every rank
+            loss, loss_all, _ = dp.loss(*dp.shard(x, y))
         (loss * (loss_scale * mult)).backward()
     if mult != 1.0:
         for p in params:
@@ -607,7 +636,7 @@ def _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st, t
     dt = time.perf_counter() - t0
     stat_rows = stats_rows(record, recipe) if collect else []
 
-    loss_v = float(loss.detach())
+    loss_v = float(loss.detach()) if dp is None else loss_all
     st.step += 1
     st.skipped_steps += int(skipped)
     spike = False

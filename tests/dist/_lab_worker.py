@@ -1,0 +1,49 @@
+"""A tiny lab training run under torchrun (or alone): tests/dist/test_lab_ddp.py.
+
+argv: run_dir steps [kill_at]. With kill_at, the last rank kills itself (SIGKILL) right after
+that step's event (a checkpoint is written every 3 steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+
+def main() -> None:
+    run_dir, steps = sys.argv[1], int(sys.argv[2])
+    kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    torch.set_num_threads(1)
+    from fp8lab.dist.runtime import init_from_env
+    from fp8lab.lab.data import DataConfig, load_corpus
+    from fp8lab.lab.gpt import GPTConfig
+    from fp8lab.lab.train import LabConfig, TrainConfig, train_run
+    from fp8lab.recipe import get_recipe
+
+    ctx = init_from_env(timeout_s=60)
+    rank, last = (ctx.rank, ctx.world - 1) if ctx else (0, 0)
+    text = os.path.join(os.path.dirname(run_dir), "t.txt")
+    cfg = LabConfig(
+        model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32, d_ff=64),
+        train=TrainConfig(
+            steps=steps, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=3, eval_batches=1,
+            stats_every=0, checkpoint_every=3,
+        ),
+    )  # fmt: skip
+    corpus = load_corpus(DataConfig(paths=(text,), split_chunk=256), block_size=16)
+
+    def on_event(ev: dict) -> None:
+        if ev["event"] == "step" and ev["step"] == kill_at and rank == last:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    res = train_run(get_recipe("te-delayed"), cfg, corpus, run_dir, callback=on_event)
+    if rank == 0:
+        print(json.dumps({"final": res.records[-1]["train_loss"], "steps": len(res.records)}))
+
+
+if __name__ == "__main__":
+    main()

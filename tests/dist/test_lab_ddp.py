@@ -1,0 +1,67 @@
+"""The training lab under torchrun (2 gloo ranks): rank-0 files, resume across rank counts, and
+a rank killed with SIGKILL -> bounded failure naming it, then the rerun resumes to the same loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_lab_worker.py")
+TEXT = "Now is the winter of our discontent made glorious summer by this sun. " * 40
+
+
+def _run(run_dir: Path, ranks: int, *args: str, timeout: float = 120.0):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(WORKER), str(run_dir), *args]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(ranks), *cmd[1:]]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _final(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("lab")
+    (d / "t.txt").write_text(TEXT)
+    return d
+
+
+def test_kill_a_rank_then_resume_and_change_rank_count(base: Path) -> None:
+    full = _run(base / "full", 2, "6")
+    assert full.returncode == 0, full.stderr[-3000:]
+    want = _final(full.stdout)
+    metrics = [json.loads(x) for x in (base / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 7))  # rank 0 alone wrote them
+
+    killed = _run(base / "killed", 2, "6", "4")
+    assert killed.returncode != 0
+    err = killed.stderr + killed.stdout
+    assert "rank" in err and ("1 (local_rank: 1)" in err or "rank 1" in err), err[-3000:]
+    shutil.copytree(base / "killed", base / "to_one")  # a 2-rank checkpoint (step 3)
+
+    again = _run(base / "killed", 2, "6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _final(again.stdout)["final"] == want["final"]  # resumed bit for bit
+
+    one = _run(base / "to_one", 1, "6")  # the 2-rank checkpoint resumes on one rank
+    assert one.returncode == 0, one.stderr[-3000:]
+    got = _final(one.stdout)
+    assert got["steps"] == 6
+    assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
+
+    assert _run(base / "to_two", 1, "6", "4").returncode != 0  # a 1-rank checkpoint (step 3)
+    two = _run(base / "to_two", 2, "6")  # ... resumes on two ranks
+    assert two.returncode == 0, two.stderr[-3000:]
+    got = _final(two.stdout)
+    assert got["steps"] == 6
+    assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
