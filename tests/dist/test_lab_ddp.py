@@ -65,3 +65,31 @@ def test_kill_a_rank_then_resume_and_change_rank_count(base: Path) -> None:
     got = _final(two.stdout)
     assert got["steps"] == 6
     assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
+
+
+def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:
+    out = base / "cmp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fp8lab", "compare", "--recipes", "te-delayed", "--baseline", "te-delayed",
+           "--steps", "2", "--set", "model.d_model=32", "--set", "model.n_layer=1",
+           "--set", "model.n_head=2", "--set", "model.d_ff=64", "--set", "model.block_size=16",
+           "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
+           "--quiet", "--json", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["recipes"]["te-delayed"]
+    assert (out / "report.html").exists()
+    lines = (out / "runs" / "te-delayed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]  # one writer
+
+
+def test_jobs_under_torchrun_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fp8lab.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = CliRunner().invoke(app, ["compare", "--jobs", "2", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "torchrun" in res.output
+    assert not (tmp_path / "o").exists()

@@ -347,6 +347,14 @@ def register(app: typer.Typer) -> None:
             cfg.check()
             if not names:
                 raise ValueError("--recipes: no recipe given")
+            from fp8lab.dist.runtime import check_jobs, init_from_env
+
+            check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
+            rank_ctx = init_from_env()
+        if rank_ctx is not None and not rank_ctx.is_main:
+            with clear_errors(INTERRUPTED):
+                _follow_rank0(cfg, names, base, out, threads)
+            return
 
         # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -378,6 +386,25 @@ def register(app: typer.Typer) -> None:
                 "empty; choose another --baseline or a smaller learning rate."
             )
         typer.echo(f"\nreport: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
+
+
+def _follow_rank0(cfg: Any, names: list[str], base: str, out: Path, threads: int) -> None:
+    """A torchrun rank other than 0: train the same recipes in the same order (DDP pairs its
+    collectives with rank 0's) into rank 0's run folders, reading their checkpoints to resume and
+    writing nothing; rank 0 prepares the output directory and writes the report."""
+    from fp8lab.lab.compare import run_recipes
+    from fp8lab.lab.data import load_corpus
+
+    order = list(dict.fromkeys(names))
+    if base not in order:
+        order.insert(0, base)  # as run_comparison does
+    deadline = time.monotonic() + 120.0
+    while not (out / "config.json").exists():  # rank 0's prepare_out_dir comes first
+        if time.monotonic() > deadline:
+            raise ValueError(f"rank 0 did not prepare {out} within 120 s")
+        time.sleep(0.2)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus)
 
 
 def _tensorboard(out: Path, forward):
