@@ -5,31 +5,9 @@
 `RecipeFileError`), the TOML writer (`toml_writer`) and the presets (`presets`).
 """
 
-from fp8lab.recipe.config import (
-    GEMM_OPERANDS,
-    GEMMS,
-    HIGH_PRECISIONS,
-    LOSS_SCALINGS,
-    OPTIMIZER_STATES,
-    ROLES,
-    SAVE_MODES,
-    GemmConfig,
-    RecipeFileError,
-)
+from fp8lab.recipe import config as _config
+from fp8lab.recipe.config import *  # noqa: F403  (re-exports exactly config.__all__)
 from fp8lab.recipe.core import Recipe
 from fp8lab.recipe.presets import get_recipe, recipes
 
-__all__ = [
-    "GEMMS",
-    "GEMM_OPERANDS",
-    "HIGH_PRECISIONS",
-    "LOSS_SCALINGS",
-    "OPTIMIZER_STATES",
-    "ROLES",
-    "SAVE_MODES",
-    "GemmConfig",
-    "Recipe",
-    "RecipeFileError",
-    "get_recipe",
-    "recipes",
-]
+__all__ = ["Recipe", "get_recipe", "recipes", *_config.__all__]

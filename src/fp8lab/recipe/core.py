@@ -40,7 +40,7 @@ import dataclasses
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,16 @@ from fp8lab.recipe.plain import recipe_from_plain
 from fp8lab.recipe.toml_writer import dump_toml
 
 __all__ = ["Recipe"]
+
+
+def _load_text(
+    text: str, loads: Callable[[str], Any], error: type[Exception], kind: str, where: str
+) -> Any:
+    """``loads(text)``; a parse ``error`` becomes a `RecipeFileError` naming ``where`` and ``kind``."""
+    try:
+        return loads(text)
+    except error as exc:
+        raise RecipeFileError(f"{where}: not valid {kind}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -202,10 +212,7 @@ class Recipe:
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "recipe") -> Recipe:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RecipeFileError(f"{where}: not valid JSON: {exc}") from None
+        d = _load_text(text, json.loads, json.JSONDecodeError, "JSON", where)
         return cls.from_dict(d, where=where)
 
     def to_toml(self) -> str:
@@ -213,10 +220,7 @@ class Recipe:
 
     @classmethod
     def from_toml(cls, text: str, *, where: str = "recipe") -> Recipe:
-        try:
-            d = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise RecipeFileError(f"{where}: not valid TOML: {exc}") from None
+        d = _load_text(text, tomllib.loads, tomllib.TOMLDecodeError, "TOML", where)
         return cls.from_dict(d, where=where)
 
     def save(self, path: str | Path) -> None:

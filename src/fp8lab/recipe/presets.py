@@ -25,8 +25,28 @@ def _te_delayed() -> DelayedScalingConfig:
     return DelayedScalingConfig(history_len=1024, algorithm="max", margin=0)
 
 
+def _deepseek_v3(name: str, acc: Accumulator, description: str, source: str) -> Recipe:
+    """The DeepSeek-V3 tiling (1x128 activations/grads, 128x128 weights, all E4M3, BF16 moments)
+    with accumulator ``acc`` on all three GEMMs."""
+    gemm = GemmConfig(accumulator=acc)
+    return Recipe(
+        name=name,
+        input=_e("e4m3", (1, 128)),
+        weight=_e("e4m3", (128, 128)),
+        grad_output=_e("e4m3", (1, 128)),
+        fprop=gemm,
+        dgrad=gemm,
+        wgrad=gemm,
+        optimizer_state="bf16",
+        save_for_backward="quantized",
+        description=description,
+        source=source,
+    )
+
+
 def _build_presets() -> dict[str, Recipe]:
     te_src = "NVIDIA Transformer Engine transformer_engine/common/recipe/__init__.py"
+    ds_src = "DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2"
     hif8_src = '"HiFloat8:高性能训练之路" (GCC / Huawei, 2025-12-19); HiFloat8 arXiv 2409.16626'
     mixed_src = '"混合精度训练:FP16、BF16、FP8深度对比"'
     # save_for_backward is stated by every preset: the dataclass default changed to
@@ -93,37 +113,22 @@ def _build_presets() -> dict[str, Recipe]:
             "current tensor; fp32 accumulation.",
             source=te_src + " Float8CurrentScaling",
         ),
-        Recipe(
-            name="deepseek-v3",
-            input=_e("e4m3", (1, 128)),
-            weight=_e("e4m3", (128, 128)),
-            grad_output=_e("e4m3", (1, 128)),
-            fprop=GemmConfig(accumulator=ds_acc),
-            dgrad=GemmConfig(accumulator=ds_acc),
-            wgrad=GemmConfig(accumulator=ds_acc),
-            optimizer_state="bf16",
-            save_for_backward="quantized",
-            description="DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles "
+        _deepseek_v3(
+            "deepseek-v3",
+            ds_acc,
+            "DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles "
             "(128x1 for wgrad, re-tiled from the quantized values), weights 128x128 blocks, "
             "online amax/448 scales; limited accumulation promoted to fp32 every 128; BF16 AdamW "
             "moments, FP32 master weights. Embedding and output head stay high precision.",
-            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2",
+            ds_src,
         ),
-        Recipe(
-            name="deepseek-v3-h100",
-            input=_e("e4m3", (1, 128)),
-            weight=_e("e4m3", (128, 128)),
-            grad_output=_e("e4m3", (1, 128)),
-            fprop=GemmConfig(accumulator=h100_ds),
-            dgrad=GemmConfig(accumulator=h100_ds),
-            wgrad=GemmConfig(accumulator=h100_ds),
-            optimizer_state="bf16",
-            save_for_backward="quantized",
-            description="deepseek-v3 with the bit-exact H100 tensor-core accumulator (13-bit "
+        _deepseek_v3(
+            "deepseek-v3-h100",
+            h100_ds,
+            "deepseek-v3 with the bit-exact H100 tensor-core accumulator (13-bit "
             "fused block FMA over 32 products) promoted to fp32 every 128, instead of the fast "
             "approximate limited model.",
-            source="DeepSeek-V3 technical report, arXiv 2412.19437v2 §3.3, §3.5.2; Khattak & "
-            "Mikaitis, arXiv 2512.07004 (H100 model)",
+            ds_src + "; Khattak & Mikaitis, arXiv 2512.07004 (H100 model)",
         ),
         Recipe(
             name="mxfp8",
