@@ -1,5 +1,6 @@
 """L1: how a tensor is scaled before a cast — granularity, scale rules, delayed scaling."""
 
+from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig, DelayedScalingState
 from fp8lab.scaling.granularity import (
     NAMED_GRANULARITIES,
@@ -9,49 +10,17 @@ from fp8lab.scaling.granularity import (
     normalize_granularity,
     transpose_granularity,
 )
-from fp8lab.scaling.rules import (
-    FLT_MAX,
-    RULE_NAMES,
-    SCALE_RULES,
-    e8m0_to_scale,
-    e8m0_to_scale_inv,
-    get_rule,
-    max_scale,
-    mx_ceil,
-    mx_even,
-    mx_exponent,
-    mx_floor,
-    mx_rceil,
-    nvfp4_scales,
-    pow2_down,
-    pow2_up,
-    scale_inv_of,
-)
+from fp8lab.scaling.rules import *  # noqa: F403  (re-exports exactly rules.__all__)
 
 __all__ = [
-    "FLT_MAX",
     "NAMED_GRANULARITIES",
-    "RULE_NAMES",
-    "SCALE_RULES",
     "DelayedScaling",
     "DelayedScalingConfig",
     "DelayedScalingState",
     "block_amax",
     "canonical_granularity",
-    "e8m0_to_scale",
-    "e8m0_to_scale_inv",
     "expand_blocks",
-    "get_rule",
-    "max_scale",
-    "mx_ceil",
-    "mx_even",
-    "mx_exponent",
-    "mx_floor",
-    "mx_rceil",
     "normalize_granularity",
-    "nvfp4_scales",
-    "pow2_down",
-    "pow2_up",
-    "scale_inv_of",
     "transpose_granularity",
+    *_rules.__all__,
 ]

@@ -50,6 +50,7 @@ _MANT_MASK = 0x007FFFFF
 
 __all__ = [
     "FLT_MAX",
+    "RULE_NAMES",
     "SCALE_RULES",
     "e8m0_to_scale",
     "e8m0_to_scale_inv",
@@ -110,34 +111,48 @@ def max_scale(
     )
 
 
-def pow2_down(
-    amax: torch.Tensor,
-    fmt: str | FloatFormat,
-    *,
-    margin: int = 0,
-    epsilon: float = 0.0,
-    value_for_inf: float = FLT_MAX,
-) -> torch.Tensor:
-    """``max`` with the multiplier rounded down to a power of two (``bits &= 0xFF800000``)."""
-    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
-    return _from_bits(_bits(s) & torch.tensor(-8388608, dtype=torch.int32))  # 0xFF800000
+def _bits_down(b: torch.Tensor) -> torch.Tensor:
+    return b & torch.tensor(-8388608, dtype=torch.int32)  # 0xFF800000
 
 
-def pow2_up(
-    amax: torch.Tensor,
-    fmt: str | FloatFormat,
-    *,
-    margin: int = 0,
-    epsilon: float = 0.0,
-    value_for_inf: float = FLT_MAX,
-) -> torch.Tensor:
-    """``max`` with the multiplier rounded up to a power of two (capped at 2**127)."""
-    s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
-    b = _bits(s)
+def _bits_up(b: torch.Tensor) -> torch.Tensor:
     has_mant = (b & _MANT_MASK) != 0
     up = (b & -8388608) + 0x00800000
     up = torch.where((up & _EXP_MASK) == _EXP_MASK, torch.full_like(up, 0x7F000000), up)
-    return _from_bits(torch.where(has_mant, up, b))
+    return torch.where(has_mant, up, b)
+
+
+def _pow2_rule(
+    name: str, to_pow2: Callable[[torch.Tensor], torch.Tensor], doc: str
+) -> Callable[..., torch.Tensor]:
+    """A rule with `max_scale`'s signature whose multiplier bits are then mapped by ``to_pow2``."""
+
+    def rule(
+        amax: torch.Tensor,
+        fmt: str | FloatFormat,
+        *,
+        margin: int = 0,
+        epsilon: float = 0.0,
+        value_for_inf: float = FLT_MAX,
+    ) -> torch.Tensor:
+        s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
+        return _from_bits(to_pow2(_bits(s)))
+
+    rule.__name__ = rule.__qualname__ = name
+    rule.__doc__ = doc
+    return rule
+
+
+pow2_down = _pow2_rule(
+    "pow2_down",
+    _bits_down,
+    "``max`` with the multiplier rounded down to a power of two (``bits &= 0xFF800000``).",
+)
+pow2_up = _pow2_rule(
+    "pow2_up",
+    _bits_up,
+    "``max`` with the multiplier rounded up to a power of two (capped at 2**127).",
+)
 
 
 # --------------------------------------------------------------------------- MX (E8M0) family
