@@ -9,6 +9,9 @@ rule over the whole float32 range.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit
@@ -35,13 +38,9 @@ def max_rule_scales(
     """``(scale, 1/scale)`` of `fp8lab.scaling.rules.max_scale` (float32, ``amax``'s shape)."""
     f = get_format(fmt)
     a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
-    s_np = np.empty(a.shape[0], dtype=np.float32)
-    inv_np = np.empty(a.shape[0], dtype=np.float32)
-    _max_rule_scales(
-        a, np.float32(f.max * 2.0 ** (-int(margin))), np.float32(epsilon),
-        np.float32(value_for_inf), s_np, inv_np,
-    )  # fmt: skip
-    return torch.from_numpy(s_np).reshape(amax.shape), torch.from_numpy(inv_np).reshape(amax.shape)
+    scaled_max = np.float32(f.max * 2.0 ** (-int(margin)))
+    args = (scaled_max, np.float32(epsilon), np.float32(value_for_inf))
+    return _run(_max_rule_scales, a, args, amax.shape)
 
 
 def mx_rule_scales(
@@ -53,11 +52,18 @@ def mx_rule_scales(
         raise ValueError(f"unknown MX rule {rule!r}; valid: {', '.join(MX_RULES)}")
     f = get_format(fmt)
     a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1).view(np.uint32)
+    recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
+    return _run(_mx_rule_scales, a, (_MX_MODE[rule], f.emax, f.mbits, recip), amax.shape)
+
+
+def _run(
+    kernel: Callable[..., None], a: np.ndarray, args: tuple[Any, ...], shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernel(a, *args, scale, scale_inv)`` into fresh float32 arrays, reshaped to ``shape``."""
     s_np = np.empty(a.shape[0], dtype=np.float32)
     inv_np = np.empty(a.shape[0], dtype=np.float32)
-    recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
-    _mx_rule_scales(a, _MX_MODE[rule], f.emax, f.mbits, recip, s_np, inv_np)
-    return torch.from_numpy(s_np).reshape(amax.shape), torch.from_numpy(inv_np).reshape(amax.shape)
+    kernel(a, *args, s_np, inv_np)
+    return torch.from_numpy(s_np).reshape(shape), torch.from_numpy(inv_np).reshape(shape)
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: x / 0 -> inf, no exception

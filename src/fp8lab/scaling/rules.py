@@ -37,8 +37,10 @@ Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -127,17 +129,10 @@ def _pow2_rule(
 ) -> Callable[..., torch.Tensor]:
     """A rule with `max_scale`'s signature whose multiplier bits are then mapped by ``to_pow2``."""
 
-    def rule(
-        amax: torch.Tensor,
-        fmt: str | FloatFormat,
-        *,
-        margin: int = 0,
-        epsilon: float = 0.0,
-        value_for_inf: float = FLT_MAX,
-    ) -> torch.Tensor:
-        s = max_scale(amax, fmt, margin=margin, epsilon=epsilon, value_for_inf=value_for_inf)
-        return _from_bits(to_pow2(_bits(s)))
+    def rule(amax: torch.Tensor, fmt: str | FloatFormat, **kw: Any) -> torch.Tensor:
+        return _from_bits(to_pow2(_bits(max_scale(amax, fmt, **kw))))
 
+    rule.__signature__ = inspect.signature(max_scale)  # type: ignore[attr-defined]
     rule.__name__ = rule.__qualname__ = name
     rule.__doc__ = doc
     return rule
