@@ -140,3 +140,17 @@ def test_report_says_when_the_baseline_diverged(tmp_path):
                   "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "seed": 1},
                   "data": {"paths": []}, "inject": {}})  # fmt: skip
     assert "diverged (its loss" not in (tmp_path / "ok" / "report.md").read_text()
+
+
+def test_report_names_a_users_model(tmp_path):
+    """A run of `--model FACTORY` is described by its factory, not as the built-in GPT."""
+    metrics = {"bf16": _records(0.0)}
+    cfg = {
+        "model": {"factory": "hf:examples/models/llama-tiny.json", "block_size": 128},
+        "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "seed": 1},
+        "data": {"paths": []},
+        "inject": {},
+    }
+    write_report(tmp_path, _summary(metrics), metrics, {}, cfg)
+    md = (tmp_path / "report.md").read_text()
+    assert "Model: `hf:examples/models/llama-tiny.json`" in md and "GPT," not in md

