@@ -6,7 +6,7 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import typer
@@ -57,3 +57,15 @@ def console(stderr: bool = False) -> Any:
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() or os.environ.get("COLUMNS") else 120
     return Console(width=width, stderr=stderr)
+
+
+def table(title: str, columns: Iterable[tuple[str, str]], **options: Any) -> Any:
+    """A rich Table titled ``title`` with ``(name, justify)`` columns; ``options`` go to each
+    column except ``box``, which goes to the table."""
+    from rich.table import Table
+
+    box = options.pop("box", None)
+    t = Table(title=title) if box is None else Table(title=title, box=box)
+    for name, justify in columns:
+        t.add_column(name, justify=justify, **options)
+    return t

@@ -64,14 +64,17 @@ def _grad_comms(value: str) -> list[str]:
 
 def _table(rows: list[dict]) -> None:
     from rich import box
-    from rich.table import Table
 
-    from fp8lab.cli._common import console
+    from fp8lab.cli._common import console, table
 
-    t = Table(title="fp8lab comm-sim: ring all-reduce vs fp32", box=box.SIMPLE)
-    for name in ("ranks", "grad-comm", "rel L2 err", "max err", "zeroed", "underflow",
-                 "overflow", "bytes/rank", "vs fp32"):  # fmt: skip
-        t.add_column(name, justify="left" if name == "grad-comm" else "right", no_wrap=True)
+    names = ("ranks", "grad-comm", "rel L2 err", "max err", "zeroed", "underflow", "overflow",
+             "bytes/rank", "vs fp32")  # fmt: skip
+    t = table(
+        "fp8lab comm-sim: ring all-reduce vs fp32",
+        [(n, "left" if n == "grad-comm" else "right") for n in names],
+        box=box.SIMPLE,
+        no_wrap=True,
+    )
     for r in rows:
         t.add_row(
             str(r["ranks"]), r["grad_comm"], f"{r['rel_error']:.2e}", f"{r['max_rel_error']:.2e}",

@@ -14,6 +14,9 @@ from typing import Any
 
 import typer
 
+from fp8lab.cli._common import fail
+from fp8lab.cli._common import table as new_table
+
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
 
 a, b ~ N(0, sigma); per sample SNR = 10*log10(ref^2 / (ref - result)^2) dB. Axes given as comma
@@ -138,17 +141,14 @@ def _scaling_label(c: Any) -> str:
 
 def _print_table(results: list[Any], pooled: bool, title: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from fp8lab.report.snr import fmt_db
 
-    table = Table(title=title)
-    for col in ("length", "rho", "format", "scaling", "block", "accumulator", "promote"):
-        table.add_column(col)
-    for col in ("median dB", "p10 dB", "p90 dB", "< 0 dB", "exact"):
-        table.add_column(col, justify="right")
-    if pooled:
-        table.add_column("pooled dB", justify="right")
+    left = ("length", "rho", "format", "scaling", "block", "accumulator", "promote")
+    right = ("median dB", "p10 dB", "p90 dB", "< 0 dB", "exact") + (
+        ("pooled dB",) if pooled else ()
+    )
+    table = new_table(title, [(c, "left") for c in left] + [(c, "right") for c in right])
     for r in results:
         c = r.config
         row = [
@@ -280,8 +280,7 @@ def register(app: typer.Typer) -> None:
             )  # fmt: skip
             results = _run_with_progress(configs, json_out)
         except (ValueError, TypeError) as exc:
-            typer.echo(f"Error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            raise fail(str(exc)) from None
         _report(results, pooled, json_out, plot)
 
 
