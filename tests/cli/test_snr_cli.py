@@ -187,3 +187,25 @@ def test_scale_rule_sweep() -> None:
     assert all(r["config"]["block"] == 32 and r["median_db"] > 15 for r in runs)
     table = _run("--length", "64", "--samples", "4", "--scale-rule", "pow2_down")
     assert table.exit_code == 0 and "auto (pow2_down)" in table.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--plot", "/proc/x.png"], "/proc"),
+        (["--plot", "{tmp}/figure.txt"], "must end in"),
+        (["--plot", "{tmp}/dir.png"], "is a directory"),
+        (["--preset", "seed000", "--out", "/proc/x"], "cannot create"),
+        (["--preset", "seed000", "--out", "{tmp}/file"], "is a file"),
+    ],
+)
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, args, words):
+    """issue 11 item 14: an unwritable --plot / --out is one clear line and exit code 2."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "dir.png").mkdir()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    res = _run("--length", "32", "--samples", "2", *args)
+    assert res.exit_code == 2, res.output
+    assert "Error:" in res.output and words in res.output
+    assert "Traceback" not in res.output
+    assert (tmp_path / "file").read_text() == "mine"

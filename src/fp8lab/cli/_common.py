@@ -6,7 +6,9 @@ import contextlib
 import errno
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -69,3 +71,47 @@ def table(title: str, columns: Iterable[tuple[str, str]], **options: Any) -> Any
     for name, justify in columns:
         t.add_column(name, justify=justify, **options)
     return t
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: Path, option: str = "--plot") -> None:
+    """Refuse a figure path that cannot be written, before any work: a suffix matplotlib does
+    not write as an image, a directory, or a folder that cannot be created or written."""
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(
+            f"{option} {path}: the file name must end in {', '.join(PLOT_SUFFIXES)} "
+            f"(got {path.suffix or 'no suffix'!r})"
+        )
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory, expected a file name")
+    _check_dir(path.parent, f"{option} {path}")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{option} {path}: not writable")
+        return
+    try:  # a probe: permission bits say nothing to root, and /proc refuses new files
+        path.open("xb").close()
+        path.unlink()
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot be written ({exc.strerror})") from None
+
+
+def check_out_dir(path: Path, option: str = "--out") -> None:
+    """Refuse an output directory that is a file or cannot be created or written, before any
+    work (nothing is created but the directory itself)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: is a file, expected a directory")
+    _check_dir(path, f"{option} {path}")
+
+
+def _check_dir(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot create {path} ({exc.strerror})") from None
+    try:  # a probe file: permission bits say nothing to root
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        raise ValueError(f"{what}: {path} is not writable ({exc.strerror})") from None

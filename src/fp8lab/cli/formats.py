@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console
+from fp8lab.cli._common import check_plot_path, clear_errors, console
 
 HELP = """Show number formats: bits, bias, max, min normal, min subnormal, binades, epsilon, and how
 Inf, NaN and -0 are encoded. NAMES are registry names or any eXmY (default: the whole registry).
@@ -139,29 +139,6 @@ def relative_precision(fmt: Any, exponents: Any) -> Any:
     rel = np.exp2((q - eb).astype(np.float64))
     rel[(x < fmt.min_subnormal) | (x > fmt.max)] = np.nan
     return rel
-
-
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
-
-
-def check_plot_path(path: Path) -> None:
-    """Refuse a --plot path that cannot be written, before any work: a suffix matplotlib does
-    not write as an image, a directory, or a folder that cannot be created or written."""
-    import os
-
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(
-            f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)} "
-            f"(got {path.suffix or 'no suffix'!r})"
-        )
-    if path.is_dir():
-        raise ValueError(f"--plot {path}: is a directory, expected a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--plot {path}: cannot create {path.parent} ({exc.strerror})") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--plot {path}: not writable")
 
 
 def plot(formats: list[Any], path: Path) -> None:

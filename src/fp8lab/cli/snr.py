@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import fail
+from fp8lab.cli._common import check_out_dir, check_plot_path, fail
 from fp8lab.cli._common import table as new_table
 
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
@@ -268,7 +268,11 @@ def register(app: typer.Typer) -> None:
         out: Path = _OUT,
     ) -> None:
         try:
+            # unwritable outputs are refused before minutes of work
+            if plot is not None:
+                check_plot_path(plot)
             if preset is not None:
+                check_out_dir(out)
                 _run_preset(preset, samples, seed, out, json_out, pooled)
                 return
             configs = build_configs(
