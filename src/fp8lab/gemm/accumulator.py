@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from fp8lab._keys import check_keys
+
 __all__ = [
     "ACCUMULATOR_KINDS",
     "ACC_ROUNDINGS",
@@ -212,10 +214,7 @@ class Accumulator:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Accumulator:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown Accumulator keys: {sorted(unknown)}")
+        check_keys(d, (f.name for f in dataclasses.fields(cls)), "Accumulator")
         if d.get("align_bits") == "exact":
             d = {**d, "align_bits": None}
         return cls(**d)
