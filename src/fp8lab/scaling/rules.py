@@ -26,13 +26,13 @@ Rules
 ``mx_even``    torchao EVEN: amax's mantissa rounded to the element's mantissa width, then floor.
                A finite amax whose rounding carries past 2**127 (FLT_MAX) takes exponent 128:
                the finite code ``128 - emax_elem + 127`` (247 for E4M3).
-
-Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but ``mx_rceil``
-(TE: inf -> 254); a finite amax always gets a finite code.
 ``mx_rceil``   cuBLAS / TE MXFP8 / DeepGEMM ``ceil_to_ue8m0``: ``X = 2**ceil(log2(amax/fmt_max))``,
                never clips. The quotient is formed as TE does, ``fl32(amax * fl32(1/fmt_max))``
                (``divide=True`` uses a correctly rounded division, as DeepGEMM's reference does).
 ``nvfp4``      two-level NVFP4 (TE ``reference_nvfp4.py``): see `nvfp4_scales`.
+
+Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but ``mx_rceil``
+(TE: inf -> 254); a finite amax always gets a finite code.
 """
 
 from __future__ import annotations
