@@ -339,8 +339,7 @@ def steady_spec(spec: Any) -> Any:
     nothing about the recipe); other specs pass through (`parse_spec`)."""
     spec = parse_spec(spec)
     if spec.is_delayed:
-        sc = spec.scaling
-        return dataclasses.replace(spec, scaling="max", margin=sc.margin + sc.nguard)
+        return dataclasses.replace(spec, scaling="max", margin=spec.scaling.total_margin)
     return spec
 
 
