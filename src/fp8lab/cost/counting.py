@@ -270,14 +270,6 @@ def plan_operand(plan: Any, gemm: str, role: str) -> Any:
     return getattr(plan, gemm)[role]
 
 
-#: the earlier GEMM a later (GEMM, role) takes its operand from (`fp8lab.nn.plan.CHAINS`)
-_EARLIER = {
-    ("dgrad", "weight"): "fprop",
-    ("wgrad", "input"): "fprop",
-    ("wgrad", "grad_output"): "dgrad",
-}
-
-
 def count_linear_step(recipe: Recipe | str, dims: dict[str, int] | None = None) -> StepCounts:
     """Run one forward + backward of an `fp8lab.nn.Linear` under ``recipe`` on the proxy shape
     (``dims``, default `PROXY`: T=384, I=256, O=640) and return its `StepCounts`.
@@ -328,12 +320,16 @@ def _event(kind: str, what: Any, op: Any, gemm: str, role: str) -> Event:
 
 
 def _build_counts(rec: Recipe, plan: Any, d: dict[str, int], seen: list) -> StepCounts:
+    from fp8lab.nn.plan import CHAINS
+
+    # the earlier GEMM a later (GEMM, role) takes its operand from
+    earlier_of = {(dst, role): src for src, dst, role in CHAINS}
     counts = StepCounts(rec.name, d)
     for gemm, role, shape in seen:
         dims = ROLE_DIMS[role]
         if tuple(shape) != (d[dims[0]], d[dims[1]]):
             raise RuntimeError(f"{gemm}/{role}: observed shape {shape}, expected {dims}")
-        earlier_gemm = _EARLIER.get((gemm, role))
+        earlier_gemm = earlier_of.get((gemm, role))
         earlier = plan_operand(plan, earlier_gemm, role) if earlier_gemm else None
         op = plan_operand(plan, gemm, role)
         for kind, what in _classify(plan, gemm, role, earlier):
