@@ -28,7 +28,7 @@ def _scales_for(
     if isinstance(sc, float):
         s = torch.full(nb, sc, dtype=torch.float32)
         return s, torch.reciprocal(s), None
-    if spec.is_delayed:  # a config alone: a throwaway state (step 0), nothing recorded
+    if spec.is_delayed:  # bound: its scale, amax recorded; a config alone: step 0, no record
         amax = _block_amax_fast(x2, (-1, -1)).reshape(())
         s = delayed_scale(sc, amax, spec.fmt).reshape(1, 1)
         return s, torch.reciprocal(s), None
