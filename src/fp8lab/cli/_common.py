@@ -73,6 +73,30 @@ def table(title: str, columns: Iterable[tuple[str, str]], **options: Any) -> Any
     return t
 
 
+def comma_items(value: str, name: str) -> list[str]:
+    """The non-empty items of a comma list given to ``--name``; ValueError when there are none."""
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"--{name}: empty value")
+    return items
+
+
+def comma_ints(value: str, name: str, allow_none: bool = False) -> list[int | None]:
+    """A comma list of integers given to ``--name`` (``none`` too when ``allow_none``)."""
+    out: list[int | None] = []
+    for item in comma_items(value, name):
+        if allow_none and item.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise ValueError(
+                f"--{name}: {item!r} is not an integer" + (" or 'none'" if allow_none else "")
+            ) from None
+    return out
+
+
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 

@@ -37,29 +37,22 @@ _JSON = typer.Option(False, "--json", help="Print the rows as JSON instead of a 
 
 
 def _ranks(value: str) -> list[int]:
+    from fp8lab.cli._common import comma_ints, comma_items
+
     out = []
-    for item in (v.strip() for v in value.split(",")):
-        if not item:
-            continue
-        try:
-            n = int(item)
-        except ValueError:
-            raise ValueError(f"--ranks: {item!r} is not an integer") from None
+    for item in comma_items(value, "ranks"):
+        (n,) = comma_ints(item, "ranks")  # checked in order, as given
         if not 1 <= n <= 1024:
             raise ValueError(f"--ranks: {n} is outside 1..1024")
         out.append(n)
-    if not out:
-        raise ValueError("--ranks: empty value")
     return out
 
 
 def _grad_comms(value: str) -> list[str]:
+    from fp8lab.cli._common import comma_items
     from fp8lab.dist.comm import check_grad_comm
 
-    items = [check_grad_comm(v.strip()) for v in value.split(",") if v.strip()]
-    if not items:
-        raise ValueError("--grad-comm: empty value")
-    return items
+    return [check_grad_comm(v) for v in comma_items(value, "grad-comm")]
 
 
 def _table(rows: list[dict]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import check_out_dir, check_plot_path, fail
+from fp8lab.cli._common import check_out_dir, check_plot_path, comma_ints, comma_items, fail
 from fp8lab.cli._common import table as new_table
 
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
@@ -34,38 +34,16 @@ the accumulator format). Exact results (infinite SNR) are null in --json.
 DEFAULT_ACCUMULATOR = "fp32"
 
 
-def _split(value: str, name: str) -> list[str]:
-    items = [v.strip() for v in str(value).split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"--{name}: empty value")
-    return items
-
-
-def _ints(value: str, name: str, allow_none: bool = False) -> list[int | None]:
-    out: list[int | None] = []
-    for item in _split(value, name):
-        if allow_none and item.lower() == "none":
-            out.append(None)
-            continue
-        try:
-            out.append(int(item))
-        except ValueError:
-            raise ValueError(
-                f"--{name}: {item!r} is not an integer" + (" or 'none'" if allow_none else "")
-            ) from None
-    return out
-
-
 def _floats(value: str, name: str) -> list[float]:
     try:
-        return [float(v) for v in _split(value, name)]
+        return [float(v) for v in comma_items(value, name)]
     except ValueError:
         raise ValueError(f"--{name}: expected numbers, got {value!r}") from None
 
 
 def _scalings(value: str) -> list[float | str]:
     out: list[float | str] = []
-    for item in _split(value, "scaling"):
+    for item in comma_items(value, "scaling"):
         if item.lower() == "auto":
             out.append("auto")
             continue
@@ -82,7 +60,7 @@ def build_configs(**opts: Any) -> list[Any]:
     from fp8lab.lab.snr import SnrConfig, sweep
 
     for name in ("rounding", "acc_rounding"):
-        for mode in _split(opts[name], name) if opts[name] else []:
+        for mode in comma_items(opts[name], name) if opts[name] else []:
             if mode not in ROUNDING_MODES:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: unknown rounding {mode!r}; "
@@ -96,19 +74,19 @@ def build_configs(**opts: Any) -> list[Any]:
         saturate=opts["saturate"],
     )
     axes: dict[str, list[Any]] = {
-        "length": _ints(opts["length"], "length"),
+        "length": comma_ints(opts["length"], "length"),
         "rho": _floats(opts["rho"], "rho"),
-        "format": _split(opts["format"], "format"),
-        "rounding": _split(opts["rounding"], "rounding"),
+        "format": comma_items(opts["format"], "format"),
+        "rounding": comma_items(opts["rounding"], "rounding"),
         "scaling": _scalings(opts["scaling"]),
-        "block": _ints(opts["block"], "block", allow_none=True),
-        "promote_every": _ints(opts["promote_every"], "promote-every", allow_none=True),
-        "scale_rule": _split(opts.get("scale_rule") or "exact", "scale-rule"),
+        "block": comma_ints(opts["block"], "block", allow_none=True),
+        "promote_every": comma_ints(opts["promote_every"], "promote-every", allow_none=True),
+        "scale_rule": comma_items(opts.get("scale_rule") or "exact", "scale-rule"),
     }
     if opts["accumulator"]:
-        axes["accumulator"] = _split(opts["accumulator"], "accumulator")
+        axes["accumulator"] = comma_items(opts["accumulator"], "accumulator")
     if opts["acc_rounding"]:
-        axes["acc_rounding"] = _split(opts["acc_rounding"], "acc-rounding")
+        axes["acc_rounding"] = comma_items(opts["acc_rounding"], "acc-rounding")
     if opts["scale_target"] is not None:
         axes["scale_target"] = [opts["scale_target"]]
     return sweep(base, **axes)
