@@ -59,8 +59,8 @@ def sample(model: torch.nn.Module, step: int = 0) -> Iterator[list[dict[str, Any
     """Record one step's operand statistics: ``with sample(model, step) as rows:`` run the
     forward and backward; ``rows`` holds one dict per operand (`fp8lab.observe.FIELDS`).
 
-    The building block of `watch`, and what a training loop with its own writer (the lab's
-    ``stats.jsonl``) calls on the steps it samples."""
+    What a training loop with its own writer calls on the steps it samples; `watch` records
+    with the same per-step sampler, kept registered across calls instead of one ``with``."""
     rows: list[dict[str, Any]] = []
     cb = _Sampler(OperandStats(model), int(step), rows)
     COLLECTORS.active.append(cb)
