@@ -15,7 +15,7 @@ from numba import njit
 
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
-from fp8lab.formats import get_format
+from fp8lab.formats import cast, get_format
 from fp8lab.scaling.granularity import num_blocks, resolve_block
 
 if TYPE_CHECKING:
@@ -349,8 +349,6 @@ def _scale_cast(
             deq.mul_(global_scale)
         return out
     _mul_blocks(xf, rows, cols, m, k, mult_np, of)
-    from fp8lab.formats import cast
-
     cast(
         out, spec.fmt, rounding=spec.rounding, saturate=spec.saturate, generator=generator, out=out
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8lab._keys import check_keys
-from fp8lab.formats import FloatFormat, get_format
+from fp8lab.formats import ROUNDING_MODES, FloatFormat, default_rounding, get_format
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 from fp8lab.scaling.granularity import (
@@ -107,8 +107,6 @@ class QuantSpec:
                 f"got {type(sc).__name__}"
             )
         object.__setattr__(self, "scaling", sc)
-        from fp8lab.formats import ROUNDING_MODES, default_rounding
-
         if self.rounding is None:
             object.__setattr__(self, "rounding", default_rounding(fmt))
         if self.rounding not in ROUNDING_MODES:
@@ -162,8 +160,6 @@ class QuantSpec:
         differ from their defaults in parentheses, e.g. ``e4m3:1x128:pow2_down``,
         ``e4m3:tensor:delayed(h=1024, max)``, ``e2m1:nvfp4:nvfp4 (scale_format=e5m2)``,
         ``e4m3:tensor:1`` (a fixed multiplier). ``str(spec)`` is the same text."""
-        from fp8lab.formats import default_rounding
-
         g = self.granularity
         gran = g if isinstance(g, str) else f"{g[0]}x{g[1]}"
         sc = self.scaling

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp8lab.formats import FloatFormat
+from fp8lab.formats import FloatFormat, encode
 from fp8lab.formats.straight_through import straight_through
 from fp8lab.qtensor.kernels import _mul_blocks
 from fp8lab.qtensor.spec import QuantSpec
@@ -129,8 +129,6 @@ class QTensor:
 
     def codes(self) -> torch.Tensor:
         """uint8 bit codes of the element values (`fp8lab.encode`)."""
-        from fp8lab.formats import encode
-
         return encode(self.values, self.fmt)
 
     def scale_codes(self) -> torch.Tensor:
