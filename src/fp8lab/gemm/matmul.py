@@ -78,9 +78,8 @@ def qmatmul(
         c = c.detach().to(torch.float32)
     if native:
         out = _native(qa, qb, acc)
-    elif acc.kind == "fp32":
-        out = _fp32(qa, qb, kb, c, bias)
-        bias = None  # applied by _fp32's epilogue
+    elif acc.kind == "fp32":  # scales and bias in _fp32's own epilogue
+        return _round_out(_fp32(qa, qb, kb, c, bias), out_format)
     elif acc.kind == "limited":
         out = limited(qa, qb, acc, kb, c)
     else:
