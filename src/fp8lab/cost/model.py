@@ -24,10 +24,16 @@ How counted events become kernels (the hardware's fused kernels, as Transformer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fp8lab.cost.counting import GemmEvent, StepCounts, count_linear_step, scale_bytes
+from fp8lab.cost.counting import (
+    GEMM_DIMS,
+    GemmEvent,
+    StepCounts,
+    count_linear_step,
+    scale_bytes,
+)
 from fp8lab.cost.devices import Device, get_device
 from fp8lab.formats import get_format
 from fp8lab.recipe import Recipe, get_recipe
@@ -323,7 +329,9 @@ _BENCH_KEEP = [("fprop", "input"), ("fprop", "weight"), ("wgrad", "input")]
 
 def _bench_dims(gemm: str, t: int, i: int, o: int) -> tuple[int, int, int]:
     """(M, K, N) of the GEMM ``gemm`` of a Linear i -> o on t tokens."""
-    return {"fprop": (t, i, o), "dgrad": (t, o, i), "wgrad": (i, t, o)}[gemm]
+    d = {"T": t, "I": i, "O": o}
+    m, k, n = (d[s] for s in GEMM_DIMS[gemm])
+    return m, k, n
 
 
 _COUNTS: dict[str, StepCounts] = {}
@@ -381,15 +389,9 @@ def price_linears(
             m, k, n = _bench_dims(gemm, tokens, i, o)
             c = base.scaled(T=m, I=k, O=n).select(_BENCH_KEEP, ("fprop",))
             for kc in _price_kernels(c, f"{lin}.{gemm}", dev):
-                cost.kernels.append(_regemm(kc, gemm))
+                cost.kernels.append(replace(kc, gemm=gemm))
             cost.gemms.append(_price_gemm(c.gemms[0], f"{lin}.{gemm}", dev, rec.name))
     return cost
-
-
-def _regemm(k: KernelCost, gemm: str) -> KernelCost:
-    from dataclasses import replace
-
-    return replace(k, gemm=gemm)
 
 
 def predict_step_ms(
