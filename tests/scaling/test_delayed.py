@@ -362,3 +362,22 @@ def test_config_is_frozen_hashable_plain_data_and_state_is_apart():
     assert delayed_scale(cfg, torch.tensor(1000.0), "e4m3").item() == 1.0
     cur = cfg.replace(first_step="current")
     assert delayed_scale(cur, torch.tensor(4.0), "e4m3").item() == 448.0 / 4 / 4
+
+
+def test_fresh_is_a_deprecated_alias_of_bind():
+    """The old public name stays: a new zero state with the same configuration and group."""
+    ds = fp8lab.DelayedScaling(history_len=4, margin=1, fmt="e4m3")
+    ds.observe(3.0)
+    ds.update()
+    with pytest.warns(DeprecationWarning, match="bind"):
+        new = ds.fresh()
+    assert new is not ds and new.config() == ds.config() and new.group is ds.group
+    assert new.step == 0 and float(new.scale) == 1.0 and float(new.amax_history.abs().sum()) == 0
+    spec = fp8lab.QuantSpec(format="e4m3", scaling=ds)
+    with pytest.warns(DeprecationWarning, match="configuration"):
+        fresh_spec = spec.fresh()
+    assert fresh_spec.scaling is not ds and fresh_spec.scaling.step == 0
+    assert fresh_spec.scaling.config() == ds.config()
+    cfg_spec = fp8lab.get_recipe("te-delayed").input
+    with pytest.warns(DeprecationWarning):
+        assert cfg_spec.fresh() is cfg_spec

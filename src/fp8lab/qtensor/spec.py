@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,19 @@ class QuantSpec:
 
     def replace(self, **changes: Any) -> QuantSpec:
         return dataclasses.replace(self, **changes)
+
+    def fresh(self) -> QuantSpec:
+        """Deprecated: this spec with a new zero delayed-scaling state when it is bound to one
+        (``DelayedScaling.bind``), else ``self`` (configuration holds no state)."""
+        warnings.warn(
+            "QuantSpec.fresh() is deprecated: specs hold configuration; a quantizing module owns "
+            "its state (DelayedScaling.bind(spec.scaling, spec.format))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if isinstance(self.scaling, DelayedScaling):
+            return dataclasses.replace(self, scaling=DelayedScaling.bind(self.scaling))
+        return self
 
     def transposed(self) -> QuantSpec:
         """The spec with the block axes swapped (for the transposed direction)."""

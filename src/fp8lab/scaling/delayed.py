@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -281,6 +282,16 @@ class DelayedScaling:
         ds = cls.__new__(cls)
         ds._init(cfg, group, fmt)
         return ds
+
+    def fresh(self) -> DelayedScaling:
+        """Deprecated alias of ``DelayedScaling.bind(self)``: the same configuration and group,
+        a zero state (no format set)."""
+        warnings.warn(
+            "DelayedScaling.fresh() is deprecated: use DelayedScaling.bind(ds, fmt)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DelayedScaling.bind(self)
 
     def config(self) -> dict[str, Any]:
         """The configuration as plain data (`DelayedScalingConfig.to_dict`)."""
