@@ -57,10 +57,10 @@ from fp8lab.formats import cast, get_format
 from fp8lab.scaling.rules import max_scale, scale_inv_of
 
 GRAD_COMMS = ("fp32", "bf16", "fp8", "fp8-msamp")
-#: element bytes on the wire per precision
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "fp8-msamp": 1}
 #: element format on the wire
 WIRE_FORMAT = {"fp32": "fp32", "bf16": "bf16", "fp8": "e5m2", "fp8-msamp": "e4m3"}
+#: element bytes on the wire per precision
+WIRE_BYTES = {p: get_format(f).bits // 8 for p, f in WIRE_FORMAT.items()}
 
 __all__ = [
     "GRAD_COMMS",
