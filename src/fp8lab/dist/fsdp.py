@@ -93,10 +93,9 @@ def fp8_all_gather(
     else:
         local = spec
     rows = -(-int(full_rows) // world)
-    padded = torch.zeros((rows, *shard.shape[1:]), dtype=torch.float32)
     n = x.shape[0]
     q = quantize(x, local) if n else None
-    codes = torch.zeros(padded.shape, dtype=torch.uint8)
+    codes = torch.zeros((rows, *shard.shape[1:]), dtype=torch.uint8)  # padded to equal shards
     if q is not None:
         codes[:n] = encode(q.values, fmt)  # exact: values are on the grid
     parts = [torch.empty_like(codes) for _ in range(world)]
