@@ -111,10 +111,11 @@ def _gather_scales(
     """Every shard's per-block dequantization scales, stacked along the block rows."""
     d = torch.distributed
     if normalize_granularity(spec.granularity) == (-1, -1):
-        # all shards share the scale; an empty shard has none: take the max (all equal)
-        mine = q.scales.reshape(1, 1).clone() if q is not None else torch.zeros(1, 1)
-        d.all_reduce(mine, op=d.ReduceOp.MAX, group=group)
-        return mine
+        # every rank quantized with the same fixed scale (from the all-reduced amax), so its
+        # scale_inv is known here without a second collective, also on an empty shard
+        if q is not None:
+            return q.scales.reshape(1, 1)
+        return torch.reciprocal(torch.full((1, 1), float(spec.scaling), dtype=torch.float32))
     r, c = shape_2d((rows, *shard_shape[1:]))
     m, k = resolve_block(normalize_granularity(spec.granularity), (r, c))
     nr, nc = -(-r // m), -(-c // k)
