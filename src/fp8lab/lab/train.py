@@ -7,8 +7,10 @@ plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
 - ``metrics.jsonl``: one record per step -- ``step`` (steps done), ``lr``, ``train_loss``,
   ``grad_norm`` (before clipping), ``skipped`` / ``skipped_steps``, ``loss_scale``, ``spike``,
   ``tokens``, ``step_time_s``, and ``val_loss`` on evaluation steps; non-finite numbers are null.
-- ``stats.jsonl``: every ``stats_every`` steps, per layer and role (input / weight / grad_output)
-  of each quantized GEMM operand: amax, underflow %, saturation %, SQNR (``fp8lab.stats``).
+- ``stats.jsonl``: every ``stats_every`` steps, one record per layer x GEMM x role of each
+  quantized operand the GEMMs consumed: amax, scale, underflow %, saturation %, SQNR -- the
+  records of ``fp8lab.watch`` (``fp8lab.observe.sample``, docs/observe.md), with ``step`` the
+  number of steps done.
 - ``checkpoint.pt``: model (incl. scaling state), optimizer, loss scaler, RNG and loop state.
 
 Guarantees: the initial weights depend on ``train.seed`` only (the model is built and
@@ -45,6 +47,7 @@ from fp8lab.lab.data import Corpus, DataConfig, get_batch, val_batches
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.inject import InjectConfig, Injector
 from fp8lab.lab.models import ModelConfig
+from fp8lab.stats import json_safe
 
 Callback = Callable[[dict[str, Any]], None]
 CHECKPOINT = "checkpoint.pt"
@@ -408,58 +411,6 @@ def diverged_loss(final_train: float | None, final_val: float | None, vocab_size
     return final_val > math.log(vocab_size)
 
 
-# ----------------------------------------------------------------------------- stats
-#: (GEMM, role) pairs whose operands are summarised: each role once, in its natural layout
-STAT_OPERANDS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"))
-
-
-def operand_stats(
-    hp: torch.Tensor, used: torch.Tensor, spec: Any = None
-) -> dict[str, float | None]:
-    """Statistics of one GEMM operand: ``hp`` before quantization, ``used`` = what the GEMM
-    consumed (dequantized), so stale delayed scales show up as they really acted.
-
-    amax of ``hp``; underflow % = nonzeros of ``hp`` that became 0; SQNR dB of ``used`` vs
-    ``hp``; saturation % (0 without a quantization ``spec``, e.g. bf16 rounding) = elements
-    stuck at the tensor's largest quantized magnitude while ``|hp|`` exceeds it by more than
-    rounding could explain (half an ulp of the format's top binade). Exact for per-tensor
-    scaling, a lower bound for block scaling (a clamp inside a smaller block is not seen).
-    """
-    from fp8lab.stats import amax, sqnr_db, underflow_pct
-
-    a, b = hp.detach().float(), used.detach().float()
-    saturated = 0.0
-    if spec is not None:
-        fmt = spec.fmt
-        half_ulp = 2.0 ** -(fmt.mbits + 1) if fmt.kind == "exmy" else 0.5
-        top = b.abs().max()
-        if top > 0:  # an all-zero operand (everything underflowed) has nothing clamped
-            clamped = (b.abs() == top) & (a.abs() > top * (1.0 + half_ulp) * (1.0 + 2.0**-20))
-            saturated = 100.0 * float(clamped.sum()) / max(1, a.numel())
-    return {
-        "amax": _num(amax(a)),
-        "underflow_pct": _num(underflow_pct(a, b)),
-        "saturation_pct": saturated,
-        "sqnr_db": _num(sqnr_db(a, b)),
-    }
-
-
-def stats_rows(record: dict, recipe: Any) -> list[dict[str, Any]]:
-    """Rows ``{layer, role, gemm, amax, ...}`` from a ``fp8lab.nn.collect_operands`` record;
-    operands that reached their GEMM unchanged (fp32) are left out."""
-    rows = []
-    for (layer, gemm, role), rec in sorted(record.items()):
-        hp, used = rec["high_precision"], rec["used"]
-        if (gemm, role) not in STAT_OPERANDS or not isinstance(used, torch.Tensor):
-            continue
-        if used is hp or torch.equal(used, hp):
-            continue
-        spec = None if recipe.gemm(gemm).high_precision else recipe.spec(gemm, role)
-        rows.append({"layer": layer, "role": role, "gemm": gemm,
-                     **operand_stats(hp, used, spec)})  # fmt: skip
-    return rows
-
-
 # ----------------------------------------------------------------------------- the loop
 @dataclass
 class RunResult:
@@ -557,7 +508,7 @@ def train_run(
                 metrics_f.write(json.dumps(rec) + "\n")
             if stats_f:
                 for row in stat_rows:
-                    stats_f.write(json.dumps({"step": done, **row}) + "\n")
+                    stats_f.write(json.dumps(json_safe({**row, "step": done})) + "\n")
             last = done == tc.steps or st.diverged or done == end
             if run_path and (done % tc.checkpoint_every == 0 or last):
                 if writer:
@@ -606,7 +557,7 @@ def _train_step(
     injector.set_step(step)
     mult = injector.grad_multiplier(step)
     loss_scale = scaler.get_scale() if scaler is not None else 1.0
-    with _collect(model, collect) as record:
+    with _collect(model, collect, step + 1) as stat_rows:
         if dp is None:
             _, loss = model(x, y)
         else:  # this rank's shard; loss_all: the global batch's loss, equal on every rank
@@ -634,7 +585,6 @@ def _train_step(
         scaler.update()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
-    stat_rows = stats_rows(record, recipe) if collect else []
 
     loss_v = float(loss.detach()) if dp is None else loss_all
     st.step += 1
@@ -664,12 +614,13 @@ def _train_step(
     return rec, stat_rows
 
 
-def _collect(model: torch.nn.Module, enabled: bool):
+def _collect(model: torch.nn.Module, enabled: bool, step: int):
+    """``fp8lab.observe.sample``: the rows of this step's operands (the watch records), or []."""
     if not enabled:
-        return contextlib.nullcontext({})
-    from fp8lab.nn import collect_operands
+        return contextlib.nullcontext([])
+    from fp8lab.observe import sample
 
-    return collect_operands(model)
+    return sample(model, step)
 
 
 def _no_space(path: Path, exc: BaseException) -> OSError:

@@ -3,7 +3,8 @@
 * `watch` -- ``with fp8lab.watch(model, every=50, out="watch.jsonl") as w:`` records amax, scale,
   underflow %, saturation % and SQNR of the operands every converted GEMM consumed, per
   layer x GEMM x role, into JSONL / CSV / TensorBoard.
-* `sample` -- one step's rows, for a loop with its own writer (the lab's ``stats.jsonl``).
+* `sample` -- one step's rows, for a loop with its own writer: the lab's ``stats.jsonl`` is
+  written from it, so both have one definition of every statistic.
 * `read_records`, `flag`, `THRESHOLDS` -- reading the files back and the fine / warning /
   critical levels `fp8lab observe-report` colours by (docs/observe.md).
 """
@@ -11,7 +12,7 @@
 from __future__ import annotations
 
 from fp8lab.observe.levels import CRITICAL_PCT, FINE_PCT, LEVELS, THRESHOLDS, flag
-from fp8lab.observe.records import FIELDS, OperandStats, operand_row
+from fp8lab.observe.records import FIELDS, NATURAL_OPERANDS, OperandStats, operand_row
 from fp8lab.observe.sinks import read_records
 from fp8lab.observe.watch import Watch, sample, watch
 
@@ -20,6 +21,7 @@ __all__ = [
     "FIELDS",
     "FINE_PCT",
     "LEVELS",
+    "NATURAL_OPERANDS",
     "THRESHOLDS",
     "OperandStats",
     "Watch",

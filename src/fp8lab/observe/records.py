@@ -23,7 +23,7 @@ from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.delayed import DelayedScaling, delayed_scale
 from fp8lab.stats import error_stats
 
-__all__ = ["FIELDS", "OperandStats", "operand_row"]
+__all__ = ["FIELDS", "NATURAL_OPERANDS", "OperandStats", "operand_row"]
 
 #: the columns of a record, in order (JSONL keys, CSV header)
 FIELDS = (
@@ -45,6 +45,11 @@ FIELDS = (
     "sqnr_db",
     "exact",
 )
+
+#: each role once, as its forward or dgrad GEMM consumed it in its natural layout: the operands
+#: a per-role summary (the lab's report) reads; the other (GEMM, role) cells are the wgrad's
+#: and dgrad's copies of the same tensors, re-used or re-tiled
+NATURAL_OPERANDS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,7 +108,12 @@ class OperandStats:
 
     def rebuild(self, layer: str, role: str, op: OperandPlan, hp: torch.Tensor,
                 used: torch.Tensor) -> QTensor | None:  # fmt: skip
-        """The QTensor whose dequantized copy is ``used`` (bit for bit), or None."""
+        """The QTensor whose dequantized copy is ``used`` (bit for bit), or None.
+
+        None for stochastic rounding: its random draw cannot be repeated, and drawing again
+        would advance torch's generator, i.e. change the training run being observed."""
+        if op.spec.rounding == "stochastic":  # type: ignore[union-attr]
+            return None
         spec = _fixed_scale_spec(op.spec, hp)  # type: ignore[arg-type]
         prev = self.earlier.get((layer, role))
         if prev is not None and _same_bits(prev.dequantize(), used):

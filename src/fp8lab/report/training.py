@@ -156,13 +156,18 @@ def plot_grad_norm(metrics, baseline, negative, path: Path) -> Path:
 
 
 def last_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Per role, the mean over layers of each statistic at the last statistics step."""
+    """Per role, the mean over layers of each statistic at the last statistics step, of the
+    operand in its natural layout (fprop input and weight, dgrad grad_output); stats.jsonl
+    also holds the wgrad/dgrad copies (watch records), left out so each layer counts once."""
+    from fp8lab.observe.records import NATURAL_OPERANDS  # torch only once stats are read
+
     if not stats:
         return {}
     last = max(r["step"] for r in stats)
     out: dict[str, dict[str, float | None]] = {}
     for role in ROLES:
-        rows = [r for r in stats if r["step"] == last and r["role"] == role]
+        rows = [r for r in stats if r["step"] == last and r["role"] == role
+                and ("gemm" not in r or (r["gemm"], role) in NATURAL_OPERANDS)]  # fmt: skip
         if not rows:
             continue
         agg: dict[str, float | None] = {}
