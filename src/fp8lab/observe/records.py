@@ -65,9 +65,15 @@ def _fixed_scale_spec(spec: QuantSpec, hp: torch.Tensor) -> QuantSpec:
     never updated: no amax is staged, the training state is untouched)."""
     if not spec.is_delayed:
         return spec
-    finite = hp.detach().abs()
-    amax = torch.nan_to_num(finite, nan=0.0).amax().to(torch.float32) if hp.numel() else None
     sc = spec.scaling
+    # the tensor's amax matters only before the first update of first_step="current" (and for
+    # a bare configuration): three passes over hp, skipped on every other sampled step
+    needs_amax = not isinstance(sc, DelayedScaling) or (
+        sc.cfg.first_step == "current" and not sc.initialized
+    )
+    amax = None
+    if needs_amax and hp.numel():
+        amax = torch.nan_to_num(hp.detach().abs(), nan=0.0).amax().to(torch.float32)
     if isinstance(sc, DelayedScaling):
         s = sc.scale_for(amax, spec.fmt)
     else:  # a bare configuration quantizes with a throwaway state (step 0)
