@@ -106,7 +106,9 @@ class CausalSelfAttention(nn.Module):
     def _recipe(self) -> Recipe | None:
         """The recipe the block's projections run under (None: plain torch layers)."""
         own = self.qkv.recipe if isinstance(self.qkv, Linear) else None
-        return active_recipe(own)
+        r = active_recipe(own)
+        # an autocast recipe with [[layer]] rules: the rules of this block's qkv projection
+        return r if r is None or not r.layers else r.for_layer(self.qkv.name or "")
 
 
 def _quantized_attention(

@@ -15,7 +15,9 @@ Two lines, as with Transformer Engine or torchao::
   last Linear) in high precision; never claims ``MultiheadAttention.out_proj`` (warns) and turns
   off ``nn.TransformerEncoderLayer``'s fused eval path where it would skip converted layers.
   :func:`select_linears` previews the choice, :func:`converted` lists converted layers,
-  :func:`unconvert` swaps them back to ``torch.nn.Linear``.
+  :func:`unconvert` swaps them back to ``torch.nn.Linear``. A recipe with ``[[layer]]`` rules
+  (`fp8lab.recipe.LayerRule`) gives each layer its own settings; :func:`layer_settings` reports
+  which layer got which.
 * :func:`autocast` — ``with autocast(recipe):`` overrides the recipe of converted modules in the
   block (a different recipe keeps its own delayed-scaling state, not saved in the state_dict);
   :func:`active_recipe` is the recipe in force.
@@ -33,7 +35,14 @@ reuse, re-tile, GEMM) -> ``plan.py`` (the recipe resolved once). Beside them: ``
 from fp8lab.nn.attention import attention_matmul
 from fp8lab.nn.collect import OperandRecord, collect_operands
 from fp8lab.nn.context import active_recipe, autocast
-from fp8lab.nn.convert import DEFAULT_EXCLUDE, convert, converted, select_linears, unconvert
+from fp8lab.nn.convert import (
+    DEFAULT_EXCLUDE,
+    convert,
+    converted,
+    layer_settings,
+    select_linears,
+    unconvert,
+)
 from fp8lab.nn.modules import Linear
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "collect_operands",
     "convert",
     "converted",
+    "layer_settings",
     "select_linears",
     "unconvert",
 ]

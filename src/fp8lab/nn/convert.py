@@ -40,13 +40,21 @@ import fnmatch
 import re
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from fp8lab.nn.modules import Linear
-from fp8lab.recipe import Recipe, get_recipe
+from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
 
-__all__ = ["DEFAULT_EXCLUDE", "convert", "converted", "select_linears", "unconvert"]
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "convert",
+    "converted",
+    "layer_settings",
+    "select_linears",
+    "unconvert",
+]
 
 Pattern = str | re.Pattern
 Patterns = Pattern | Sequence[Pattern] | None
@@ -215,13 +223,19 @@ def convert(
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, UserWarning, stacklevel=2)
+    for i, rule in enumerate(rec.layers, 1):
+        if not any(rule.matches(n) for n in names):
+            raise ValueError(
+                f"recipe {rec.name!r}: [[layer]] {i} match {list(rule.match)} matches no "
+                f"converted Linear layer; converted: {names}"
+            )
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         if isinstance(old, Linear):
-            old.set_recipe(rec)
             old.name = name
+            old.set_recipe(rec)  # resolves the recipe's [[layer]] rules for this name
         else:
             setattr(parent, attr, Linear.from_linear(_as_torch_linear(old), rec, name=name))
     if not names:
@@ -234,6 +248,33 @@ def convert(
         )
     _set_fast_paths(model)
     return model
+
+
+def layer_settings(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """What each converted layer of ``model`` runs, by qualified name: ``recipe`` (its name),
+    ``rules`` (1-based indices of the recipe's ``[[layer]]`` rules that matched, in order; the
+    last wins), ``roles`` and ``gemms`` (one short text per role and GEMM: format:granularity:
+    scaling, ``fp32``, or a high precision)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        r = m.recipe
+        roles = {
+            role: "fp32" if s is None else s.describe()
+            for role in ROLES
+            for s in [getattr(r, role)]
+        }
+        gemms = {}
+        for g in GEMMS:
+            cells = [
+                f"{role}={r.precision(g, role) or ('fp32' if r.spec(g, role) is None else r.spec(g, role).describe())}"
+                for role, _ in GEMM_OPERANDS[g]
+            ]
+            gemms[g] = ", ".join(cells)
+        rules = [i + 1 for i in m.layer_rules]
+        out[name] = {"recipe": r.name, "rules": rules, "roles": roles, "gemms": gemms}
+    return out
 
 
 def converted(model: torch.nn.Module) -> list[str]:

@@ -84,14 +84,26 @@ class Linear(torch.nn.Linear):
 
     # ------------------------------------------------------------------ recipe and state
     def _init_recipe(self, recipe: Recipe) -> None:
-        self.recipe = recipe
-        self._state = ScalingState(recipe)
+        # a recipe with [[layer]] rules: this layer's resolution, and which rules matched
+        self.layer_rules = recipe.layer_rules_for(self.name or "")
+        self.recipe = recipe.for_layer(self.name or "")
+        self._state = ScalingState(self.recipe)
         self._other_states: dict[str, ScalingState] = {}  # autocast(recipe) overrides
         self._plans: dict[str, LinearPlan] = {}
 
-    def set_recipe(self, recipe: Recipe | str) -> None:
-        """Switch to another recipe; delayed-scaling state restarts."""
+    def set_recipe(self, recipe: Recipe | str, keep_state: bool = False) -> None:
+        """Switch to another recipe (per-layer rules resolved for this module's name).
+
+        Delayed-scaling state restarts, or with ``keep_state`` the histories and scales whose
+        state keys (`fp8lab.nn.state.state_key`) and history lengths both recipes share are
+        carried over (copies): a step replayed under a counterfactual recipe (one cell in high
+        precision) then quantizes every other operand exactly as the original did."""
+        old = self._state.by_key
         self._init_recipe(get_recipe(recipe))
+        if keep_state:
+            for key, ds in self._state.by_key.items():
+                if key in old and old[key].history_len == ds.history_len:
+                    ds.load_state_dict({k: v.clone() for k, v in old[key].state_dict().items()})
 
     @property
     def scaling_states(self) -> dict[str, DelayedScaling]:
@@ -141,7 +153,7 @@ class Linear(torch.nn.Linear):
             )
         if not x.is_floating_point():
             raise TypeError(f"{self.name or 'Linear'}: input must be floating point, got {x.dtype}")
-        plan, state = self._plan(active_recipe(self.recipe))
+        plan, state = self._plan(active_recipe(self.recipe).for_layer(self.name or ""))
         y = linear(x, self.weight, self.bias, plan, state)
         if state:
             after_forward(self)

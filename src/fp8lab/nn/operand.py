@@ -56,10 +56,13 @@ def round_high_precision(x: torch.Tensor, precision: str) -> torch.Tensor:
 class Operand:
     """One GEMM operand: ``used``, what the GEMM consumes (a float32 tensor, possibly rounded to
     bf16/fp16, or a `QTensor`; None when only the source is kept), and ``source``, the
-    high-precision tensor it was made from (natural layout; None once no longer needed)."""
+    high-precision tensor it was made from (natural layout; None once no longer needed).
+    ``shadow``: a high-precision cell's nominal quantization, kept for a later GEMM
+    (`fp8lab.nn.plan.OperandPlan.shadow`)."""
 
     used: torch.Tensor | QTensor | None
     source: torch.Tensor | None = None
+    shadow: QTensor | None = None
 
     def dense(self) -> torch.Tensor:
         """The float32 tensor the operand stands for: the QTensor's memoised dequantized copy
@@ -134,9 +137,14 @@ def prepare(x: torch.Tensor, op: OperandPlan, held: list[torch.Tensor] | None) -
         used = round_high_precision(x, hp)
     elif op.spec is None:
         used = x
+    elif (pre := getattr(x, "fp8lab_gathered", None)) is not None and pre[0] == op.spec:
+        used = pre[1]  # a weight FSDP gathered as FP8 codes under this spec (fp8lab.dist.fsdp)
     else:
         used = _quantize(x, op.spec, held, op.wants_dense(tuple(x.shape)))
-    operand = Operand(used, x)
+    shadow = None
+    if op.shadow is not None:  # the later GEMM's operand: as if this cell were not switched
+        shadow = _quantize(x, op.shadow, held, want_dense=True)
+    operand = Operand(used, x, shadow)
     if COLLECTORS.active:
         _record(op, x, operand.dense())
     return operand
@@ -149,7 +157,7 @@ def keep_for_backward(operand: Operand, later: OperandPlan) -> Operand:
     if later.reuse is Reuse.SOURCE:
         return Operand(None, operand.source)
     src = operand.source if COLLECTORS.active else None
-    return Operand(operand.used, src)
+    return Operand(operand.used if operand.shadow is None else operand.shadow, src)
 
 
 def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None = None) -> Operand:

@@ -11,6 +11,10 @@ the forward's (`Reuse`):
 * ``RETILE``: ``save_for_backward="quantized"`` and only the blocks differ: re-tile the earlier
   quantized tensor (DeepSeek-V3, arXiv 2412.19437 §3.3: dequantize, re-quantize into new tiles);
 * ``SOURCE``: keep the fp32 tensor and prepare it afresh (``save_for_backward="high_precision"``).
+
+A single (GEMM, role) cell in high precision (`fp8lab.recipe.GemmConfig.high_precision_roles`)
+changes only that operand: where a later GEMM re-tiles the earlier operand's quantized values,
+the earlier operand is still quantized under its nominal spec (its ``shadow``) for that GEMM.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ class Reuse(enum.Enum):
 @dataclass(frozen=True)
 class OperandPlan:
     """One operand of one GEMM: ``spec`` (bound, GEMM orientation; None: not quantized) or the
-    GEMM's ``high_precision`` rounding (``"fp32"``/``"bf16"``/``"fp16"``; None: quantized or
-    fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role (None for the
+    ``high_precision`` rounding of the GEMM or of this (GEMM, role) cell (``"fp32"``/``"bf16"``/
+    ``"fp16"``; None: quantized or fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role (None for the
     first use). ``retile_source``: a later GEMM re-tiles this operand's quantized values, so its
-    dequantized copy is written while quantizing. ``layer``: the module's name (collection)."""
+    dequantized copy is written while quantizing. ``layer``: the module's name (collection).
+    ``shadow``: for a high-precision cell whose later GEMM re-tiles it, the bound spec it would
+    have been quantized under (quantized as well, for that GEMM only)."""
 
     gemm: str
     role: str
@@ -59,6 +65,7 @@ class OperandPlan:
     reuse: Reuse | None
     retile_source: bool
     layer: str | None
+    shadow: QuantSpec | None = None
 
     @property
     def quantized(self) -> bool:
@@ -101,8 +108,13 @@ class LinearPlan:
     wgrad: GemmPlan
 
 
-def _bound_spec(recipe: Recipe, state: ScalingState, gemm: str, role: str) -> QuantSpec | None:
-    if recipe.gemm(gemm).high_precision:
+def _bound_spec(
+    recipe: Recipe, state: ScalingState, gemm: str, role: str, nominal: bool = False
+) -> QuantSpec | None:
+    """The bound spec of (gemm, role), None when in high precision; ``nominal``: ignoring a
+    high-precision cell (a whole high-precision GEMM still gives None)."""
+    hp = recipe.gemm(gemm).high_precision if nominal else recipe.precision(gemm, role)
+    if hp:
         return None
     s = recipe.spec(gemm, role)
     if s is not None and s.is_delayed:
@@ -112,10 +124,16 @@ def _bound_spec(recipe: Recipe, state: ScalingState, gemm: str, role: str) -> Qu
     return s
 
 
-def _reuse(recipe: Recipe, specs: dict, src: str, dst: str, role: str) -> Reuse:
-    hp_src, hp_dst = recipe.gemm(src).high_precision, recipe.gemm(dst).high_precision
+def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role: str) -> Reuse:
+    hp_src, hp_dst = recipe.precision(src, role), recipe.precision(dst, role)
     s_src, s_dst = specs[(src, role)], specs[(dst, role)]
     quantized_src = hp_src is None and s_src is not None
+    if hp_src is not None and nominal[(src, role)] is not None and hp_dst is None and s_dst:
+        # a high-precision cell: the later GEMM gets what it would get without the switch,
+        # from the cell's nominal quantization (its shadow)
+        if nominal[(src, role)] == s_dst:
+            return Reuse.SAME
+        return Reuse.RETILE if recipe.save_for_backward == "quantized" else Reuse.SOURCE
     if hp_dst is not None:
         return Reuse.SAME if hp_src == hp_dst else Reuse.SOURCE
     if s_dst is None:
@@ -129,10 +147,24 @@ def _reuse(recipe: Recipe, specs: dict, src: str, dst: str, role: str) -> Reuse:
 
 def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> LinearPlan:
     """Resolve ``recipe`` for a module whose delayed-scaling objects are ``state``."""
-    specs = {(g, r): _bound_spec(recipe, state, g, r) for g in GEMMS for r, _ in GEMM_OPERANDS[g]}
-    reuse = {(dst, role): _reuse(recipe, specs, src, dst, role) for src, dst, role in CHAINS}
+    cells = [(g, r) for g in GEMMS for r, _ in GEMM_OPERANDS[g]]
+    specs = {(g, r): _bound_spec(recipe, state, g, r) for g, r in cells}
+    nominal = {(g, r): _bound_spec(recipe, state, g, r, nominal=True) for g, r in cells}
+    reuse = {
+        (dst, role): _reuse(recipe, specs, nominal, src, dst, role) for src, dst, role in CHAINS
+    }
     retile_sources = {
         (src, role) for src, dst, role in CHAINS if reuse[(dst, role)] is Reuse.RETILE
+    }
+    # a high-precision cell whose later (quantized) GEMM takes its nominal quantization
+    shadows = {
+        (src, role): nominal[(src, role)]
+        for src, dst, role in CHAINS
+        if reuse[(dst, role)] in (Reuse.RETILE, Reuse.SAME)
+        and specs[(src, role)] is None
+        and nominal[(src, role)] is not None
+        and specs[(dst, role)] is not None
+        and recipe.precision(dst, role) is None
     }
     gemms = {}
     for g in GEMMS:
@@ -142,12 +174,13 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
                 gemm=g,
                 role=role,
                 spec=specs[(g, role)],
-                high_precision=cfg.high_precision,
+                high_precision=recipe.precision(g, role),
                 first_axis=first_axis,
                 fp32_accumulate=cfg.accumulator.kind == "fp32",
                 reuse=reuse.get((g, role)),
                 retile_source=(g, role) in retile_sources,
                 layer=name,
+                shadow=shadows.get((g, role)),
             )
             for role, first_axis in GEMM_OPERANDS[g]
         )

@@ -36,6 +36,8 @@ class ScalingState:
         self.by_key: dict[str, DelayedScaling] = {}
         self._roles: list[tuple[str, DelayedScaling]] = []
         for g in GEMMS:
+            # a (GEMM, role) cell in high precision keeps its state: a later GEMM may re-tile
+            # its nominal quantization (plan's shadow), and the keys match the cell-free recipe
             if recipe.gemm(g).high_precision:
                 continue
             for role, _ in GEMM_OPERANDS[g]:

@@ -8,6 +8,7 @@
 from fp8lab.recipe import config as _config
 from fp8lab.recipe.config import *  # noqa: F403  (re-exports exactly config.__all__)
 from fp8lab.recipe.core import Recipe
+from fp8lab.recipe.layers import LayerRule
 from fp8lab.recipe.presets import get_recipe, recipes
 
-__all__ = ["Recipe", "get_recipe", "recipes", *_config.__all__]
+__all__ = ["LayerRule", "Recipe", "get_recipe", "recipes", *_config.__all__]

@@ -69,22 +69,29 @@ class GemmConfig:
             GEMM in high precision, both operands rounded to that format, no scaling.
         overrides: per-role `QuantSpec` overrides for this GEMM's operands (a dict on input,
             stored as a sorted tuple of pairs so the config stays immutable).
+        high_precision_roles: per-role high precision (``{"grad_output": "bf16"}``): only that
+            operand of this GEMM is rounded to ``"fp32"``/``"bf16"``/``"fp16"`` (no scaling),
+            the other stays quantized; the GEMM then multiplies the dense operands in fp32.
+            The single-cell switch of a per-GEMM bisection (stored as sorted pairs).
     """
 
     accumulator: Accumulator = field(default_factory=Accumulator)
     high_precision: str | None = None
     overrides: tuple[tuple[str, QuantSpec], ...] = ()
+    high_precision_roles: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "accumulator", Accumulator.parse(self.accumulator))
-        hp = self.high_precision
-        if hp is not None:
-            hp = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(hp, hp)
-            if hp not in HIGH_PRECISIONS:
-                raise ValueError(
-                    f"high_precision must be None or one of {HIGH_PRECISIONS}, got {hp!r}"
-                )
+        hp = None if self.high_precision is None else _precision(self.high_precision, "")
         object.__setattr__(self, "high_precision", hp)
+        cells = self.high_precision_roles
+        items = cells.items() if isinstance(cells, Mapping) else cells
+        pairs = []
+        for role, precision in items:
+            if role not in ROLES:
+                raise ValueError(f"high_precision_roles: role must be one of {ROLES}, got {role!r}")
+            pairs.append((role, _precision(precision, f" for {role}")))
+        object.__setattr__(self, "high_precision_roles", tuple(sorted(pairs)))
         ov = self.overrides
         items = ov.items() if isinstance(ov, Mapping) else ov
         pairs = []
@@ -103,19 +110,42 @@ class GemmConfig:
                 return s
         return None
 
+    def precision(self, role: str) -> str | None:
+        """The high precision ``role`` runs in within this GEMM (the GEMM's own, else the
+        role's cell), or ``None`` when it is quantized (or fp32 as is, without a spec)."""
+        if self.high_precision is not None:
+            return self.high_precision
+        return dict(self.high_precision_roles).get(role)
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"accumulator": self.accumulator.to_dict()}
         if self.high_precision is not None:
             d["high_precision"] = self.high_precision
         if self.overrides:
             d["overrides"] = {r: s.to_dict() for r, s in self.overrides}
+        if self.high_precision_roles:
+            d["high_precision_roles"] = dict(self.high_precision_roles)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GemmConfig:
-        check_keys(d, ("accumulator", "high_precision", "overrides"), "GemmConfig")
+        keys = ("accumulator", "high_precision", "overrides", "high_precision_roles")
+        check_keys(d, keys, "GemmConfig")
         return cls(
             accumulator=Accumulator.parse(d.get("accumulator")),
             high_precision=d.get("high_precision"),
             overrides=dict(d.get("overrides", {})),
+            high_precision_roles=dict(d.get("high_precision_roles", {})),
         )
+
+
+def _precision(value: Any, what: str) -> str:
+    """A high-precision name (torch spellings accepted), checked."""
+    if not isinstance(value, str):
+        raise ValueError(f"high_precision{what} must be one of {HIGH_PRECISIONS}, got {value!r}")
+    hp = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(value, value)
+    if hp not in HIGH_PRECISIONS:
+        raise ValueError(
+            f"high_precision{what} must be None or one of {HIGH_PRECISIONS}, got {hp!r}"
+        )
+    return hp

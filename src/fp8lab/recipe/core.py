@@ -58,6 +58,7 @@ from fp8lab.recipe.config import (
     RecipeFileError,
     _spec,
 )
+from fp8lab.recipe.layers import LayerRule
 from fp8lab.recipe.plain import recipe_from_plain
 from fp8lab.recipe.toml_writer import dump_toml
 
@@ -96,6 +97,7 @@ class Recipe:
     loss_scale: float = 2.0**16
     description: str = ""
     source: str = ""
+    layers: tuple[LayerRule, ...] = ()
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -128,6 +130,15 @@ class Recipe:
             )
         if not isinstance(self.attention, bool):
             raise TypeError(f"attention must be a bool, got {type(self.attention).__name__}")
+        rules = tuple(
+            r if isinstance(r, LayerRule) else LayerRule.from_dict(r) for r in self.layers
+        )
+        object.__setattr__(self, "layers", rules)
+        for i, rule in enumerate(rules, 1):
+            # keys and types now, on the Recipe defaults (a rule may only make sense after an
+            # earlier one: its combination is checked when a layer resolves, in `for_layer`)
+            where = f"[[layer]] {i} (match {', '.join(rule.match)})"
+            recipe_from_plain(type(self), rule.apply({}), where)
 
     # ------------------------------------------------------------------ queries
     def gemm(self, gemm: str) -> GemmConfig:
@@ -143,6 +154,36 @@ class Recipe:
             raise ValueError(f"{role!r} is not an operand of {gemm}")
         ov = cfg.override(role)
         return ov if ov is not None else getattr(self, role)
+
+    def precision(self, gemm: str, role: str) -> str | None:
+        """The high precision ``role`` runs in within ``gemm`` (the GEMM's, else its cell's), or
+        ``None`` when quantized (or fp32 as is)."""
+        return self.gemm(gemm).precision(role)
+
+    def for_layer(self, name: str) -> Recipe:
+        """The recipe the layer named ``name`` runs: the `layers` rules that match it applied in
+        order (last match wins), without rules of its own. ``self`` when there are no rules."""
+        if not self.layers:
+            return self
+        cache = self.__dict__.setdefault("_for_layer", {})
+        hit = cache.get(name)
+        if hit is None:
+            d = self._plain_without_layers()
+            rules = self.layer_rules_for(name)
+            for i in rules:
+                d = self.layers[i].apply(d)
+            where = f"recipe {self.name!r}, layer {name!r} ([[layer]] {[i + 1 for i in rules]})"
+            hit = cache[name] = type(self).from_dict(d, where=where)
+        return hit
+
+    def layer_rules_for(self, name: str) -> list[int]:
+        """Indices (0-based, in order) of the `layers` rules matching the layer ``name``."""
+        return [i for i, r in enumerate(self.layers) if r.matches(name)]
+
+    def _plain_without_layers(self) -> dict[str, Any]:
+        d = self.to_dict()
+        d.pop("layer", None)
+        return d
 
     @property
     def is_delayed(self) -> bool:
@@ -163,6 +204,21 @@ class Recipe:
         developer blog "探索 FP8 训练中 Debug 思路与技巧")."""
         ch = {g: dataclasses.replace(self.gemm(g), high_precision=precision) for g in gemms}
         return dataclasses.replace(self, **ch)
+
+    def with_cell_high_precision(self, gemm: str, role: str, precision: str = "bf16") -> Recipe:
+        """Copy with only ``role``'s operand of ``gemm`` in high precision (unscaled, rounded to
+        ``precision``); the GEMM's other operand stays quantized."""
+        cfg = self.gemm(gemm)
+        if role not in (r for r, _ in GEMM_OPERANDS[gemm]):
+            raise ValueError(f"{role!r} is not an operand of {gemm}")
+        cells = {**dict(cfg.high_precision_roles), role: precision}
+        return dataclasses.replace(
+            self, **{gemm: dataclasses.replace(cfg, high_precision_roles=cells)}
+        )
+
+    def with_layers(self, *rules: LayerRule | Mapping[str, Any]) -> Recipe:
+        """Copy with ``rules`` appended to `layers` (applied after the existing ones)."""
+        return dataclasses.replace(self, layers=(*self.layers, *rules))
 
     def with_override(self, gemm: str, role: str, spec: QuantSpec | Mapping | str) -> Recipe:
         """Copy with ``role``'s spec replaced in ``gemm`` only."""
@@ -199,6 +255,8 @@ class Recipe:
                 d[role] = s.to_dict()
         for g in GEMMS:
             d[g] = self.gemm(g).to_dict()
+        if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
+            d["layer"] = [r.to_dict() for r in self.layers]
         return d
 
     @classmethod
@@ -275,6 +333,8 @@ class Recipe:
                 parts.append(f"high_precision={c.high_precision}")
             for r, s in c.overrides:
                 parts.append(f"{r}={spec_str(s)}")
+            for r, p in c.high_precision_roles:
+                parts.append(f"{r}={p}")
             return f"{name}({', '.join(parts)})"
 
         lines = [f"Recipe({self.name!r}"]
@@ -287,4 +347,5 @@ class Recipe:
             + (f"({self.loss_scale:g})" if self.loss_scaling != "none" else "")
             + ")"
         )
+        lines += [f"  layer {i}: {r.describe()}" for i, r in enumerate(self.layers, 1)]
         return "\n".join(lines)

@@ -15,6 +15,7 @@ from fp8lab._keys import check_keys
 from fp8lab.gemm import Accumulator
 from fp8lab.qtensor import QuantSpec
 from fp8lab.recipe.config import GEMMS, ROLES, GemmConfig, RecipeFileError, _spec
+from fp8lab.recipe.layers import LayerRule, deep_merge, preset
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = ["recipe_from_plain"]
@@ -71,7 +72,9 @@ def _build(where: str, table: str, make: Any, *args: Any) -> Any:
         return make(*args)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, RecipeFileError):
-            raise
+            if str(exc).startswith(where):
+                raise
+            raise RecipeFileError(f"{where}: {exc}") from None  # e.g. a [[layer]] rule's check
         raise RecipeFileError(f"{where}: [{table}] {exc}") from None
 
 
@@ -117,6 +120,7 @@ def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
         return v
     types = {"accumulator": (str, Mapping, Accumulator), "high_precision": (str,)}
     types["overrides"] = (Mapping,)
+    types["high_precision_roles"] = (Mapping,)
     _check_table(v, types, types, "GemmConfig", where, g)
     acc = v.get("accumulator")
     if isinstance(acc, Mapping):
@@ -127,21 +131,29 @@ def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
     ov = v.get("overrides", {})
     _check_table(ov, {}, ROLES, "override role", where, f"{g}.overrides")
     overrides = {r: _spec_from_plain(s, where, f"{g}.overrides.{r}") for r, s in ov.items()}
-    return _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides)
+    cells = v.get("high_precision_roles", {})
+    cell_types = dict.fromkeys(ROLES, (str,))
+    _check_table(cells, cell_types, ROLES, "role", where, f"{g}.high_precision_roles")
+    return _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides, cells)
 
 
 def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
     """``cls(**d)`` (``cls`` is `Recipe`) with every table and key checked, errors naming
-    where/table/key."""
+    where/table/key. ``base = "PRESET"`` starts from that preset's plain data (the file's keys
+    are merged over it: `fp8lab.recipe.layers.deep_merge`); ``layer`` is the list of
+    ``[[layer]]`` tables (`fp8lab.recipe.layers.LayerRule`)."""
+    if isinstance(d, Mapping) and "base" in d:
+        d = _inherit(d, where)
     types = _plain_types(
         cls,
         {
             **{r: (str, Mapping, QuantSpec) for r in ROLES},
             **{g: (Mapping, GemmConfig) for g in GEMMS},
             "loss_scale": _NUMBER,
+            "layer": (list, tuple),
         },
     )
-    known = [f.name for f in dataclasses.fields(cls)]
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "layers"] + ["layer"]
     _check_table(d, types, known, "Recipe", where, "top level")
     kw = dict(d)
     for r in ROLES:
@@ -150,4 +162,23 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
     for g in GEMMS:
         if g in kw:
             kw[g] = _gemm_from_plain(kw[g], where, g)
+    if "layer" in kw:
+        kw["layers"] = tuple(
+            _build(where, f"[layer] {i}", LayerRule.from_dict, t)
+            for i, t in enumerate(kw.pop("layer"), 1)
+        )
     return _build(where, "top level", lambda: cls(**kw))
+
+
+def _inherit(d: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``d`` written over the plain data of its ``base`` preset (name and prose: the file's,
+    else ``BASE-custom`` and the preset's source)."""
+    base = d["base"]
+    if not isinstance(base, str):
+        raise RecipeFileError(
+            f"{where}: [top level] key 'base': expected a preset name, got {base!r}"
+        )
+    b = _build(where, "top level key 'base':", preset, base).to_dict()
+    b["name"] = f"{base}-custom"
+    b["description"] = f"the {base} preset with this file's changes"
+    return deep_merge(b, {k: v for k, v in d.items() if k != "base"})

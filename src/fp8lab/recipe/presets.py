@@ -8,6 +8,7 @@ from fp8lab.gemm import Accumulator
 from fp8lab.qtensor import QuantSpec
 from fp8lab.recipe.config import GEMMS, GemmConfig
 from fp8lab.recipe.core import Recipe
+from fp8lab.recipe.layers import set_preset_lookup
 from fp8lab.scaling.delayed import DelayedScalingConfig
 
 __all__ = ["get_recipe", "recipes"]
@@ -211,3 +212,6 @@ def get_recipe(name: str | Recipe) -> Recipe:
     if name not in pres:
         raise ValueError(f"unknown recipe {name!r}; valid: {', '.join(pres)}")
     return pres[name]
+
+
+set_preset_lookup(get_recipe)  # recipe files' `base = "PRESET"` and [[layer]] `base` resolve here

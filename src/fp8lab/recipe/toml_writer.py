@@ -36,9 +36,18 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
+def _is_array_of_tables(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and bool(v) and all(isinstance(x, Mapping) for x in v)
+
+
 def dump_toml(d: Mapping[str, Any], prefix: str = "") -> str:
-    scalars = [(k, v) for k, v in d.items() if not isinstance(v, Mapping)]
+    """``d`` as TOML: scalars, then ``[tables]``, then ``[[arrays of tables]]`` (a list of
+    tables, e.g. a recipe's ``[[layer]]`` rules) last, so no key lands in the wrong table."""
+    arrays = [(k, v) for k, v in d.items() if _is_array_of_tables(v)]
     tables = [(k, v) for k, v in d.items() if isinstance(v, Mapping)]
+    scalars = [
+        (k, v) for k, v in d.items() if not isinstance(v, Mapping) and not _is_array_of_tables(v)
+    ]
     out = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
     for k, v in tables:
         name = f"{prefix}.{_toml_key(k)}" if prefix else _toml_key(k)
@@ -47,4 +56,9 @@ def dump_toml(d: Mapping[str, Any], prefix: str = "") -> str:
         out.append(f"[{name}]")
         if body:
             out.append(body)
+    for k, items in arrays:
+        name = f"{prefix}.{_toml_key(k)}" if prefix else _toml_key(k)
+        for item in items:
+            body = dump_toml(item, name)
+            out += ["", f"[[{name}]]"] + ([body] if body else [])
     return "\n".join(out).strip("\n") + ("\n" if not prefix else "")

@@ -1,0 +1,159 @@
+"""Per-layer recipes: `LayerRule` (``[[layer]]`` tables of a recipe file) and the plain-data merge.
+
+A recipe may carry rules, applied to each converted layer in order (last match wins)::
+
+    base = "te-delayed"                  # inherit a preset, override only what is written
+
+    [[layer]]
+    match = "blocks.1.mlp.*"             # shell glob(s) on the module's qualified name
+    [layer.dgrad.high_precision_roles]
+    grad_output = "bf16"                 # one (GEMM, role) cell in high precision
+
+    [[layer]]
+    match = ["blocks.0.*", "blocks.3.attn.*"]
+    base = "bf16"                        # these layers restart from the bf16 preset
+
+A rule's ``base`` resets the layer's Linear settings (roles, GEMMs, ``save_for_backward``,
+``attention``) to that preset's; its other keys are deep-merged on top: a table merges key by key
+(``[layer.grad_output] scaling = "current"`` changes only the scaling), any other value replaces.
+Whole-model settings (optimizer state, master weights, loss scaling) belong to the file's top
+level, not to a layer: a rule naming one is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "set_preset_lookup"]
+
+#: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs)
+LAYER_KEYS = (
+    "input",
+    "weight",
+    "grad_output",
+    "fprop",
+    "dgrad",
+    "wgrad",
+    "save_for_backward",
+    "attention",
+)
+#: whole-model keys, set at the file's top level only
+_GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale")
+
+# the preset table lives above this module (presets build Recipes); it registers itself here
+_lookup: list[Callable[[str], Any]] = []
+
+
+def set_preset_lookup(fn: Callable[[str], Any]) -> None:
+    """Register the preset table (`fp8lab.recipe.presets.get_recipe` does, on import)."""
+    _lookup[:] = [fn]
+
+
+def preset(name: str) -> Any:
+    """The preset ``name`` (a `Recipe`); ValueError listing the valid names when unknown."""
+    if not _lookup:
+        raise RuntimeError("no preset table registered (import fp8lab.recipe)")
+    return _lookup[0](name)
+
+
+def _plain(v: Any) -> Any:
+    """JSON-friendly plain data: configuration objects (QuantSpec, GemmConfig) by ``to_dict``."""
+    if hasattr(v, "to_dict"):
+        return v.to_dict()
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` written over it: tables merge key by key, other values replace."""
+    out = dict(base)
+    for k, v in changes.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = _plain(v)
+    return out
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """One ``[[layer]]`` table: the layers it ``match``\\ es (shell globs on qualified module
+    names, ``fnmatch``, case-sensitive), an optional preset ``base`` they restart from, and the
+    recipe keys (``changes``, plain data of `LAYER_KEYS`) merged on top. Frozen and hashable."""
+
+    match: tuple[str, ...]
+    base: str | None = None
+    changes: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    _canonical: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        m = (self.match,) if isinstance(self.match, str) else tuple(self.match)
+        if not m or not all(isinstance(p, str) and p for p in m):
+            raise ValueError(f"layer rule: 'match' must be a glob or a list of globs, got {m!r}")
+        if self.base is not None and not isinstance(self.base, str):
+            raise ValueError(f"layer rule: 'base' must be a preset name, got {self.base!r}")
+        changes = _plain(dict(self.changes))
+        for k in changes:
+            if k in _GLOBAL_KEYS:
+                raise ValueError(
+                    f"layer rule {m!r}: {k!r} is a whole-model setting; set it at the top level"
+                )
+            if k not in LAYER_KEYS:
+                raise ValueError(
+                    f"layer rule {m!r}: unknown key {k!r}; valid: match, base, "
+                    + ", ".join(LAYER_KEYS)
+                )
+        if self.base is not None:
+            preset(self.base)  # unknown preset names fail here, naming the valid ones
+        object.__setattr__(self, "match", m)
+        object.__setattr__(self, "changes", changes)
+        canonical = {"match": list(m), "base": self.base, "changes": changes}
+        object.__setattr__(self, "_canonical", json.dumps(canonical, sort_keys=True))
+
+    def matches(self, name: str) -> bool:
+        """Whether the module named ``name`` falls under this rule."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.match)
+
+    def apply(self, plain: Mapping[str, Any]) -> dict[str, Any]:
+        """The plain recipe ``plain`` (`Recipe.to_dict` form, no ``layer``) with this rule
+        applied: the base preset's Linear settings first, then the changes."""
+        out = dict(plain)
+        if self.base is not None:
+            b = preset(self.base).to_dict()
+            out = {k: v for k, v in out.items() if k not in LAYER_KEYS}
+            out.update({k: v for k, v in b.items() if k in LAYER_KEYS})
+        return deep_merge(out, self.changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"match": self.match[0] if len(self.match) == 1 else list(self.match)}
+        if self.base is not None:
+            d["base"] = self.base
+        d.update(self.changes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerRule:
+        """A ``[[layer]]`` table: ``match`` (required), ``base``, then recipe keys."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a [[layer]] entry must be a table, got {d!r}")
+        if "match" not in d:
+            raise ValueError("a [[layer]] table needs 'match' (a glob or a list of globs)")
+        rest = {k: v for k, v in d.items() if k not in ("match", "base")}
+        return cls(match=d["match"], base=d.get("base"), changes=rest)
+
+    def describe(self) -> str:
+        """One line: ``match -> base + changed keys``."""
+        parts = [f"base={self.base}"] if self.base else []
+        parts += [f"{k}={json.dumps(v, sort_keys=True)}" for k, v in self.changes.items()]
+        return f"{', '.join(self.match)} -> {'; '.join(parts) or '(no change)'}"
+
+    def replace(self, **changes: Any) -> LayerRule:
+        return dataclasses.replace(self, **changes)
