@@ -29,10 +29,11 @@ LAYERS: dict[str, int] = {
     "observe": 6,
     "cost": 6,
     "dist": 6,
-    "lab": 7,
-    "report": 8,
-    "cli": 9,
-    "__main__": 9,  # `python -m fp8lab`: the command line
+    "guard": 7,  # the anomaly guard: reads nn/observe state, runs inside lab's loop
+    "lab": 8,
+    "report": 9,
+    "cli": 10,
+    "__main__": 10,  # `python -m fp8lab`: the command line
 }
 
 

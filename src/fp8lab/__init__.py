@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "watch": "fp8lab.observe",  # L6 statistics hooks
     # L6 cost model
     "predict_step_ms": "fp8lab.cost",
+    # L7 anomaly guard
+    "AnomalyGuard": "fp8lab.guard",
 }
 _SUBMODULES = {"formats", "scaling", "qtensor", "gemm", "recipe", "nn", "optim", "stats", "lab"}
 

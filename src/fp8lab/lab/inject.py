@@ -15,6 +15,12 @@ billions of tokens (Fishman et al. 2024), so the lab injects them:
   grad_output operand sees a one-step spike: current scaling absorbs it, while a delayed scale
   saturates at the spike and then keeps the spiked amax in its history, underflowing the normal
   gradients for up to ``amax_history_len`` steps (stale scales).
+- **NaN loss**: at step ``nan_step`` the loss is multiplied by NaN before backward (the loss and
+  every gradient become NaN), as a hardware fault or a bad batch would.
+
+Both step faults are one-shot events: the loop records each one that fired in its state
+(``LoopState.injected``, saved in checkpoints), so a step replayed after an anomaly guard's
+rollback runs clean (:meth:`Injector.fire`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class InjectConfig:
     outlier_from_step: int = 0
     grad_spike_step: int = -1  # step index of the one-step gradient spike (-1 = off)
     grad_spike_scale: float = 1024.0
+    nan_step: int = -1  # step index whose loss becomes NaN, once (-1 = off)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.outlier_channels, int) and self.outlier_channels >= 0):
@@ -51,10 +58,12 @@ class InjectConfig:
             )
         if not (isinstance(self.grad_spike_step, int) and self.grad_spike_step >= -1):
             raise ValueError(f"grad_spike_step must be an int >= -1, got {self.grad_spike_step!r}")
+        if not (isinstance(self.nan_step, int) and self.nan_step >= -1):
+            raise ValueError(f"nan_step must be an int >= -1, got {self.nan_step!r}")
 
     @property
     def active(self) -> bool:
-        return self.outlier_channels > 0 or self.grad_spike_step >= 0
+        return self.outlier_channels > 0 or self.grad_spike_step >= 0 or self.nan_step >= 0
 
     @property
     def spike_multiplier(self) -> float:
@@ -107,6 +116,19 @@ class Injector:
     def grad_multiplier(self, step: int) -> float:
         """Factor for the loss before backward at ``step`` (1.0 except at the spike step)."""
         return self.cfg.spike_multiplier if step == self.cfg.grad_spike_step else 1.0
+
+    def fire(self, step: int, fired: list[str]) -> tuple[float, bool]:
+        """The one-shot faults of ``step``: (loss multiplier for backward, NaN loss?). A fault
+        already in ``fired`` (the loop state's record) does not fire again; one that fires now
+        is appended to it (``"grad_spike@T"``, ``"nan@T"``)."""
+        mult, nan = 1.0, False
+        if step == self.cfg.grad_spike_step and f"grad_spike@{step}" not in fired:
+            fired.append(f"grad_spike@{step}")
+            mult = self.cfg.spike_multiplier
+        if step == self.cfg.nan_step and f"nan@{step}" not in fired:
+            fired.append(f"nan@{step}")
+            nan = True
+        return mult, nan
 
     def remove(self) -> None:
         for h in self._handles:

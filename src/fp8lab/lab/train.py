@@ -132,6 +132,8 @@ class LabConfig:
         d = asdict(self)
         d["model"] = self.model.to_dict()  # "factory" only when it is not the built-in GPT
         d["data"]["paths"] = list(self.data.paths)
+        if d["inject"]["nan_step"] == -1:  # off: configs written before the key existed match
+            del d["inject"]["nan_step"]
         return d
 
     @classmethod
@@ -182,6 +184,11 @@ class LabConfig:
             raise ValueError(
                 f"inject.grad_spike_step={spike} is beyond the run (train.steps="
                 f"{self.train.steps}: steps 0..{self.train.steps - 1}); use -1 for no spike"
+            )
+        if self.inject.nan_step >= self.train.steps:
+            raise ValueError(
+                f"inject.nan_step={self.inject.nan_step} is beyond the run (train.steps="
+                f"{self.train.steps}); use -1 for no NaN"
             )
         if not models.is_builtin(self.model):
             models.resolve(models.factory_of(self.model))
@@ -426,6 +433,13 @@ class LoopState:
     skipped_steps: int = 0
     nonfinite_run: int = 0
     diverged: bool = False
+    # anomaly guard (fp8lab.lab.guard_run): the batch index of the next step (ahead of `step`
+    # once batches were skipped) and the fields a rollback never rewinds
+    cursor: int = 0
+    injected: list[str] = field(default_factory=list)  # one-shot faults that fired ("nan@T")
+    guard_events: list[dict[str, Any]] = field(default_factory=list)
+    skip_batches: list[int] = field(default_factory=list)
+    escalations: list[list[str]] = field(default_factory=list)  # [layer, key] pinned to current
 
 
 def checkpoint_config(cfg: LabConfig, recipe: Any, corpus: Corpus | None = None) -> dict[str, Any]:
@@ -450,8 +464,15 @@ def train_run(
     stop_after: int | None = None,
     amax_group: str = "world",
     grad_comm: str = "fp32",
+    guard: Any = None,
 ) -> RunResult:
     """Train one recipe; return its summary (see :func:`summarize`), model and records.
+
+    ``guard``: an `fp8lab.guard.AnomalyGuard` (or its plain dict) watching every step
+    (`fp8lab.lab.guard_run`); the summary then has ``guard_events`` (actions taken: rollback,
+    skip, escalate; empty for a clean run) and, after an escalation, ``effective_recipe``;
+    every metrics record has ``guard_events`` (the events handled just before it). A guard
+    that takes no action changes nothing: the run is bit-identical to an unguarded one.
 
     ``run_dir`` None keeps everything in memory (no checkpoint). ``stop_after`` stops after that
     many steps in total (for tests of resume; the run is then incomplete).
@@ -476,12 +497,14 @@ def train_run(
     dp = _data_parallel(model, amax_group, grad_comm)
     writer = dp is None or dp.is_main  # rank 0 writes every file
     st = LoopState()
+    grun = _guard_run(guard, model, opt, scaler, recipe)
     run_path = None if run_dir is None else Path(run_dir)
     ckpt_cfg = checkpoint_config(cfg, recipe, corpus)
     if run_path is not None:
         run_path.mkdir(parents=True, exist_ok=True)
         if (run_path / CHECKPOINT).exists():
-            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, name)
+            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, name,
+                                  prepare=grun.prepare_load if grun else None)  # fmt: skip
             if writer:
                 _truncate_jsonl(run_path / METRICS, st.step)
                 _truncate_jsonl(run_path / STATS, st.step)
@@ -496,10 +519,34 @@ def train_run(
     stats_f = open(run_path / STATS, "a") if run_path and writer else None  # noqa: SIM115
     try:
         end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+        if grun is not None:
+            grun.snapshot(st)  # the first last-good state: the start (or the checkpoint)
         while st.step < end and not st.diverged:
             rec, stat_rows = _train_step(
-                model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp
-            )
+                model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp,
+                grun,
+            )  # fmt: skip
+            if grun is not None:  # every detector signal of the step (the early-warning study)
+                emit({"event": "guard_signals", "recipe": name, **grun.monitor.signals})
+            if grun is not None and grun.after_step(st) == "rollback":
+                # the abandoned steps leave the records, the logs and the checkpoint
+                records[:] = [r for r in records if r["step"] <= st.step]
+                if metrics_f:
+                    metrics_f.close()
+                    stats_f.close()
+                    _truncate_jsonl(run_path / METRICS, st.step)
+                    _truncate_jsonl(run_path / STATS, st.step)
+                    metrics_f = open(run_path / METRICS, "a")  # noqa: SIM115
+                    stats_f = open(run_path / STATS, "a")  # noqa: SIM115
+                if run_path and writer:
+                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st,
+                                     grun.checkpoint_extra())  # fmt: skip
+                emit({"event": "guard", "recipe": name, **st.guard_events[-1]})
+                continue
+            if grun is not None:
+                rec["guard_events"] = grun.take_events()
+                for ev in rec["guard_events"]:
+                    emit({"event": "guard", "recipe": name, **ev})
             done = st.step
             if done % tc.eval_every == 0 or done == tc.steps:
                 rec["val_loss"] = _num(evaluate(model, val))
@@ -514,7 +561,8 @@ def train_run(
                 if writer:
                     metrics_f.flush()
                     stats_f.flush()
-                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st)
+                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st,
+                                     grun.checkpoint_extra() if grun else None)  # fmt: skip
                 if dp is not None:
                     dp.barrier()  # no rank runs ahead of the last checkpoint
             emit({"event": "step", "recipe": name, **rec, "steps": tc.steps})
@@ -525,6 +573,10 @@ def train_run(
                 f.close()
     summary = summarize(records, tc.steps, st, models.vocab_size_of(model, cfg.model))
     summary["recipe"] = name
+    if grun is not None:
+        summary["guard_events"] = list(st.guard_events)
+        if st.escalations:
+            summary["effective_recipe"] = recipe_settings(grun.effective_recipe)
     emit({"event": "end", "recipe": name, **summary})
     if run_path and writer:
         vocab = models.vocab_size_of(model, cfg.model)
@@ -543,25 +595,49 @@ def _data_parallel(model: torch.nn.Module, amax_group: str, grad_comm: str) -> A
     return DataParallel(model, amax_group, grad_comm)
 
 
+def _guard_run(guard: Any, model, opt, scaler, recipe) -> Any:
+    """`fp8lab.lab.guard_run.GuardRun` for ``guard`` (an AnomalyGuard or its dict; None: none)."""
+    if guard is None:
+        return None
+    from fp8lab.guard import AnomalyGuard
+    from fp8lab.lab.guard_run import GuardRun
+
+    if isinstance(guard, Mapping):
+        guard = AnomalyGuard.from_dict(guard)
+    if not isinstance(guard, AnomalyGuard):
+        raise TypeError(f"guard must be an AnomalyGuard, got {type(guard).__name__}")
+    return GuardRun(guard, model, opt, scaler, recipe)
+
+
 def _train_step(
-    model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp=None
-):
+    model, opt, scaler, injector, params, corpus, cfg, recipe, st, tokens_per_step, dp=None,
+    grun=None,
+):  # fmt: skip
     tc = cfg.train
     step = st.step  # 0-based index of this step
     lr = tc.lr_at(step)
     for g in opt.param_groups:
         g["lr"] = lr
-    x, y = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, step)
+    while st.cursor in st.skip_batches:  # batches a guard rollback chose to skip
+        st.cursor += 1
+    x, y = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, st.cursor)
+    st.cursor += 1
     collect = tc.stats_every > 0 and (step + 1) % tc.stats_every == 0 and recipe is not None
+    guard_rows = grun is not None and recipe is not None and grun.wants_rows(step)
     t0 = time.perf_counter()
     injector.set_step(step)
-    mult = injector.grad_multiplier(step)
+    mult, nan_loss = injector.fire(step, st.injected)
     loss_scale = scaler.get_scale() if scaler is not None else 1.0
-    with _collect(model, collect, step + 1) as stat_rows:
+    if grun is not None:
+        grun.before_step()
+    with _collect(model, collect or guard_rows, step + 1) as stat_rows:
         if dp is None:
             _, loss = model(x, y)
         else:  # this rank's shard; loss_all: the global batch's loss, equal on every rank
             loss, loss_all, _ = dp.loss(*dp.shard(x, y))
+        if nan_loss:  # injected fault: the loss and every gradient become NaN
+            loss = loss * float("nan")
+            loss_all = float("nan")
         (loss * (loss_scale * mult)).backward()
     if mult != 1.0:
         for p in params:
@@ -578,13 +654,18 @@ def _train_step(
             if tc.grad_clip > 0
             else float(grad_norm(params))
         )
-        if math.isfinite(gnorm):
-            opt.step()
-            skipped = opt.last_step_skipped
+    blocked = grun is not None and grun.check(
+        step, float(loss.detach()) if dp is None else loss_all, gnorm,
+        stat_rows if guard_rows else None,
+    )  # fmt: skip
+    if not found_inf and math.isfinite(gnorm) and not blocked:
+        opt.step()
+        skipped = opt.last_step_skipped
     if scaler is not None:
         scaler.update()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
+    stat_rows = stat_rows if collect else []  # rows taken for the guard alone are not logged
 
     loss_v = float(loss.detach()) if dp is None else loss_all
     st.step += 1
@@ -638,8 +719,9 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) -> None:
+def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState, extra=None) -> None:
     state = {
+        **(extra or {}),
         "config": ckpt_cfg,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
@@ -662,7 +744,9 @@ def _save_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, st: LoopState) ->
     os.replace(tmp, path)  # atomic: an interrupted save never leaves a half checkpoint
 
 
-def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, name: str = "") -> LoopState:
+def _load_checkpoint(
+    path: Path, ckpt_cfg, model, opt, scaler, name: str = "", prepare=None
+) -> LoopState:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
@@ -681,12 +765,15 @@ def _load_checkpoint(path: Path, ckpt_cfg, model, opt, scaler, name: str = "") -
             f"{path} was written under a different configuration; refusing to resume "
             f"(use a new output directory). {why}"
         )
+    if prepare is not None:  # the guard: escalated layers' recipes before their state loads
+        prepare(state)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     if scaler is not None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["torch_rng"])
-    return LoopState(**state["loop"])
+    # written before the data cursor existed: batch index = step
+    return LoopState(**{"cursor": state["loop"]["step"], **state["loop"]})
 
 
 def _timed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,31 @@
+"""`fp8lab.guard`: keep FP8 runs alive -- detect numerical anomalies, then skip, roll back or
+escalate (docs/guard.md).
+
+* :class:`AnomalyGuard` -- the configuration (detectors and thresholds, policy off / skip /
+  rollback, last-good checkpoints, escalation), passed to
+  ``fp8lab.lab.train.train_run(..., guard=...)`` or ``fp8lab compare --guard``.
+* :class:`GuardMonitor` -- the runtime of one run: signals and findings per step, the
+  delayed-scaling restart (zero history, one current-scaling step, then delayed again).
+* :mod:`fp8lab.guard.detectors` -- one pure function per detector.
+* :class:`Snapshots` and :func:`current_scaling_rule` -- last-good in-memory checkpoints and
+  the per-layer recipe rule an escalation adds.
+
+Layer: above ``nn``/``observe`` (it reads their state), below ``lab`` (which runs it).
+"""
+
+from fp8lab.guard.config import DETECTOR_DEFAULTS, ON_RESTART, POLICIES, AnomalyGuard
+from fp8lab.guard.detectors import Finding
+from fp8lab.guard.monitor import GuardMonitor, delayed_states
+from fp8lab.guard.restart import Snapshots, current_scaling_rule
+
+__all__ = [
+    "DETECTOR_DEFAULTS",
+    "ON_RESTART",
+    "POLICIES",
+    "AnomalyGuard",
+    "Finding",
+    "GuardMonitor",
+    "Snapshots",
+    "current_scaling_rule",
+    "delayed_states",
+]

@@ -1,0 +1,183 @@
+"""The anomaly guard inside the lab's training loop (`fp8lab.lab.train.train_run(guard=...)`):
+last-good snapshots, skip, rollback and escalation. Detectors: `fp8lab.guard`; docs/guard.md.
+
+Per step the loop calls `GuardRun.check` after backward and clipping (True: do not apply this
+update) and `GuardRun.after_step` once the step is counted. A rollback restores model (weights
+and delayed-scaling state), optimizer, loss scaler, torch RNG, the loop's counters and data
+cursor and the detectors' statistics from the newest snapshot at or before the offending step
+(the n-th rollback within ``window`` steps goes n snapshots back), then restarts the flagged
+delayed-scaling histories (``on_restart``). What happened stays in the loop state's *sticky*
+fields, which a rollback never rewinds: ``guard_events``, ``injected`` (one-shot faults that
+fired), ``skip_batches`` and ``escalations``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from fp8lab.guard import AnomalyGuard, GuardMonitor, Snapshots, current_scaling_rule
+
+__all__ = ["STICKY", "GuardRun"]
+
+#: loop-state fields a rollback keeps (everything else is restored from the snapshot)
+STICKY = ("injected", "guard_events", "skip_batches", "escalations")
+
+
+def _loop_fields(st: Any) -> dict[str, Any]:
+    return {k: copy.deepcopy(v) for k, v in vars(st).items() if k not in STICKY}
+
+
+class GuardRun:
+    """The guard of one `train_run` (see the module doc)."""
+
+    def __init__(
+        self, guard: AnomalyGuard, model: torch.nn.Module, opt: Any, scaler: Any, recipe: Any
+    ) -> None:
+        self.guard = guard
+        self.model, self.opt, self.scaler, self.recipe = model, opt, scaler, recipe
+        dynamic = scaler is not None and bool(getattr(scaler, "dynamic", False))
+        self.monitor = GuardMonitor(guard, model, dynamic_scaler=dynamic)
+        self.snapshots = Snapshots(guard.keep)
+        self.findings: list[Any] = []
+        self.pending: list[dict[str, Any]] = []  # events not yet attached to a metrics record
+        self.effective_recipe = recipe
+
+    @property
+    def acts(self) -> bool:
+        return self.guard.policy != "off"
+
+    # ------------------------------------------------------------------ per step
+    def wants_rows(self, step: int) -> bool:
+        return self.monitor.wants_rows(step)
+
+    def before_step(self) -> None:
+        self.monitor.before_step()
+
+    def check(self, step: int, loss: float, grad_norm: float, rows: Any = None) -> bool:
+        """Run the detectors on step ``step``; True when the update must not be applied."""
+        self.findings = self.monitor.check(step, loss, grad_norm, rows)
+        return bool(self.findings) and self.acts
+
+    def take_events(self) -> list[dict[str, Any]]:
+        out, self.pending = self.pending, []
+        return out
+
+    def after_step(self, st: Any) -> str | None:
+        """Act on the findings of the step just counted (``st.step`` steps done): None (kept),
+        ``"skip"`` or ``"rollback"`` (``st`` and the model were restored)."""
+        if not self.findings or not self.acts:
+            self.monitor.accept()
+            self.monitor.end_step()
+            if st.step % self.guard.checkpoint_every == 0:
+                self.snapshot(st)
+            return None
+        t, batch = st.step - 1, st.cursor - 1
+        first = self.findings[0]
+        tensors = sorted({f.tensor for f in self.findings if f.tensor and ":" in f.tensor})
+        base = {"step": t, "detector": first.detector, "tensor": first.tensor,
+                "value": first.value, "threshold": first.threshold, "batch": batch}  # fmt: skip
+        restart = self.guard.on_restart != "keep"
+        if self.guard.policy == "skip":
+            reset = self.monitor.reset_scaling(tensors) if restart else []
+            self.monitor.end_step()
+            self._event(st, {"action": "skip", **base, "reset": reset})
+            return "skip"
+        recent = [e for e in st.guard_events
+                  if e["action"] == "rollback" and e["step"] > t - self.guard.window]  # fmt: skip
+        skip_batch = self.guard.on_restart == "skip_batch"
+        pins: list[list[str]] = []
+        if len(recent) >= self.guard.max_rollbacks:
+            done = {tuple(p) for p in st.escalations}
+            pins = [list(x.rsplit(":", 1)) for x in tensors]
+            pins = [p for p in pins if tuple(p) not in done]
+            if self.guard.escalate and pins:
+                for layer, key in pins:
+                    self._event(st, {"action": "escalate", **base, "tensor": f"{layer}:{key}",
+                                     "pinned": "current"})  # fmt: skip
+            else:
+                pins = []
+                skip_batch = True
+                self._event(st, {"action": "skip", **base, "reset": []})
+        snap = self.snapshots.pick(t, back=len(recent))
+        if snap is None:  # nothing to go back to: do not apply the update, as skip does
+            reset = self.monitor.reset_scaling(tensors) if restart else []
+            self.monitor.end_step()
+            self._event(st, {"action": "skip", **base, "reset": reset})
+            return "skip"
+        to_step, payload = snap
+        self.restore(st, payload)
+        if pins:
+            st.escalations.extend(pins)
+            self.apply_escalations(st.escalations)
+            self.snapshots.clear()
+            self.snapshot(st)
+        else:
+            self.snapshots.drop_after(to_step)
+        if skip_batch and batch not in st.skip_batches:
+            st.skip_batches.append(batch)
+        reset = self.monitor.reset_scaling(tensors) if restart else []
+        self._event(st, {"action": "rollback", **base, "to_step": to_step, "reset": reset,
+                         "skip_batch": skip_batch})  # fmt: skip
+        return "rollback"
+
+    def _event(self, st: Any, event: dict[str, Any]) -> None:
+        v = event.get("value")
+        event["value"] = v if v is None or math.isfinite(v) else None
+        st.guard_events.append(event)
+        self.pending.append(event)
+
+    # ------------------------------------------------------------------ snapshots
+    def payload(self, st: Any) -> dict[str, Any]:
+        """Everything a rollback restores (references: `Snapshots.save` deep-copies)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "torch_rng": torch.get_rng_state(),
+            "loop": _loop_fields(st),
+            "guard": self.monitor.state_dict(),
+        }
+
+    def snapshot(self, st: Any) -> None:
+        self.snapshots.save(st.step, self.payload(st))
+
+    def restore(self, st: Any, payload: dict[str, Any]) -> None:
+        self.model.load_state_dict(payload["model"])
+        self.opt.load_state_dict(copy.deepcopy(payload["optimizer"]))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(copy.deepcopy(payload["scaler"]))
+        torch.set_rng_state(payload["torch_rng"])
+        for k, v in payload["loop"].items():
+            setattr(st, k, copy.deepcopy(v))
+        self.monitor.load_state_dict(payload["guard"])
+
+    # ------------------------------------------------------------------ escalation
+    def apply_escalations(self, pins: list[list[str]]) -> None:
+        """Pin each ``[layer, key]`` to current scaling: a per-layer rule on the run's recipe
+        (the effective recipe), given to the named layers (their other delayed states kept)."""
+        from fp8lab.nn import Linear
+
+        if not pins:
+            return
+        rules = [current_scaling_rule(layer, key) for layer, key in pins]
+        self.effective_recipe = self.recipe.with_layers(*rules)
+        layers = {layer for layer, _ in pins}
+        for name, mod in self.model.named_modules():
+            if isinstance(mod, Linear) and (mod.name or name) in layers:
+                mod.set_recipe(self.effective_recipe, keep_state=True)
+        self.monitor.refresh()
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"guard": self.monitor.state_dict()}
+
+    def prepare_load(self, state: dict[str, Any]) -> None:
+        """Before a checkpoint's model state loads: re-apply its escalations (their layers'
+        state was saved under the escalated recipe) and restore the detectors' statistics."""
+        self.apply_escalations(list(state.get("loop", {}).get("escalations", [])))
+        if state.get("guard") is not None:
+            self.monitor.load_state_dict(state["guard"])

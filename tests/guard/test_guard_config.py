@@ -1,0 +1,53 @@
+import pytest
+
+import fp8lab
+from fp8lab.guard import DETECTOR_DEFAULTS, AnomalyGuard
+
+
+def test_defaults_and_reexport():
+    g = fp8lab.AnomalyGuard()
+    assert g.policy == "rollback" and g.checkpoint_every == 50 and g.keep == 3
+    assert g.max_rollbacks == 3 and g.window == 200 and g.on_restart == "current_step"
+    assert g.escalate is True
+    assert g.detector_params == DETECTOR_DEFAULTS
+
+
+def test_detectors_forms():
+    assert set(AnomalyGuard(detectors=["nonfinite", "headroom"]).detector_params) == {
+        "nonfinite",
+        "headroom",
+    }
+    g = AnomalyGuard(
+        detectors={"headroom": {"threshold": 2}, "staleness": False, "nonfinite": True}
+    )
+    assert g.detector_params["headroom"]["threshold"] == 2.0
+    assert "staleness" not in g.detector_params and "nonfinite" in g.detector_params
+    assert AnomalyGuard.from_dict(g.to_dict()) == g
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"policy": "panic"}, "policy"),
+        ({"on_restart": "later"}, "on_restart"),
+        ({"keep": 0}, "keep"),
+        ({"window": 1.5}, "window"),
+        ({"detectors": ["nope"]}, "nope"),
+        ({"detectors": {"headroom": {"binades": 3}}}, "binades"),
+        ({"detectors": {"headroom": {"threshold": "x"}}}, "threshold"),
+        ({"detectors": {"loss_zscore": {"window": 0}}}, "window"),
+    ],
+)
+def test_bad_values_name_the_key(kw, match):
+    with pytest.raises(ValueError, match=match):
+        AnomalyGuard(**kw)
+
+
+def test_toml(tmp_path):
+    f = tmp_path / "g.toml"
+    f.write_text('policy = "skip"\nkeep = 2\n[detectors.headroom]\nthreshold = 6\n')
+    g = AnomalyGuard.from_toml(f)
+    assert g.policy == "skip" and g.keep == 2 and g.detector_params["headroom"]["threshold"] == 6
+    f.write_text("polcy = 'skip'\n")
+    with pytest.raises(ValueError, match=r"g\.toml.*polcy"):
+        AnomalyGuard.from_toml(f)

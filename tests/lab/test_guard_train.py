@@ -1,0 +1,165 @@
+"""The anomaly guard inside the training loop (fp8lab.lab.guard_run): no false alarm, spike
+recovery, one-shot faults, NaN rollback, skip, escalation, resume."""
+
+import json
+
+import pytest
+import torch
+
+import fp8lab
+from fp8lab.guard import AnomalyGuard
+from fp8lab.lab.data import DataConfig, load_corpus
+from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.inject import InjectConfig
+from fp8lab.lab.train import LabConfig, TrainConfig, train_run
+
+CFG = LabConfig(
+    model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32, d_ff=64),
+    train=TrainConfig(
+        steps=40, batch_size=2, lr=3e-3, warmup_steps=2, eval_every=10, eval_batches=2,
+        stats_every=5, checkpoint_every=10,
+    ),
+)  # fmt: skip
+GUARD = AnomalyGuard(checkpoint_every=10)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text("Now is the winter of our discontent made glorious summer by this sun. " * 40)
+    return load_corpus(DataConfig(paths=(str(f),), split_chunk=256), block_size=16)
+
+
+@pytest.fixture(scope="module")
+def clean(corpus):
+    return train_run(fp8lab.get_recipe("te-delayed"), CFG, corpus)
+
+
+def _with(**inject):
+    return LabConfig(model=CFG.model, train=CFG.train, inject=InjectConfig(**inject))
+
+
+def _same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _losses(res):
+    return [(r["step"], r["train_loss"], r["grad_norm"], r.get("val_loss")) for r in res.records]
+
+
+def test_no_false_alarm_and_bit_identical(corpus, clean, tmp_path):
+    guarded = train_run(fp8lab.get_recipe("te-delayed"), CFG, corpus, tmp_path, guard=GUARD)
+    assert guarded.summary["guard_events"] == []
+    assert _losses(guarded) == _losses(clean) and _same_model(guarded.model, clean.model)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["guard_events"] == [] for r in recs)
+    assert json.loads((tmp_path / "run.json").read_text())["summary"]["guard_events"] == []
+
+
+def _grad_underflow(path, steps):
+    rows = [json.loads(x) for x in (path / "stats.jsonl").read_text().splitlines()]
+    out = {}
+    for r in rows:
+        if r["role"] == "grad_output" and r["gemm"] == "dgrad" and r["step"] in steps:
+            out.setdefault(r["step"], {})[r["layer"]] = r["underflow_pct"]
+    return out
+
+
+def test_spike_is_caught_rolled_back_and_recovers(corpus, clean, tmp_path):
+    spike_at = 23
+    cfg = _with(grad_spike_step=spike_at, grad_spike_scale=1e12)
+    res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, tmp_path / "g", guard=GUARD)
+    events = res.summary["guard_events"]
+    assert [e["action"] for e in events] == ["rollback"]
+    ev = events[0]
+    assert ev["step"] in (spike_at, spike_at + 1) and ev["detector"] == "headroom"
+    assert ev["value"] > 30 and ev["to_step"] == 20 and ev["reset"]
+    # every step once, in order; the spike fired once and was not replayed
+    assert [r["step"] for r in res.records] == list(range(1, 41))
+    # after the restart no gradient operand underflows more than 1 point above pre-spike
+    pre = _grad_underflow(tmp_path / "g", {20})[20]
+    for step, by_layer in _grad_underflow(tmp_path / "g", {25, 30, 35, 40}).items():
+        for layer, u in by_layer.items():
+            assert u <= pre[layer] + 1.0, (step, layer, u, pre[layer])
+    final, ref = res.summary["final_val_loss"], clean.summary["final_val_loss"]
+    assert abs(final - ref) / ref < 0.005
+    # unguarded, the stale scale flushes the gradients: the failure the guard prevents
+    train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, tmp_path / "u")
+    after = _grad_underflow(tmp_path / "u", {30, 35, 40})
+    assert after and all(max(d.values()) > 99.0 for d in after.values())
+
+
+def test_nan_step_one_rollback_no_step_lost_or_applied_twice(corpus, clean, tmp_path):
+    cfg = _with(nan_step=17)
+    res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, tmp_path, guard=GUARD)
+    (ev,) = res.summary["guard_events"]
+    assert ev["action"] == "rollback" and ev["detector"] == "nonfinite" and ev["step"] == 17
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 41))
+    assert sum(len(r["guard_events"]) for r in recs) == 1
+    assert res.summary["skipped_steps"] == 0
+    # the NaN step replays clean: exactly the clean run (each update applied once, none lost)
+    assert _losses(res) == _losses(clean) and _same_model(res.model, clean.model)
+    ref = clean.summary["final_val_loss"]
+    assert abs(res.summary["final_val_loss"] - ref) / ref < 0.01
+    # unguarded: the NaN step is skipped (its update lost)
+    plain = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus)
+    assert plain.summary["skipped_steps"] == 1
+
+
+def test_skip_policy_drops_the_update_and_keeps_going(corpus):
+    res = train_run(fp8lab.get_recipe("te-delayed"), _with(nan_step=5), corpus,
+                    guard=AnomalyGuard(policy="skip"))  # fmt: skip
+    (ev,) = res.summary["guard_events"]
+    assert ev["action"] == "skip" and ev["step"] == 5
+    assert res.records[5]["skipped"] and res.records[5]["guard_events"] == [ev]
+    assert res.summary["skipped_steps"] == 1 and len(res.records) == 40
+
+
+def test_policy_off_reports_nothing_and_changes_nothing(corpus):
+    cfg = _with(nan_step=5)
+    off = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, guard=AnomalyGuard(policy="off"))
+    plain = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus)
+    assert off.summary["guard_events"] == [] and _losses(off) == _losses(plain)
+
+
+def test_skip_batch_moves_the_data_cursor(corpus, tmp_path):
+    g = AnomalyGuard(checkpoint_every=10, on_restart="skip_batch")
+    res = train_run(fp8lab.get_recipe("te-delayed"), _with(nan_step=17), corpus, tmp_path, guard=g)
+    (ev,) = res.summary["guard_events"]
+    assert ev["skip_batch"] and ev["batch"] == 17
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["loop"]["step"] == 40 and state["loop"]["cursor"] == 41
+    assert state["loop"]["skip_batches"] == [17] and state["loop"]["injected"] == ["nan@17"]
+
+
+def test_rollback_then_resume_is_bit_identical(corpus, tmp_path):
+    cfg = _with(nan_step=17)
+    full = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, tmp_path / "a", guard=GUARD)
+    r = fp8lab.get_recipe("te-delayed")
+    train_run(r, cfg, corpus, tmp_path / "b", guard=GUARD, stop_after=25)
+    resumed = train_run(r, cfg, corpus, tmp_path / "b", guard=GUARD)
+    assert _losses(resumed) == _losses(full) and _same_model(resumed.model, full.model)
+    assert resumed.summary["guard_events"] == full.summary["guard_events"]
+
+
+def test_escalation_pins_the_tensor_to_current_scaling(corpus):
+    # staleness >= 0 binades fires on every delayed tensor at once: rollbacks repeat until
+    # max_rollbacks, then every flagged tensor is pinned to current scaling
+    g = AnomalyGuard(detectors={"staleness": {"threshold": 0.0}}, checkpoint_every=5,
+                     max_rollbacks=1)  # fmt: skip
+    cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
+        **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip
+    res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, guard=g)
+    actions = [e["action"] for e in res.summary["guard_events"]]
+    assert actions[:1] == ["rollback"] and "escalate" in actions
+    assert res.summary["complete"] and [r["step"] for r in res.records] == list(range(1, 13))
+    eff = res.summary["effective_recipe"]
+    assert eff["layer"] and all(
+        rule[key] == {"scaling": "max"} for rule in eff["layer"] for key in rule if key != "match"
+    )
+    pinned = [e["tensor"] for e in res.summary["guard_events"] if e["action"] == "escalate"]
+    layer, role = pinned[0].rsplit(":", 1)
+    mod = res.model.get_submodule(layer)
+    assert mod.recipe.spec("dgrad" if role == "grad_output" else "fprop", role).scaling == "max"
