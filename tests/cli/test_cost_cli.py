@@ -52,7 +52,10 @@ def test_bad_input_exit_2():
         (["--device", "a100"], "unknown device 'a100'"),
         (["--recipes", "hif8-current", "--device", "b300"], "HiF8"),
         (["--recipes", "nope"], "unknown recipe 'nope'"),
-        (["--model", "my_models.py:make"], "not supported yet"),
+        (["--model", "my_models.py:make"], "no such Python file: my_models.py"),
+        (["--fsdp"], "need --ranks"),
+        (["--ranks", "2", "--grad-comm", "fp16"], "unknown gradient communication 'fp16'"),
+        (["--ranks", "0"], "--ranks must be >= 1"),
         (["--model", "gpt", "--hidden", "64"], "drop --hidden"),
         (["--hidden", "0"], "hidden must be a positive integer"),
         (["--scenario", "inference"], "unknown scenario"),
@@ -79,4 +82,71 @@ def test_model_gpt_prices_the_lab_gpt():
     assert rec["te-delayed"]["speedup_vs_bf16"] < 1
     res = runner.invoke(app, ["cost", "--model", "gpt", "--device", "h200"])
     assert res.exit_code == 0, res.output
-    assert "gate.fprop" in res.stdout and "hidden 256" in res.stdout
+    # the GPT's converted Linears (the head stays high precision), folded per block
+    assert "2 layers x 5 Linears" in res.stdout and "blocks.*.mlp.gate.fprop" in res.stdout
+    assert "1024x256x768" in res.stdout  # gate: 8 x 128 tokens, d_model 256 -> d_ff 768
+
+
+def _rows(stdout):
+    return {line.split("│")[1].strip(): line for line in stdout.splitlines() if "│" in line}
+
+
+def test_model_from_a_transformers_config():
+    # llama-tiny.json: hidden 256, intermediate 768, 4 heads, 2 KV heads (head dim 64: k/v 128)
+    res = runner.invoke(app, ["cost", "--model", "hf:examples/models/llama-tiny.json",
+                              "--recipes", "bf16,te-current", "--device", "h100"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "2 layers x 7 Linears" in res.stdout
+    rows = _rows(res.stdout)
+    pre = "model.model.layers.*."
+    assert "1024x256x256" in rows[pre + "self_attn.q_proj.fprop"]
+    assert "1024x256x128" in rows[pre + "self_attn.k_proj.fprop"]
+    assert "1024x768x256" in rows[pre + "mlp.down_proj.fprop"]
+    assert "256x1024x768" in rows[pre + "mlp.up_proj.wgrad"]
+    # every parameter's gradient is all-reduced: 1,705,216 elements (hand count: embedding and
+    # untied head 256 x 256 each, per layer q/o 256x256, k/v 128x256, gate/up/down 3 x 256x768
+    # and two norms of 256, a final norm of 256); fp32 on 2 ranks: 2 (N-1)/N x 4 bytes each
+    res = runner.invoke(app, ["cost", "--model", "hf:examples/models/llama-tiny.json",
+                              "--recipes", "bf16", "--ranks", "2", "--json"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    numel = 2 * 256 * 256 + 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 768 + 2 * 256) + 256
+    assert numel == 1_705_216
+    cb = json.loads(res.stdout)["recipes"]["bf16"]["collective_bytes"]
+    assert cb["grad_reduce_bytes"] == 4 * numel
+
+
+def test_model_gpt2_conv1d_shapes():
+    # gpt2-tiny.json: n_embd 256, n_inner 1024; Conv1D weights are stored [in, out]
+    res = runner.invoke(app, ["cost", "--model", "hf:examples/models/gpt2-tiny.json",
+                              "--recipes", "bf16", "--device", "b200"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rows = _rows(res.stdout)
+    pre = "model.transformer.h.*."
+    assert "1024x256x768" in rows[pre + "attn.c_attn.fprop"]
+    assert "1024x256x1024" in rows[pre + "mlp.c_fc.fprop"]
+    assert "1024x1024x256" in rows[pre + "mlp.c_proj.fprop"]
+
+
+def test_collective_bytes_in_json_and_ledger():
+    # one layer: qkv 512x1536, proj 512x512, up 512x1024, down 1024x512 = 2,097,152 weights; 2
+    # layers; bf16 on 4 ranks: 2 x 3/4 x 2 bytes per element
+    args = ["cost", "--recipes", "bf16,te-delayed", *SMALL, "--ranks", "4", "--grad-comm", "bf16"]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["distributed"]["ranks"] == 4 and out["distributed"]["grad_comm"] == "bf16"
+    numel = 2 * (512 * 1536 + 512 * 512 + 512 * 1024 + 1024 * 512)
+    for r in ("bf16", "te-delayed"):
+        cb = out["recipes"][r]["collective_bytes"]
+        assert cb["grad_reduce_bytes"] == 1.5 * 2 * numel and cb["fsdp_allgather_bytes"] == 0
+        # the old fields are all still there
+        assert {"layer_ms", "speedup_vs_bf16", "gemm_ms", "quantize_ms", "bytes"} < set(
+            out["recipes"][r]
+        )
+    # te-delayed: x, W, dy of 4 Linears x 2 layers, one float32 amax all-reduce each
+    assert out["recipes"]["te-delayed"]["collective_bytes"]["amax_allreduces"] == 24
+    assert out["recipes"]["te-delayed"]["collective_bytes"]["amax_allreduce_bytes"] == 24 * 3 * 4
+    res = runner.invoke(app, [*args, "--fsdp"])
+    assert res.exit_code == 0, res.output
+    assert "Collective bytes ledger" in res.stdout and "FSDP weight all-gathers" in res.stdout
+    assert "gradient reduce-scatter" in res.stdout

@@ -44,6 +44,7 @@ SCHEMA_KEYS = {
     "skipped_steps",
     "tokens_per_s",
     "diverged",
+    "predicted_step_ms",
 }
 
 
@@ -64,7 +65,7 @@ def test_compare_end_to_end(text, tmp_path):
     # the lab trains and returns results; the CLI layer writes the report from them
     s = compare_and_report(tiny(text), names, "bf16", out, callback=events.append)
     js = json_summary(s)
-    assert set(js) == {"schema_version", "baseline", "baseline_diverged", "recipes"}
+    assert set(js) == {"schema_version", "baseline", "baseline_diverged", "device", "recipes"}
     assert js["schema_version"] == 1 and js["baseline"] == "bf16"
     assert js["baseline_diverged"] is False
     assert list(js["recipes"]) == names
@@ -242,3 +243,87 @@ def test_lab_imports_no_report_module():
     upward = re.compile(r"^\s*(from|import)\s+fp8lab\.(report|cli)\b", re.MULTILINE)
     for f in Path(fp8lab.lab.__file__).parent.glob("*.py"):
         assert not upward.search(f.read_text()), f  # also imports inside functions
+
+
+# ----------------------------------------------------------------------------- issue 17
+def _tiny_linears():
+    """tiny(): 1 block, d_model 128, d_ff 256 (SwiGLU gate/up); the head stays high precision."""
+    return [("blocks.0.attn.qkv", 128, 384), ("blocks.0.attn.proj", 128, 128),
+            ("blocks.0.mlp.gate", 128, 256), ("blocks.0.mlp.up", 128, 256),
+            ("blocks.0.mlp.down", 256, 128)]  # fmt: skip
+
+
+def test_predicted_step_column_in_the_summary(text, tmp_path):
+    from fp8lab.cost import predict_step_ms
+
+    for n, v in (("bf16", 2.0), ("te-current", 2.01), ("fp32", 2.0), ("mxfp8", 2.02)):
+        _fake_run(tmp_path, n, v)
+    names = ["bf16", "te-current", "fp32", "mxfp8"]
+    s = summarize_comparison(tiny(text), names, "bf16", tmp_path, device="h100")
+    js = json_summary(s)
+    assert js["device"] == "h100"
+    rec = js["recipes"]
+    # the model's converted Linears (hand-listed) on batch 2 x block 16 = 32 tokens
+    for n in ("bf16", "te-current"):
+        expected = predict_step_ms(n, "h100", linears=_tiny_linears(), tokens=32)
+        assert rec[n]["predicted_step_ms"] == pytest.approx(expected, rel=1e-12)
+        assert s["details"][n]["predicted_step"] == {"device": "h100", "ms": rec[n][
+            "predicted_step_ms"], "reason": None}  # fmt: skip
+    # not priceable: null in the JSON, the reason in the details, never a crash
+    assert rec["fp32"]["predicted_step_ms"] is None and rec["mxfp8"]["predicted_step_ms"] is None
+    assert "fp32 GEMMs" in s["details"]["fp32"]["predicted_step"]["reason"]
+    assert "h100" in s["details"]["mxfp8"]["predicted_step"]["reason"]
+    json.dumps(js, allow_nan=False)
+    # Blackwell has MXFP8 tensor cores
+    s2 = summarize_comparison(tiny(text), names, "bf16", tmp_path, device="b200")
+    assert s2["device"] == "b200" and s2["recipes"]["mxfp8"]["predicted_step_ms"] > 0
+
+
+def test_predicted_step_of_a_per_layer_recipe(text):
+    from fp8lab.cost import predict_or_reason, predict_step_ms
+    from fp8lab.recipe import Recipe, get_recipe
+
+    if not hasattr(Recipe, "for_layer"):
+        pytest.skip("per-layer recipes (Recipe.layers) not in this tree yet")
+    from fp8lab.recipe import LayerRule
+
+    lins = _tiny_linears()
+    mixed = get_recipe("te-current").with_layers(LayerRule("blocks.0.mlp.*", base="bf16"))
+    ms, why = predict_or_reason(mixed, "h100", linears=lins, tokens=32)
+    attn, mlp = lins[:2], lins[2:]
+    expected = predict_step_ms("te-current", "h100", linears=attn, tokens=32)
+    expected += predict_step_ms("bf16", "h100", linears=mlp, tokens=32)
+    assert why is None and ms == pytest.approx(expected, rel=1e-12)
+    bad = get_recipe("te-current").with_layers(LayerRule("blocks.0.attn.proj", base="hif8-delayed"))
+    ms, why = predict_or_reason(bad, "h100", linears=lins, tokens=32)
+    assert ms is None and "blocks.0.attn.proj" in why and "HiF8" in why
+
+
+def test_cli_predicted_step_column_and_bad_device(text, tmp_path):
+    from fp8lab.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["compare", "--device", "a100", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "unknown device 'a100'" in res.output
+    assert not (tmp_path / "x").exists()  # nothing written
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        f"[model]\nblock_size = 16\nn_layer = 1\nn_head = 2\nd_model = 128\nd_ff = 256\n"
+        f"[data]\npaths = [{json.dumps(text)}]\nsplit_chunk = 256\n"
+        "[train]\nsteps = 2\nbatch_size = 2\nwarmup_steps = 1\neval_every = 2\n"
+        "eval_batches = 1\nstats_every = 0\n"
+    )
+    out = tmp_path / "o"
+    args = ["compare", "--config", str(conf), "--recipes", "bf16,fp32", "--device", "b200",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.stdout)
+    assert js["device"] == "b200"
+    assert js["recipes"]["bf16"]["predicted_step_ms"] > 0
+    assert js["recipes"]["fp32"]["predicted_step_ms"] is None
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for doc in (md, page):
+        assert "predicted step ms on b200" in doc and "n/a" in doc and "fp32 GEMMs" in doc
+    res = runner.invoke(app, args)  # the terminal table (finished runs are read back)
+    assert res.exit_code == 0 and "b200" in res.stdout

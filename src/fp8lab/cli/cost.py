@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import typer
@@ -17,10 +18,14 @@ Counts come from fp8lab's own execution of one Linear step per recipe (amax and 
 transposes, re-tilings, scale bytes, promotion FMAs); times from a roofline whose efficiencies
 are calibrated on the fprop timings Transformer Engine publishes (docs/cost.md lists the held-out
 residuals). Shapes: --hidden/--ffn/--layers/--tokens (default: TE's 5B example, M = 15,872
-tokens), or --model gpt: the lab's built-in GPT (its default config; tokens = batch 8 x 128
-unless --tokens; model factories are not supported yet). --scenario training prices a forward+backward step (each tensor quantized once);
-te-benchmark prices TE's benchmark_gemm.py (each GEMM timed as its own forward). Only GEMMs and
-their quantization are priced: attention, norms and communication are not. Devices: h100, h200,
+tokens), or --model: the quantized Linears of a model (gpt, MODULE:FACTORY, file.py:FACTORY or
+hf:CONFIG.json, the Linears fp8lab.nn.convert would swap; a stack of identical blocks is shown
+per layer) on batch 8 x 128 tokens unless --tokens. --scenario training prices a forward+backward
+step (each tensor quantized once); te-benchmark prices TE's benchmark_gemm.py (each GEMM timed as
+its own forward). --ranks N [--grad-comm P] [--fsdp] adds the bytes one rank sends per step:
+gradient all-reduce (reduce-scatter under FSDP) in precision P, amax all-reduces, FSDP weight
+all-gathers (docs/cost.md). Only GEMMs and their quantization are timed: attention, norms and
+communication are not. Devices: h100, h200,
 h200-nvl, b200, b300. A recipe the device lacks the tensor cores for (mxfp8, nvfp4 on Hopper) is
 skipped with a note on stderr. Exit code 2 for an unknown device or recipe, or a recipe no device
 can run (HiF8, fp32 GEMMs).
@@ -31,65 +36,119 @@ can run (HiF8, fp32 GEMMs).
 TE_5B = {"hidden": 4096, "ffn": 16384, "layers": 24, "tokens": 15872}
 
 
-def _shape(model: str | None, given: dict[str, int | None]) -> tuple[Any, list | None]:
-    """(TransformerShape for the header, the layer's Linears or None for the shape's own)."""
+@dataclass
+class Workload:
+    """What is priced: ``block`` = the Linears of one layer, ``layers`` copies of it (or every
+    Linear, ``layers`` = 1, when the model is not a stack of identical blocks), on ``tokens``
+    tokens; ``every`` = every Linear of the model by name (per-layer rules, collectives);
+    ``other`` = parameter elements outside those Linears (0 when only a shape is given)."""
+
+    block: list[tuple[str, int, int]]
+    layers: int
+    tokens: int
+    every: list[tuple[str, int, int]]
+    header: str
+    shape: Any = None
+    other: int = 0
+
+
+def _model(spec: str, seed: int = 0) -> Any:
+    """The unconverted model of ``--model`` (the lab's resolver: gpt, MODULE:FACTORY,
+    file.py:FACTORY, hf:CONFIG.json), built without touching the caller's RNG."""
+    import torch
+
+    from fp8lab.lab.models import ModelConfig, build
+
+    with torch.random.fork_rng(devices=[]):
+        return build(ModelConfig(factory=spec), seed)
+
+
+def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
     from fp8lab.cost.model import TransformerShape
 
     if model is None:
         kw = {k: (TE_5B[k] if v is None else v) for k, v in given.items()}
-        return TransformerShape(**kw), None
-    if model != "gpt":
-        raise ValueError(
-            f"--model {model!r}: pricing a model factory is not supported yet; use --model gpt "
-            "(the lab's built-in GPT) or give the layer shape with --hidden, --ffn, --layers "
-            "and --tokens"
+        shape = TransformerShape(**kw)
+        block = shape.linears()
+        every = [(f"layers.{k}.{n}", i, o) for k in range(shape.layers) for n, i, o in block]
+        header = (
+            f"layer: hidden {shape.hidden}, ffn {shape.ffn}, tokens {shape.tokens}, "
+            f"{shape.layers} layers"
         )
+        return Workload(block, shape.layers, shape.tokens, every, header, shape)
     if any(v is not None for k, v in given.items() if k != "tokens"):
-        raise ValueError("--model gpt sets hidden, ffn and layers: drop --hidden/--ffn/--layers")
-    from fp8lab.lab.gpt import GPTConfig
+        raise ValueError("--model sets the Linear shapes: drop --hidden/--ffn/--layers")
+    from fp8lab.cost.shapes import linear_shapes, other_parameters, repeated_block
+    from fp8lab.lab.models import ModelConfig
     from fp8lab.lab.train import TrainConfig
 
-    cfg = GPTConfig()
-    d, ff = cfg.d_model, cfg.d_ff
-    tokens = given["tokens"] or TrainConfig().batch_size * cfg.block_size
-    shape = TransformerShape(hidden=d, ffn=ff, layers=cfg.n_layer, tokens=tokens)
-    # the lab GPT's converted Linears of one block (the output head stays high precision)
-    linears = [("qkv", d, 3 * d), ("proj", d, d), ("gate", d, ff), ("up", d, ff), ("down", ff, d)]
-    return shape, linears
+    built = _model(model)
+    every = linear_shapes(built)
+    block, layers = repeated_block(every)
+    tokens = given["tokens"] or TrainConfig().batch_size * ModelConfig().block_size
+    other = other_parameters(built, every)
+    dims = ", ".join(f"{n} {i}->{o}" for n, i, o in block)
+    shape_words = (
+        f"{layers} layers x {len(block)} Linears" if layers > 1 else f"{len(block)} Linears"
+    )
+    header = (
+        f"model {model}: {shape_words} quantized ({dims}); tokens {tokens}; "
+        f"{other:,} other parameters"
+    )
+    return Workload(block, layers, tokens, every, header, None, other)
 
 
-def _price(
-    recipes: list[str], device: str, shape: Any, linears: list | None, scenario: str
-) -> tuple[Any, dict]:
+def _resolve(name: str) -> Any:
+    """A preset, the lab's negative control or a recipe file (as `fp8lab compare` takes)."""
+    from fp8lab.lab.compare import resolve_recipe
+
+    return resolve_recipe(name)
+
+
+def _price(recipes: list[str], device: str, work: Workload, scenario: str) -> tuple[Any, dict]:
     from fp8lab.cost.devices import get_device
     from fp8lab.cost.model import UnpriceableError, price_linears
-    from fp8lab.recipe import get_recipe
 
     dev = get_device(device)
-    for r in recipes:
-        get_recipe(r)  # unknown names fail before any pricing
-    lins = shape.linears() if linears is None else linears
+    recs = {r: _resolve(r) for r in recipes}  # unknown names fail before any pricing
+    layered = any(getattr(rec, "layers", ()) for rec in recs.values())
+    # per-layer rules differ between layers: price every Linear, the model as one "layer"
+    lins, layers = (work.every, 1) if layered else (work.block, work.layers)
 
-    def one(r: str) -> Any:
-        return price_linears(r, dev, lins, shape.tokens, scenario, shape)
+    def one(rec: Any) -> Any:
+        return price_linears(rec, dev, lins, work.tokens, scenario, work.shape)
 
     costs, skipped = {}, {}
-    for r in recipes:
+    for r, rec in recs.items():
         try:
-            costs[r] = one(r)
+            costs[r] = one(rec)
         except UnpriceableError as exc:
             if not exc.device_limit:
                 raise
             skipped[r] = str(exc)
     if not costs:
         raise ValueError(f"no recipe of {', '.join(recipes)} runs on {dev.name}")
-    base = costs["bf16"] if "bf16" in costs else one("bf16")
-    return dev, {"bf16_ms": base.layer_ms, "costs": costs, "skipped": skipped}
+    base = costs["bf16"] if "bf16" in costs else one(_resolve("bf16"))
+    return dev, {"bf16_ms": base.layer_ms, "costs": costs, "skipped": skipped,
+                 "layers": layers, "recipes": recs}  # fmt: skip
 
 
-def _json(dev: Any, priced: dict) -> str:
+def _collectives(priced: dict, work: Workload, dist: dict | None) -> dict[str, Any]:
+    """Per priced recipe: its `CollectiveBytes` for the whole model (``dist``: ranks,
+    grad_comm, fsdp; None = not distributed)."""
+    if dist is None:
+        return {}
+    from fp8lab.cost.collectives import collective_bytes
+
+    return {
+        r: collective_bytes(priced["recipes"][r], work.every, other=work.other, **dist)
+        for r in priced["costs"]
+    }
+
+
+def _json(dev: Any, priced: dict, coll: dict, dist: dict | None) -> str:
     base = priced["bf16_ms"]
-    out = {
+    out: dict[str, Any] = {
         "schema_version": 1,
         "device": dev.name,
         "recipes": {
@@ -103,14 +162,19 @@ def _json(dev: Any, priced: dict) -> str:
             for r, c in priced["costs"].items()
         },
     }
+    if dist is not None:  # fields added only when --ranks is given (schema_version stays 1)
+        out["distributed"] = {**dist, "unit": "bytes one rank sends per step (whole model)"}
+        for r, cb in coll.items():
+            out["recipes"][r]["collective_bytes"] = cb.to_dict()
     return json.dumps(out, indent=2)
 
 
-def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
+def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -> None:
     from rich.table import Table
 
     con = console()
     costs = priced["costs"]
+    layers = priced["layers"]
     names = list(costs)
     con.print(
         f"{dev.name}: {dev.description}; peaks (dense TFLOPS) "
@@ -119,10 +183,9 @@ def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
     )
     if dev.note:
         con.print(f"note: {dev.note}")
-    con.print(
-        f"layer: hidden {shape.hidden}, ffn {shape.ffn}, tokens {shape.tokens}, "
-        f"{shape.layers} layers; scenario {scenario}"
-    )
+    con.print(f"{work.header}; scenario {scenario}")
+    if layers != work.layers:
+        con.print("per-layer recipe rules: every Linear is priced; 'layer' = the whole model")
     g = Table(title="Per-GEMM time (ms; GEMM kernel, its class and bound)")
     g.add_column("GEMM")
     g.add_column("M x K x N")
@@ -159,6 +222,22 @@ def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
         tot_r = {k: sum(row.get(k, 0) for row in ledgers[r].values()) for k in keys}
         prec.add_row(r, *(f"{tot_r[k] / 1e6:.1f}" for k in keys))
     con.print(prec)
+    if coll:
+        first = next(iter(coll.values()))
+        how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (", FSDP" if first.fsdp else "")
+        cl = Table(
+            title=f"Collective bytes ledger (MB one rank sends per step, whole model; {how})"
+        )
+        cl.add_column("collective")
+        for r in coll:
+            cl.add_column(r, justify="right")
+        rows = [("gradient " + ("reduce-scatter" if first.fsdp else "all-reduce"), "grad_reduce"),
+                ("amax all-reduces", "amax_allreduce"), ("FSDP weight all-gathers", "fsdp_allgather"),
+                ("total", "total")]  # fmt: skip
+        for label, attr in rows:
+            cl.add_row(label, *(f"{getattr(cb, attr) / 1e6:.4g}" for cb in coll.values()))
+        cl.add_row("amax all-reduce calls", *(str(cb.amax_allreduces) for cb in coll.values()))
+        con.print(cl)
     tot = Table(title="Per-layer totals")
     for col in ("recipe", "layer ms", "GEMM ms", "quantize ms", "quantize %", "speedup vs bf16",
                 "model ms", "GB moved"):  # fmt: skip
@@ -171,7 +250,7 @@ def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
             f"{c.quantize_ms:.3f}",
             f"{100 * c.quantize_ms / c.layer_ms:.1f}",
             f"{priced['bf16_ms'] / c.layer_ms:.2f}x",
-            f"{c.layer_ms * shape.layers:.1f}",
+            f"{c.layer_ms * layers:.3f}",
             f"{c.bytes / 1e9:.2f}",
         )
     con.print(tot)
@@ -180,10 +259,18 @@ def _tables(dev: Any, priced: dict, shape: Any, scenario: str) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("cost", help=HELP)
     def cost(
-        recipes: str = typer.Option(DEFAULT_RECIPES, "--recipes", help="Comma-separated recipes."),
+        recipes: str = typer.Option(
+            DEFAULT_RECIPES,
+            "--recipes",
+            help="Comma-separated recipes: presets, the lab's negative control, or recipe "
+            ".toml/.json files (per-layer rules are priced per Linear).",
+        ),
         device: str = typer.Option("h200", "--device", help="h100, h200, h200-nvl, b200, b300."),
         model: str | None = typer.Option(
-            None, "--model", help="gpt: the lab's built-in GPT (other factories: not yet)."
+            None,
+            "--model",
+            help="Price a model's quantized Linears: gpt (the lab's GPT), MODULE:FACTORY, "
+            "path/to/file.py:FACTORY or hf:CONFIG.json (as fp8lab compare --model).",
         ),
         hidden: int | None = typer.Option(None, "--hidden", help="Hidden size (default 4096)."),
         ffn: int | None = typer.Option(None, "--ffn", help="FFN size (default 16384)."),
@@ -194,18 +281,43 @@ def register(app: typer.Typer) -> None:
         scenario: str = typer.Option(
             "training", "--scenario", help="training or te-benchmark (see above)."
         ),
+        ranks: int | None = typer.Option(
+            None, "--ranks", help="Data-parallel ranks: add the collective bytes per rank and step."
+        ),
+        grad_comm: str | None = typer.Option(
+            None,
+            "--grad-comm",
+            help="Gradient reduction precision: fp32 (default), bf16, fp8, "
+            "fp8-msamp (as fp8lab comm-sim).",
+        ),
+        fsdp: bool = typer.Option(
+            False,
+            "--fsdp",
+            help="FSDP2: weights all-gathered (fwd + bwd), gradients reduce-scattered.",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print the totals as JSON."),
     ) -> None:
         names = [r.strip() for r in recipes.split(",") if r.strip()]
         if not names:
             raise fail("--recipes is empty")
         with clear_errors():
+            dist = None
+            if ranks is None and (grad_comm is not None or fsdp):
+                raise ValueError("--grad-comm and --fsdp need --ranks N (data-parallel ranks)")
+            if ranks is not None:
+                if ranks < 1:
+                    raise ValueError(f"--ranks must be >= 1, got {ranks}")
+                from fp8lab.dist.comm import check_grad_comm
+
+                dist = {"ranks": ranks, "grad_comm": check_grad_comm(grad_comm or "fp32"),
+                        "fsdp": fsdp}  # fmt: skip
             given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
-            shape, linears = _shape(model, given)
-            dev, priced = _price(names, device, shape, linears, scenario)
+            work = _workload(model, given)
+            dev, priced = _price(names, device, work, scenario)
+            coll = _collectives(priced, work, dist)
         for r, why in priced["skipped"].items():
             typer.echo(f"skipped {r}: {why}", err=True)
         if json_out:
-            typer.echo(_json(dev, priced))
+            typer.echo(_json(dev, priced, coll, dist))
         else:
-            _tables(dev, priced, shape, scenario)
+            _tables(dev, priced, work, scenario, coll)

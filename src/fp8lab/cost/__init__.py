@@ -5,9 +5,14 @@
   from fp8lab's own execution (`fp8lab.cost.counting`);
 * `price_layer` / `predict_step_ms` — a roofline with efficiencies calibrated on Transformer
   Engine's published GEMM timings (`fp8lab.cost.model`, `fp8lab.cost.calibration`);
-* `get_device` / `device_names` — device tables with sources (`fp8lab.cost.devices`).
+* `get_device` / `device_names` — device tables with sources (`fp8lab.cost.devices`);
+* `collective_bytes` — bytes per rank and step of the gradient reduction, amax all-reduces and
+  FSDP all-gathers (`fp8lab.cost.collectives`);
+* `linear_shapes` / `repeated_block` — a built model's quantized Linears as shapes to price
+  (`fp8lab.cost.shapes`).
 """
 
+from fp8lab.cost.collectives import CollectiveBytes, collective_bytes
 from fp8lab.cost.counting import Event, GemmEvent, StepCounts, count_linear_step
 from fp8lab.cost.devices import Device, device_names, get_device
 from fp8lab.cost.model import (
@@ -15,12 +20,16 @@ from fp8lab.cost.model import (
     LayerCost,
     TransformerShape,
     UnpriceableError,
+    predict_or_reason,
     predict_step_ms,
     price_layer,
+    price_linears,
 )
+from fp8lab.cost.shapes import linear_shapes, other_parameters, repeated_block
 
 __all__ = [
     "SCENARIOS",
+    "CollectiveBytes",
     "Device",
     "Event",
     "GemmEvent",
@@ -28,9 +37,15 @@ __all__ = [
     "StepCounts",
     "TransformerShape",
     "UnpriceableError",
+    "collective_bytes",
     "count_linear_step",
     "device_names",
     "get_device",
+    "linear_shapes",
+    "other_parameters",
+    "predict_or_reason",
     "predict_step_ms",
     "price_layer",
+    "price_linears",
+    "repeated_block",
 ]

@@ -47,6 +47,8 @@ __all__ = [
     "TransformerShape",
     "UnpriceableError",
     "gemm_class",
+    "layer_recipe",
+    "predict_or_reason",
     "predict_step_ms",
     "price_layer",
     "price_linears",
@@ -255,7 +257,10 @@ def _operand_bytes(fmt: str, gran: tuple[int, int] | None, rule: str | None, r: 
 
 
 def _price_gemm(g: GemmEvent, name: str, dev: Device, recipe: str) -> GemmCost:
-    cls = gemm_class(g)
+    try:
+        cls = gemm_class(g)
+    except UnpriceableError as exc:  # name the recipe (and layer) the GEMM belongs to
+        raise UnpriceableError(f"recipe {recipe!r}: {exc}", exc.device_limit) from None
     eff = _efficiency(dev, cls, recipe)
     # operands as stored: their blocks refer to the natural layout
     (ra, ca), (rb, cb) = g.natural_shapes()
@@ -377,21 +382,30 @@ def price_linears(
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     rec = get_recipe(recipe)
     dev = get_device(device) if isinstance(device, str) else device
-    base = _counts(rec)
     cost = LayerCost(rec.name, dev.name, scenario, shape)
     for lin, i, o in linears:
+        lrec, label = layer_recipe(rec, lin)
+        base = _counts(lrec)
         if scenario == "training":
             c = base.scaled(T=tokens, I=i, O=o)
             cost.kernels += _price_kernels(c, lin, dev)
-            cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, rec.name) for g in c.gemms]
+            cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, label) for g in c.gemms]
             continue
         for gemm in ("fprop", "dgrad", "wgrad"):
             m, k, n = _bench_dims(gemm, tokens, i, o)
             c = base.scaled(T=m, I=k, O=n).select(_BENCH_KEEP, ("fprop",))
             for kc in _price_kernels(c, f"{lin}.{gemm}", dev):
                 cost.kernels.append(replace(kc, gemm=gemm))
-            cost.gemms.append(_price_gemm(c.gemms[0], f"{lin}.{gemm}", dev, rec.name))
+            cost.gemms.append(_price_gemm(c.gemms[0], f"{lin}.{gemm}", dev, label))
     return cost
+
+
+def layer_recipe(recipe: Recipe, name: str) -> tuple[Recipe, str]:
+    """(the recipe the Linear ``name`` runs, a label for messages). A recipe with per-layer rules
+    (``recipe.layers``) runs ``recipe.for_layer(name)``; any other runs itself."""
+    if not getattr(recipe, "layers", ()):
+        return recipe, recipe.name
+    return recipe.for_layer(name), f"{recipe.name} (layer {name})"
 
 
 def predict_step_ms(
@@ -413,3 +427,20 @@ def predict_step_ms(
         return price_linears(recipe, device, linears, tokens).layer_ms
     shape = shape or TransformerShape()
     return price_layer(recipe, device, shape, "training").layer_ms * shape.layers
+
+
+def predict_or_reason(
+    recipe: Recipe | str,
+    device: Device | str,
+    *,
+    linears: list[tuple[str, int, int]],
+    tokens: int,
+) -> tuple[float | None, str | None]:
+    """`predict_step_ms` for the given ``linears`` on ``tokens`` tokens, or ``(None, reason)``
+    when the recipe cannot be priced on ``device`` (`UnpriceableError`: HiF8, fp32 GEMMs, MX or
+    NVFP4 on Hopper) or one of its per-layer rules cannot be applied (ValueError). A report can
+    then show "n/a" with the reason instead of failing."""
+    try:
+        return predict_step_ms(recipe, device, linears=linears, tokens=tokens), None
+    except ValueError as exc:  # UnpriceableError is a ValueError
+        return None, str(exc)

@@ -79,6 +79,9 @@ DEFAULT_RECIPES = (
     NEGATIVE_CONTROL,
 )
 DEFAULT_BASELINE = "bf16"
+#: the GPU of the "predicted step time" column (fp8lab.cost): the most widely rented FP8 GPU,
+#: priced with the Hopper calibration (H200 NVL, held-out residuals within 1.5 %)
+DEFAULT_COST_DEVICE = "h100"
 Callback = Callable[[dict[str, Any]], None]
 
 
@@ -439,11 +442,39 @@ def _diverged(s: dict[str, Any], vocab_size: int) -> bool:
     return diverged_loss(s["final_train_loss"], s["final_val_loss"], vocab_size)
 
 
+def predicted_steps(
+    cfg: LabConfig, names: Sequence[str], device: str, model: Any = None
+) -> dict[str, dict[str, Any]]:
+    """Per recipe, the predicted GEMM + quantization time of one training step on ``device``
+    (`fp8lab.cost.predict_step_ms`) of the model's quantized Linears (the layers ``convert``
+    swaps, per-layer rules applied per name) on ``batch_size x block_size`` tokens:
+    ``{"ms": float | None, "reason": str | None}`` (None and the reason when the cost model cannot
+    price the recipe there). ``model``: the built, unconverted model (default: built here)."""
+    from fp8lab.cost import linear_shapes, predict_or_reason
+
+    if model is None:
+        with torch.random.fork_rng(devices=[]):
+            model = models.build(cfg.model, cfg.train.seed)
+    linears = linear_shapes(model)
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    out = {}
+    for n in names:
+        ms, why = predict_or_reason(resolve_recipe(n), device, linears=linears, tokens=tokens)
+        out[n] = {"ms": ms, "reason": why}
+    return out
+
+
 def summarize_comparison(
-    cfg: LabConfig, names: Sequence[str], baseline: str, out: Path
+    cfg: LabConfig,
+    names: Sequence[str],
+    baseline: str,
+    out: Path,
+    device: str = DEFAULT_COST_DEVICE,
 ) -> dict[str, Any]:
-    """The summary: the ``--json`` schema (schema_version, baseline, baseline_diverged,
-    recipes{...}) + ``details`` (spikes, step time, memory, settings) for the report.
+    """The summary: the ``--json`` schema (schema_version, baseline, baseline_diverged, device,
+    recipes{...}) + ``details`` (spikes, step time, memory, settings, predicted step) for the
+    report. ``device``: the GPU of ``predicted_step_ms`` (:func:`predicted_steps`; null with the
+    reason in ``details[name]["predicted_step"]`` when the recipe cannot be priced there).
 
     Gaps are null for a diverged recipe, and for every recipe when the baseline diverged."""
     runs = {n: json.loads((out / "runs" / n / "run.json").read_text()) for n in names}
@@ -463,6 +494,7 @@ def summarize_comparison(
         v = models.vocab_size_of(user_model, cfg.model)
         return model_memory(user_model, v, bs, T, recipe)
 
+    predicted = predicted_steps(cfg, names, device, user_model)
     base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
@@ -484,6 +516,7 @@ def summarize_comparison(
             "skipped_steps": s["skipped_steps"],
             "tokens_per_s": s["tokens_per_s"],
             "diverged": diverged,
+            "predicted_step_ms": predicted[n]["ms"],
         }
         recipe = resolve_recipe(n)
         details[n] = {
@@ -493,22 +526,25 @@ def summarize_comparison(
             "memory_bytes": memory(recipe),
             "settings": recipe_settings(recipe),
             "negative_control": n == NEGATIVE_CONTROL,
+            "predicted_step": {"device": device, **predicted[n]},
         }
     return {
         "schema_version": SCHEMA_VERSION,
         "baseline": baseline,
         "baseline_diverged": base_diverged,
+        "device": device,
         "recipes": table,
         "details": details,
     }
 
 
-JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "recipes")
+JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "device", "recipes")
 
 
 def json_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """The ``--json`` schema (schema_version 1; ``baseline_diverged`` added since, fields are
-    only ever added), without the report's extras."""
+    """The ``--json`` schema (schema_version 1; ``baseline_diverged``, ``device`` and the
+    recipes' ``predicted_step_ms`` added since, fields are only ever added), without the report's
+    extras."""
     return {k: summary[k] for k in JSON_KEYS if k in summary}
 
 
@@ -544,14 +580,15 @@ def run_comparison(
     jobs: int = 1,
     threads: int = 0,
     callback: Callback | None = None,
+    device: str = DEFAULT_COST_DEVICE,
 ) -> ComparisonResult:
     """Train every recipe of ``recipes`` (the baseline is added if missing) into ``out_dir``,
     write ``summary.json`` and ``metrics.csv`` there and return the results.
 
     Everything is checked before anything is written: recipe names and files, ``jobs``,
     ``threads``, the config (:meth:`LabConfig.check`), the corpus and the output directory
-    (:func:`prepare_out_dir`); a bad one raises ValueError (FileNotFoundError for a missing
-    data path)."""
+    (:func:`prepare_out_dir`), the cost ``device`` of the predicted step time; a bad one raises
+    ValueError (FileNotFoundError for a missing data path)."""
     names = list(dict.fromkeys(recipes))
     if not names:
         raise ValueError("no recipes given")
@@ -564,6 +601,9 @@ def run_comparison(
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
     cfg.check()
+    from fp8lab.cost import get_device
+
+    get_device(device)  # an unknown device fails before any training
     if not models.is_builtin(cfg.model):  # a wrong output is an error before anything is written
         with torch.random.fork_rng(devices=[]):
             models.build(cfg.model, cfg.train.seed)
@@ -571,7 +611,7 @@ def run_comparison(
     out = Path(out_dir)
     prepare_out_dir(out, cfg, baseline, corpus)
     run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus)
-    summary = summarize_comparison(cfg, names, baseline, out)
+    summary = summarize_comparison(cfg, names, baseline, out, device)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     write_metrics_csv(names, out)
     return ComparisonResult(
@@ -591,7 +631,8 @@ def compare(
     jobs: int = 1,
     threads: int = 0,
     callback: Callback | None = None,
+    device: str = DEFAULT_COST_DEVICE,
 ) -> dict[str, Any]:
     """:func:`run_comparison`, returning only the summary (see :func:`summarize_comparison`).
     The report is not written here: ``fp8lab.report.training.write_report`` does that."""
-    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback).summary
+    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback, device).summary

@@ -220,6 +220,38 @@ TABLE_COLS = (
 )
 
 
+def table_cols(summary: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """`TABLE_COLS`, plus "predicted step ms on DEVICE" when the summary has a cost device
+    (summaries written before fp8lab.cost existed have none)."""
+    if not summary.get("device"):
+        return TABLE_COLS
+    i = [k for k, _ in TABLE_COLS].index("step_ratio") + 1
+    col = ("predicted_step_ms", f"predicted step ms on {summary['device']}")
+    return (*TABLE_COLS[:i], col, *TABLE_COLS[i:])
+
+
+def predicted_note(summary: Mapping[str, Any]) -> str | None:
+    """What the predicted-step column is, and why a recipe shows n/a (None: no column)."""
+    dev = summary.get("device")
+    if not dev:
+        return None
+    text = (
+        f"predicted step ms on {dev} = fp8lab.cost's roofline (calibrated on Transformer "
+        "Engine's published GEMM timings, docs/cost.md) of the GEMMs and their quantization in "
+        "one training step of the model's quantized Linears at this run's tokens per step; "
+        "attention, norms, the optimizer and communication are not included. Other devices: "
+        "fp8lab compare --device h100|h200|b200|b300."
+    )
+    why = [
+        f"{n}: {d['predicted_step']['reason']}"
+        for n, d in summary["details"].items()
+        if (d.get("predicted_step") or {}).get("reason")
+    ]
+    if why:
+        text += " n/a: " + "; ".join(why) + "."
+    return text
+
+
 def table_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
     """One row of display strings per recipe (the report's main table)."""
     fp32_ms = summary["details"].get("fp32", {}).get("step_time_ms")
@@ -241,6 +273,9 @@ def table_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
                 "skipped_steps": _fmt(r["skipped_steps"]),
                 "tokens_per_s": _fmt(r["tokens_per_s"], ".0f"),
                 "step_ratio": _fmt(ratio, ".2f"),
+                "predicted_step_ms": "n/a"
+                if r.get("predicted_step_ms") is None
+                else format(r["predicted_step_ms"], ".4g"),
                 "mem_weights": _mib(mem["weights"]),
                 "mem_activations": _mib(mem["activations"]),
                 "mem_optimizer": _mib(mem["optimizer"]),
@@ -253,9 +288,10 @@ def table_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def markdown_table(summary: Mapping[str, Any]) -> str:
     rows = table_rows(summary)
-    head = "| " + " | ".join(t for _, t in TABLE_COLS) + " |"
-    sep = "|" + "|".join("---" if k == "recipe" else "---:" for k, _ in TABLE_COLS) + "|"
-    body = ["| " + " | ".join(r[k] for k, _ in TABLE_COLS) + " |" for r in rows]
+    cols = table_cols(summary)
+    head = "| " + " | ".join(t for _, t in cols) + " |"
+    sep = "|" + "|".join("---" if k == "recipe" else "---:" for k, _ in cols) + "|"
+    body = ["| " + " | ".join(r[k] for k, _ in cols) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
@@ -335,6 +371,8 @@ def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
         lines += [f"**{baseline_warning(base)}**", ""]
     lines += [markdown_table(summary), ""]
     lines += [f"- {n}" for n in NOTES]
+    if predicted_note(summary):
+        lines.append(f"- {predicted_note(summary)}")
     for title, f in figures.items():
         lines += ["", f"## {title}", "", f"![{title}]({f})"]
     srows = stats_rows(stats_by_recipe)
@@ -398,15 +436,16 @@ def render_html(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     if summary.get("baseline_diverged"):
         parts.append(f'<p class="warning"><b>{e(baseline_warning(summary["baseline"]))}</b></p>')
     parts.append("<table><tr>")
-    parts += [f"<th>{e(t)}</th>" for _, t in TABLE_COLS]
+    cols = table_cols(summary)
+    parts += [f"<th>{e(t)}</th>" for _, t in cols]
     parts.append("</tr>")
     for row in table_rows(summary):
         cls = ' class="negative"' if "negative control" in row["recipe"] else ""
-        parts.append(
-            f"<tr{cls}>" + "".join(f"<td>{e(row[k])}</td>" for k, _ in TABLE_COLS) + "</tr>"
-        )
+        parts.append(f"<tr{cls}>" + "".join(f"<td>{e(row[k])}</td>" for k, _ in cols) + "</tr>")
     parts.append("</table><ul>")
     parts += [f"<li>{e(n).replace('`', '')}</li>" for n in NOTES]
+    if predicted_note(summary):
+        parts.append(f"<li>{e(predicted_note(summary))}</li>")
     parts.append("</ul>")
     for title, f in figures.items():
         parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')
