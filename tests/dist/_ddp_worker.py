@@ -1,7 +1,8 @@
 """One rank of the 2-process gloo tests (run as a script by tests/dist/test_*_dist.py).
 
-argv: rank world port out_file mode [steps]. world == 1 runs without torch.distributed (the
-one-rank reference on the same global batch). Writes a dict of tensors with torch.save.
+argv: rank world port out_file modes [steps]; modes is a comma list, each mode's results keyed
+``mode:key``. world == 1 runs without torch.distributed (the one-rank references on the same
+global batch). Writes a dict of tensors with torch.save.
 """
 
 from __future__ import annotations
@@ -13,28 +14,51 @@ import torch
 
 
 def main() -> None:
-    rank, world, port, out, mode = (
+    rank, world, port, out, modes = (
         int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5],
     )  # fmt: skip
     steps = int(sys.argv[6]) if len(sys.argv) > 6 else 3
     torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    result: dict[str, object] = {}
+    for mode in modes.split(","):  # several modes share one launch (process start-up is slow)
+        if mode == "fsdp":  # FP8 all-gather as a function, under fully_shard, --grad-comm hook
+            part = {**fsdp_gather(rank, world), **fully_shard_gather(rank, world),
+                    **grad_comm(rank)}  # fmt: skip
+        else:
+            part = train(mode, rank, world, steps)
+        result.update({f"{mode}:{k}": v for k, v in part.items()})
+    torch.save(result, out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
+    """A few SGD steps of a tiny GPT on a fixed global batch split over the ranks.
+
+    modes: world | none | unbatched (world, one all-reduce per state and update) under
+    te-delayed (on one rank: the reference); under te-current: fsdp8 (FSDP2 with the FP8
+    all-gather), fsdp32 (FSDP2 gathering fp32) and ddp8 (DDP)."""
     from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
     from fp8lab.dist.data import gather_token_losses, global_token_loss, shard_batch
     from fp8lab.dist.ddp import DataParallel
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    if mode == "fsdp":  # plus the --grad-comm DDP hook (one launch for both)
-        torch.save({**fsdp_gather(rank, world), **grad_comm(rank)}, out)
-        torch.distributed.destroy_process_group()
-        return
+    recipe = "te-current" if mode in ("fsdp8", "fsdp32", "ddp8") else "te-delayed"
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, d_ff=128, block_size=16))
-    convert(model, "te-delayed")
-    dp = DataParallel(model, mode) if world > 1 else None
+    convert(model, recipe)
+    dp = None
+    if world > 1 and mode in ("fsdp8", "fsdp32"):
+        dp = DataParallel(model, "world", fsdp=True, fp8_allgather=mode == "fsdp8")
+    elif world > 1 and mode == "ddp8":
+        dp = DataParallel(model, "world")
+    elif world > 1:
+        dp = DataParallel(model, "world" if mode == "unbatched" else mode,
+                          batch_amax=mode != "unbatched")  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     result: dict[str, object] = {"names": list(delayed_states(model))}
@@ -53,21 +77,23 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if world > 1:
             per_token = gather_token_losses(per_token)
-            if mode == "world":
+            if mode in ("world", "unbatched"):
                 assert_identical_scales(model)  # raises naming the state otherwise
             result[f"spread{step}"] = torch.tensor(list(scale_spread(model).values()))
         result[f"tokens{step}"] = per_token
-        result[f"scales{step}"] = torch.stack([ds.scale for ds in delayed_states(model).values()])
-    if world > 1:
+        scales = [ds.scale for ds in delayed_states(model).values()]
+        result[f"scales{step}"] = torch.stack(scales) if scales else torch.zeros(0)
+    if dp is not None and dp.amax is not None:
+        result["amax_flushes"] = torch.tensor(dp.amax.flushes)
+    if world > 1 and mode == "none":
         from fp8lab.dist.runtime import agree_any, gather_scaling_states
 
         result["agree"] = torch.tensor([agree_any(rank == 1), agree_any(False)])
         states = gather_scaling_states(model)
         result["states_ranks"] = torch.tensor(len(states))
         result["states_scale_r1"] = torch.stack([v["scale"] for v in states[1].values()])
-    torch.save(result, out)
-    if world > 1:
-        torch.distributed.destroy_process_group()
+        result["state"] = torch.tensor(dp.state()["scale_spread_binades"])
+    return result
 
 
 def grad_comm(rank: int) -> dict[str, object]:
@@ -119,6 +145,44 @@ def fsdp_gather(rank: int, world: int) -> dict[str, object]:
                 same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32))))
                 result[f"{preset}:{name}"] = torch.tensor(same[-1])
         result[f"{preset}:count"] = torch.tensor(len(same))
+    return result
+
+
+def fully_shard_gather(rank: int, world: int) -> dict[str, object]:
+    """FSDP2 fully_shard of the default lab GPT with the FP8 all-gather: after unsharding, every
+    Linear's gathered QTensor vs the unsharded quantization of the same weight, bit for bit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fp8lab.dist.fsdp import shard_model
+    from fp8lab.lab.gpt import GPT, GPTConfig
+    from fp8lab.nn import Linear, convert
+    from fp8lab.qtensor import quantize
+
+    result: dict[str, object] = {}
+    for preset in ("te-current", "deepseek-v3", "mxfp8"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig())
+        convert(model, preset)
+        full = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                if isinstance(m, Linear)}  # fmt: skip
+        shard_model(model, fp8_allgather=True)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()  # runs the pre/post all-gather hooks
+        same = []
+        for name, m in model.named_modules():
+            if name not in full:
+                continue
+            spec, got = m._fp8lab_gathered
+            want = quantize(full[name], spec)
+            same.append(
+                torch.equal(got.values, want.values)
+                and torch.equal(got.scales.view(torch.int32), want.scales.view(torch.int32))
+                and torch.equal(got.dequantize().view(torch.int32),
+                                want.dequantize().view(torch.int32))
+            )  # fmt: skip
+            result[f"fs:{preset}:{name}"] = torch.tensor(same[-1])
+        result[f"fs:{preset}:count"] = torch.tensor(len(same))
     return result
 
 

@@ -1,4 +1,5 @@
-"""--amax-group world|none on 2 gloo processes against a 1-rank run on the same global batch."""
+"""--amax-group world|none on 2 gloo processes against a 1-rank run on the same global batch,
+and the batched amax all-reduce against one all-reduce per state."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ from _dist_launch import run_ranks
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("amax")
+    (one,) = run_ranks(tmp, 1, "world")  # the 1-rank reference (no process group)
+    two = run_ranks(tmp, 2, "world,none,unbatched")  # one launch for the three modes
+
+    def mode(res: dict, name: str) -> dict:
+        return {k.split(":", 1)[1]: v for k, v in res.items() if k.startswith(name + ":")}
+
     return {
-        name: run_ranks(tmp_path_factory.mktemp(name), world, mode)
-        for name, world, mode in (("one", 1, "world"), ("world", 2, "world"), ("none", 2, "none"))
+        "one": [mode(one, "world")],
+        **{m: [mode(r, m) for r in two] for m in ("world", "none", "unbatched")},
     }
 
 
@@ -39,6 +47,15 @@ def test_world_scales_identical_and_first_step_equals_one_rank(runs: dict) -> No
         assert abs(float(a - b)) <= 1e-5 * abs(float(b)), (step, float(a), float(b))
 
 
+def test_batched_amax_reduction_is_one_all_reduce_and_changes_nothing(runs: dict) -> None:
+    (r0, _), (u0, _) = runs["world"], runs["unbatched"]
+    assert int(r0["amax_flushes"]) == 3  # one all-reduce per step for all 15 states
+    assert len(r0["names"]) > 10
+    for step in range(3):  # deferring the updates to the end of the backward changes no bit
+        assert torch.equal(_bits(r0[f"scales{step}"]), _bits(u0[f"scales{step}"]))
+        assert torch.equal(_bits(r0[f"tokens{step}"]), _bits(u0[f"tokens{step}"]))
+
+
 def test_none_keeps_local_amaxes(runs: dict) -> None:
     r0, r1 = runs["none"]
     # runtime helpers: a guard decision of one rank is every rank's; rank 0 gets rank 1's states
@@ -50,3 +67,5 @@ def test_none_keeps_local_amaxes(runs: dict) -> None:
     assert float(spread.max()) > 0  # the input amaxes of the two halves differ
     assert torch.equal(spread, r1["spread0"])
     assert not torch.equal(r0["scales0"], r1["scales0"])
+    # DataParallel.state(): the largest spread after the last step, in binades
+    assert float(r0["state"]) == float(r0["spread2"].max())

@@ -10,10 +10,16 @@ from _dist_launch import run_ranks
 from fp8lab.dist.fsdp import check_shardable, shard_rows
 from fp8lab.qtensor import QuantSpec
 
+MODES = "fsdp,fsdp8,fsdp32,ddp8"
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_ranks(tmp_path_factory.mktemp("fsdp"), 2, "fsdp")
+    # one 2-process launch: the FP8 all-gather as a function and under fully_shard, the
+    # --grad-comm hook, and 3 training steps under FSDP2 (FP8 / fp32 all-gather) and DDP
+    out = run_ranks(tmp_path_factory.mktemp("fsdp"), 2, MODES)
+    return [{k.split(":", 1)[1]: v for k, v in r.items() if k.startswith("fsdp:")} | r
+            for r in out]  # fmt: skip
 
 
 def test_gathered_weight_equals_unsharded_quantization(ranks: list[dict]) -> None:
@@ -54,3 +60,33 @@ def test_shard_rows_is_torch_chunk() -> None:
     assert [shard_rows(w, r, 3).shape[0] for r in range(3)] == [3, 3, 1]
     assert torch.equal(torch.cat([shard_rows(w, r, 3) for r in range(3)]), w)
     assert shard_rows(torch.zeros(2, 2), 2, 3).shape == (0, 2)
+
+
+def test_fully_shard_fp8_allgather_equals_unsharded_quantization(ranks: list[dict]) -> None:
+    # FSDP2's own all-gather, hooked (ShardedWeight.fsdp_pre/post_all_gather): uint8 codes in,
+    # the whole weight's QTensor out, equal to quantizing the unsharded weight (values, scales)
+    for res in ranks:
+        for preset in ("te-current", "deepseek-v3", "mxfp8"):
+            pre = f"fs:{preset}:"
+            layers = {k: v for k, v in res.items() if k.startswith(pre) and "count" not in k}
+            assert len(layers) == int(res[f"{pre}count"]) >= 9  # every fp8lab Linear
+            bad = [k for k, v in layers.items() if not bool(v)]
+            assert not bad, bad
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_fsdp_training_equals_ddp_bit_for_bit(ranks: list[dict]) -> None:
+    # te-current on 2 ranks: FSDP2 gathering FP8 codes, FSDP2 gathering fp32 and DDP give the
+    # same per-token losses at every step, bit for bit: the Linear consumes the gathered QTensor
+    # (the unsharded quantization), and with 2 ranks the reduce-scatter and the all-reduce add
+    # the same two fp32 gradients. (Not a 1-rank run: current scaling takes each rank's local
+    # activation amax.)
+    r0, r1 = ranks
+    for step in range(3):
+        want = _bits(r0[f"ddp8:tokens{step}"])
+        for mode in ("fsdp8", "fsdp32"):
+            assert torch.equal(_bits(r0[f"{mode}:tokens{step}"]), want), (mode, step)
+            assert float(r0[f"{mode}:loss{step}"]) == float(r1[f"{mode}:loss{step}"])

@@ -12,6 +12,13 @@ model by `set_amax_group`:
 ``none``   each rank keeps its local amax (a one-rank group per rank): the scales drift apart;
            `scale_spread` measures by how many binades.
 
+Batching (`batch_amax_reduction`, TE's global amax buffer): instead of one all-reduce per state
+and update, every update of the step is deferred (`AmaxBatch.defer_update`) and `AmaxBatch.flush`
+all-reduces all staged amaxes as one flat float32 buffer, then runs each update with its reduced
+amax. A state's new scale is first used in the next step's forward or backward, so deferring the
+updates to the end of the backward changes no number (tested bit for bit against the unbatched
+path); it turns ~33 scalar all-reduces per step of the default GPT into one.
+
 Only data parallelism is modelled: with tensor or sequence parallelism one tensor's amax is split
 over ranks and ``none`` would be wrong inside a layer; those are out of scope.
 """
@@ -29,7 +36,9 @@ AMAX_GROUPS = ("world", "none")
 
 __all__ = [
     "AMAX_GROUPS",
+    "AmaxBatch",
     "assert_identical_scales",
+    "batch_amax_reduction",
     "delayed_states",
     "gather_scales",
     "scale_spread",
@@ -116,6 +125,57 @@ def set_amax_group(model: torch.nn.Module, mode: str = "world", group: Any = Non
     for ds in states.values():
         ds.group = target
     return len(states)
+
+
+class AmaxBatch:
+    """The deferred delayed-scaling updates of one step and their single all-reduce (MAX).
+
+    Set as the ``group`` of every state (`batch_amax_reduction`): `DelayedScaling.update` then
+    calls `defer_update` instead of reducing. ``group`` is the process group reduced over (None:
+    the world). ``flushes`` counts the all-reduces issued, ``updates`` the updates they served.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.pending: list[tuple[DelayedScaling, Any]] = []
+        self.flushes = 0
+        self.updates = 0
+
+    def defer_update(self, state: DelayedScaling, fmt: Any = None) -> None:
+        """Queue ``state``'s update. A state queued twice (a module run twice before the flush)
+        flushes first, so each update sees only its own amaxes, as unbatched."""
+        if any(s is state for s, _ in self.pending):
+            self.flush()
+        self.pending.append((state, fmt))
+
+    def flush(self) -> int:
+        """All-reduce (MAX) the staged amax of every queued state in one buffer, then update
+        each with its reduced amax; returns how many were updated. Collective: every rank flushes
+        at the same point (the same program queues the same states in the same order)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return 0
+        buf = torch.stack([s.state.amax_history[0].float() for s, _ in pending])
+        d = torch.distributed
+        if d.is_available() and d.is_initialized():
+            d.all_reduce(buf, op=d.ReduceOp.MAX, group=self.group)
+            self.flushes += 1
+        for (s, fmt), red in zip(pending, buf, strict=True):
+            s.update(fmt, reduced=red)
+        self.updates += len(pending)
+        return len(pending)
+
+
+def batch_amax_reduction(model: torch.nn.Module, mode: str = "world") -> AmaxBatch:
+    """`set_amax_group` (``mode``), then route every state's update through one `AmaxBatch`
+    (returned: call its `flush` once per step after the backward, on every rank)."""
+    set_amax_group(model, mode)
+    states = delayed_states(model)
+    # every state got the same group (the world's, or this rank's one-rank group)
+    batch = AmaxBatch(next(iter(states.values())).group if states else None)
+    for ds in states.values():
+        ds.group = batch
+    return batch
 
 
 def gather_scales(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:

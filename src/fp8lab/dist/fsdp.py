@@ -18,6 +18,27 @@ Granularities:
 
 Delayed scaling of the weight is not supported here (its scale is state of the module; use a
 current-scaling weight spec).
+
+FSDP2 itself (`shard_model`): every weight of a `fp8lab.nn.Linear` becomes a `ShardedWeight`, a
+tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``, the hook torchao's float8 training uses), then each block of every
+``ModuleList`` and the root are wrapped by ``fully_shard``:
+
+* ``fp8_allgather=True``: before the all-gather each rank quantizes its shard under the Linear's
+  fprop weight spec with the global amax (one all-reduce MAX) and hands FSDP uint8 codes (plus
+  float32 block scales for row-aligned blocks on evenly sharded weights); after it the codes are
+  decoded into the `QTensor` of the whole weight, which the Linear's fprop consumes as is
+  (`fp8lab.nn.operand.prepare` takes a weight's ``fp8lab_gathered`` (spec, QTensor) when the
+  spec matches) -- bit for bit the unsharded quantization -- while the Parameter holds its
+  dequantized values (what the backward re-quantizes when a backward GEMM wants another
+  layout, and what the gradient flows to).
+* ``fp8_allgather=False``: float32 shards are gathered (exact); the Linear quantizes the
+  gathered weight as without FSDP.
+
+Either way the gathered tensor lives in a buffer owned here, not in FSDP's all-gather output:
+fp8lab's numba kernels read tensors through ``.numpy()``, which makes a storage non-resizable,
+and FSDP frees an unsharded parameter by resizing its storage to 0. So the simulation keeps
+every unsharded weight allocated between steps (numerics exact, memory not that of FSDP).
 """
 
 from __future__ import annotations
@@ -25,13 +46,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.granularity import normalize_granularity, resolve_block, shape_2d
 from fp8lab.scaling.rules import get_rule
 
-__all__ = ["check_shardable", "fp8_all_gather", "shard_rows"]
+__all__ = ["ShardedWeight", "check_shardable", "fp8_all_gather", "shard_model", "shard_rows"]
 
 
 def shard_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -84,6 +106,23 @@ def fp8_all_gather(
     fmt = get_format(spec.format)
     if fmt.bits > 8:
         raise ValueError(f"FP8 all-gather moves 8-bit codes; {fmt.name} has {fmt.bits} bits")
+    rows = -(-int(full_rows) // world)
+    local, q, codes = _quantize_shard(shard, spec, rows, group)
+    parts = [torch.empty_like(codes) for _ in range(world)]
+    d.all_gather(parts, codes, group=group)
+    values = decode(torch.cat(parts)[: int(full_rows)], fmt)
+    scales = _gather_scales(q, local, shard.shape, rows, world, group)
+    return QTensor(values=values, scales=scales, spec=local).dequantize()
+
+
+def _quantize_shard(
+    shard: torch.Tensor, spec: QuantSpec, rows: int, group: Any
+) -> tuple[QuantSpec, QTensor | None, torch.Tensor]:
+    """Quantize a row shard (per-tensor: with the global amax, one all-reduce MAX over
+    ``group``; collective): (the spec used, the QTensor or None for an empty shard, uint8 codes
+    zero-padded to ``rows`` rows)."""
+    d = torch.distributed
+    fmt = get_format(spec.format)
     x = shard.detach().float()
     if normalize_granularity(spec.granularity) == (-1, -1):
         amax = x.abs().amax() if x.numel() else torch.zeros(())
@@ -92,17 +131,12 @@ def fp8_all_gather(
         local = spec.replace(scaling=float(_scale_of(spec, amax[0])))
     else:
         local = spec
-    rows = -(-int(full_rows) // world)
     n = x.shape[0]
     q = quantize(x, local) if n else None
     codes = torch.zeros((rows, *shard.shape[1:]), dtype=torch.uint8)  # padded to equal shards
     if q is not None:
         codes[:n] = encode(q.values, fmt)  # exact: values are on the grid
-    parts = [torch.empty_like(codes) for _ in range(world)]
-    d.all_gather(parts, codes, group=group)
-    values = decode(torch.cat(parts)[: int(full_rows)], fmt)
-    scales = _gather_scales(q, local, shard.shape, rows, world, group)
-    return QTensor(values=values, scales=scales, spec=local).dequantize()
+    return local, q, codes
 
 
 def _gather_scales(
@@ -129,3 +163,174 @@ def _gather_scales(
     ns = [torch.empty_like(counts) for _ in range(world)]
     d.all_gather(ns, counts, group=group)
     return torch.cat([p[: int(cnt)] for p, cnt in zip(parts, ns, strict=True)])
+
+
+# --------------------------------------------------------------------------- FSDP2 extension
+_aten = torch.ops.aten
+# FSDP pads, slices and copies the local shard: those results stay a ShardedWeight (as torchao)
+_KEEP_SUBCLASS = {
+    _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
+    _aten.view.default, _aten.as_strided.default, _aten._to_copy.default, _aten.split.Tensor,
+    _aten.clone.default, _aten.chunk.default, _aten.narrow.default, _aten.alias.default,
+}  # fmt: skip
+
+
+class ShardedWeight(torch.Tensor):
+    """A float32 weight (shard) whose FSDP2 all-gather fp8lab controls (see the module doc).
+
+    ``spec``: the weight's fprop `QuantSpec` to all-gather FP8 codes under, or None to gather
+    float32. Every op sees the plain tensor (``_tensor``); FSDP's padding ops keep the subclass.
+    """
+
+    _tensor: torch.Tensor
+    spec: QuantSpec | None
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, spec: QuantSpec | None = None) -> ShardedWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )  # fmt: skip
+
+    def __init__(self, tensor: torch.Tensor, spec: QuantSpec | None = None) -> None:
+        self._tensor = tensor
+        self.spec = spec
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"ShardedWeight({self._tensor!r}, spec={self.spec})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        spec: list[QuantSpec | None] = []
+
+        def unwrap(t: ShardedWeight) -> torch.Tensor:
+            spec.append(t.spec)
+            return t._tensor
+
+        if func is _aten.detach.default:
+            return cls(args[0]._tensor.detach(), args[0].spec)
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP_SUBCLASS:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, spec[0]), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_tensor"], self.spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):  # type: ignore[no-untyped-def]
+        return ShardedWeight(inner["_tensor"], spec)
+
+    # ---- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard)
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """This rank's all-gather inputs (each of the padded shard size when the weight is
+        unevenly sharded, as FSDP requires) and the metadata `fsdp_post_all_gather` needs."""
+        group, world = mesh.get_group(), mesh.size()
+        full_rows = int(outer_size[0])
+        rows = -(-full_rows // world)
+        if self.spec is None:
+            x = self._tensor.detach()
+            pad = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype)
+            pad[: x.shape[0]] = x
+            return (pad,), (module, None, full_rows)
+        local, q, codes = _quantize_shard(self._tensor, self.spec, rows, group)
+        if normalize_granularity(local.granularity) == (-1, -1):
+            inv = q.scales if q is not None else torch.reciprocal(torch.tensor(local.scaling))
+            return (codes,), (module, local, full_rows, inv.reshape(1, 1).float())
+        if full_rows % world:  # FSDP wants every input of the padded shard size then
+            raise ValueError(
+                f"FP8 all-gather of {tuple(outer_size)} over {world} ranks: block scales "
+                f"({local.granularity!r}) need evenly sharded weights (rows % world == 0)"
+            )
+        assert q is not None
+        return (codes, q.scales.contiguous()), (module, local, full_rows, None)
+
+    def fsdp_post_all_gather(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The unsharded weight (float32) from the gathered codes; its QTensor is left on the
+        module (``_fp8lab_gathered``) for the Linear's forward pre-hook (`shard_model`)."""
+        module, local, full_rows = metadata[:3]
+        if local is None:
+            dense = outputs[0][:full_rows]
+            q = None
+        else:
+            values = decode(outputs[0][:full_rows], get_format(local.format))
+            scales = metadata[3] if metadata[3] is not None else outputs[1]
+            q = QTensor(values=values, scales=scales, spec=local)
+            dense = q.dequantize()
+        module._fp8lab_gathered = None if q is None else (self.spec, q)
+        if out is not None:  # later all-gathers refill the same buffer
+            with torch.no_grad():
+                out.copy_(dense.reshape(out.shape))
+            return None
+        # a buffer FSDP does not free (module doc); padded rows never reach the model
+        buf = torch.zeros((outputs[0].shape[0], *outputs[0].shape[1:]), dtype=torch.float32)
+        buf[:full_rows] = dense
+        return buf, ()
+
+
+def _attach_gathered(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of a Linear under FSDP: hand its gathered QTensor to the weight."""
+    w = module.weight
+    w.fp8lab_gathered = getattr(module, "_fp8lab_gathered", None)
+
+
+def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any = None) -> Any:
+    """Shard ``model`` in place with FSDP2's ``fully_shard`` (each block of every ModuleList,
+    then the root) over ``mesh`` (default: a 1-D CPU/CUDA mesh of the world); returns it.
+
+    ``fp8_allgather``: every `fp8lab.nn.Linear` weight is all-gathered as FP8 codes under its
+    fprop weight spec (module doc); a weight whose spec cannot be gathered that way raises
+    ValueError naming the layer before anything is sharded. Collective: call on every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8lab.nn import Linear as Fp8Linear
+
+    d = torch.distributed
+    world = d.get_world_size()
+    if mesh is None:
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    specs: dict[str, QuantSpec | None] = {}
+    for name, m in linears:
+        spec = m.recipe.spec("fprop", "weight") if fp8_allgather else None
+        if spec is not None:
+            if get_format(spec.format).bits > 8:
+                raise ValueError(f"--fp8-allgather: {name} has a {spec.format} weight, not 8-bit")
+            try:
+                check_shardable(spec, tuple(m.weight.shape), world)
+            except ValueError as exc:
+                raise ValueError(f"--fp8-allgather: layer {name}: {exc}") from None
+        specs[name] = spec
+    for name, m in linears:
+        w = m.weight
+        m.weight = torch.nn.Parameter(
+            ShardedWeight(w.detach(), specs[name]), requires_grad=w.requires_grad
+        )
+        m.register_forward_pre_hook(_attach_gathered)
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.ModuleList):
+            for block in sub:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def local_weight(p: torch.Tensor) -> torch.Tensor:
+    """The plain local tensor of a (DTensor of a) `ShardedWeight`, else ``p``."""
+    t = getattr(p, "_local_tensor", p)
+    return t._tensor if isinstance(t, ShardedWeight) else t

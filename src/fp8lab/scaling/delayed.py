@@ -414,10 +414,13 @@ class DelayedScaling:
         return self.state.scale.clone()
 
     # ------------------------------------------------------------------ once per step
-    def _reduced_last(self) -> torch.Tensor:
+    def _reduced_last(self, reduced: torch.Tensor | None = None) -> torch.Tensor:
         h0 = self.state.amax_history[0].clone()
         if not self.cfg.reduce_amax:
             return h0
+        if reduced is not None:  # reduced by the caller (a batched all-reduce)
+            red = torch.as_tensor(reduced, dtype=torch.float32).reshape(())
+            return torch.where(red != 0, red, h0)
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return h0
@@ -461,18 +464,27 @@ class DelayedScaling:
         ok = torch.isfinite(amax) & (amax > 0)
         return torch.where(ok, scale, self.state.scale), ok
 
-    def update(self, fmt: str | FloatFormat | None = None) -> torch.Tensor:
+    def update(
+        self, fmt: str | FloatFormat | None = None, *, reduced: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """End of step: reduce, roll the history and compute the next scale (TE semantics).
 
         Returns the new scale. On steps that are not measured (``interval``) it only advances the
-        step counter.
+        step counter. ``reduced``: the staged amax already all-reduced by the caller (no
+        collective here). A ``group`` with a ``defer_update(state, fmt)`` method (a batched
+        reduction, `fp8lab.dist.amax.AmaxBatch`) takes the call over: it reduces every deferred
+        state's amax in one all-reduce later and calls ``update(fmt, reduced=...)`` for each;
+        until then the old scale is returned.
         """
         st = self.state
+        if reduced is None and hasattr(st.group, "defer_update"):
+            st.group.defer_update(self, fmt)
+            return st.scale.clone()
         if not self.measuring:
             st.step += 1
             return st.scale.clone()
         fmax = self._fmt_max(fmt)
-        last = self._reduced_last()
+        last = self._reduced_last(reduced)
         if self.cfg.update_path == "fused":
             scale, ok = self._fused_update(last, fmax)
         else:
