@@ -1,6 +1,8 @@
 """Held-out prediction of Transformer Engine's published GEMM timings (issue 17 acceptance).
 
-Calibration uses the fprop sums only; dgrad, wgrad and the layer totals are predictions.
+Calibration uses fprop sums only (the pre-quantized GEMM kernels where TE publishes them, then
+te-current's autocast fprop for the quantization kernels; deepseek-v3's autocast fprop on H200);
+dgrad, wgrad, the layer totals and the other recipes' autocast fprop are predictions.
 """
 
 from __future__ import annotations
@@ -28,20 +30,33 @@ def test_shipped_calibration_is_the_fit(fitted):
         )
         for cls, e in cal["efficiency"].items():
             assert shipped[dev]["efficiency"][cls] == pytest.approx(e, abs=2e-6)
-        assert all(f.endswith("fprop") for f in cal["fitted_on"])
+        assert all(" fprop" in f for f in cal["fitted_on"])
+        assert shipped[dev]["fitted_on"] == cal["fitted_on"]
 
 
 @pytest.mark.slow
 def test_fit_reproduces_the_calibration_passes(fitted):
     fit = [r for r in C.residuals(fitted) if not r.held_out]
-    assert {r.quantity for r in fit} == {"fprop"}
-    assert len(fit) == 4 + 5  # H200: 4 recipes, B300: 5
+    assert {r.quantity for r in fit} == {"fprop", "fprop (pre-quantized)"}
+    # H200 NVL: bf16 + te-current pre-quantized, te-current + deepseek-v3 autocast; B300: bf16,
+    # te-current, mxfp8, nvfp4 pre-quantized + te-current autocast (one parameter each)
+    assert len(fit) == 4 + 5
     assert all(abs(r.error) < 1e-6 for r in fit)
 
 
 def test_held_out_autocast_within_10_percent():
     held = [r for r in C.residuals() if r.held_out and "pre-quantized" not in r.quantity]
-    assert len(held) == 9 * 3  # dgrad, wgrad, layer of every published recipe
+    # dgrad, wgrad, layer of every published recipe, and the fprop of all but te-current
+    # (both devices) and deepseek-v3 (H200)
+    assert len(held) == 9 * 3 + 9 - 3
+    worst = max(held, key=lambda r: abs(r.error))
+    assert abs(worst.error) <= 0.10, worst
+
+
+def test_held_out_prequantized_gemm_kernels_within_10_percent():
+    # the known weak spot of the fprop-autocast-only fit (B300 raw kernels 11-47 % too fast)
+    held = [r for r in C.residuals() if r.held_out and "pre-quantized" in r.quantity]
+    assert len(held) == 6 * 4 - 6  # 6 published recipes x (fprop, dgrad, wgrad, layer)
     worst = max(held, key=lambda r: abs(r.error))
     assert abs(worst.error) <= 0.10, worst
 

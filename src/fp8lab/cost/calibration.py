@@ -5,14 +5,25 @@ Published data (``data/te_gemm_profiling.toml``): TE's GEMM profiling tutorial, 
 dgrad / wgrad times of a 5B configuration on H200 NVL and B300 in autocast mode (quantization
 included), plus pre-quantized times and the ~17 % quantization share of current scaling on H200.
 
-Split (`SPLIT`, the default): calibrate on the **fprop** sums only; everything else is predicted.
-Per architecture the fitted parameters are one GEMM efficiency per GEMM class that appears in the
-fprop data (bf16; fp8 per-tensor; fp8 block on Hopper; mxfp8 and nvfp4 on Blackwell) and one
-bandwidth efficiency of the memory-bound quantization kernels. The fp8 efficiency and the bandwidth
-efficiency come from current and delayed scaling together (they differ only by the amax pass):
-as many parameters as fprop observations, solved exactly by bisection, no least squares. Held
-out: dgrad and wgrad of every recipe on both devices, the pre-quantized GEMM times, the
+Split (`SPLIT`, the default): calibrate on **fprop** sums only; everything else is predicted.
+Per architecture the fitted parameters are one GEMM efficiency per GEMM class (bf16; fp8
+per-tensor; fp8 block on Hopper; mxfp8 and nvfp4 on Blackwell) and one bandwidth efficiency of
+the memory-bound quantization kernels, identified in that order:
+
+1. each GEMM efficiency from the **pre-quantized** fprop sum of its recipe where TE publishes one
+   (raw GEMM kernels: bf16 and te-current on H200 NVL; bf16, te-current, mxfp8 and nvfp4 on B300),
+   so GEMM time and quantization time are measured apart;
+2. the bandwidth efficiency from te-current's **autocast** fprop sum (its GEMMs now known, the
+   rest is quantization: amax, cast, transpose);
+3. a class without pre-quantized data (fp8 block on H200) from its autocast fprop sum.
+
+As many parameters as observations (4 on H200 NVL, 5 on B300), each solved exactly by bisection,
+no least squares. Held out: every dgrad, wgrad and layer sum (autocast and pre-quantized), the
+autocast fprop of te-delayed, mxfp8 and nvfp4 (their quantization is predicted, not fitted), the
 quantization share of current scaling on H200, and the recipe ordering.
+
+(The first calibration fitted the autocast fprop sums alone; on B300 that could not tell GEMM
+time from quantization time and predicted the raw kernels 11-47 % too fast: docs/cost.md.)
 """
 
 from __future__ import annotations
@@ -43,11 +54,14 @@ __all__ = [
 #: the calibration split: these passes are fitted, the others predicted
 SPLIT = ("fprop",)
 PASSES = ("fprop", "dgrad", "wgrad")
-#: device -> (GEMM class fitted, recipe whose fprop sum fits it), in fitting order
+#: device -> (GEMM class fitted, recipe whose fprop sum fits it): pre-quantized where published
 _FIT = {
-    "h200-nvl": [("bf16", "bf16"), ("fp8_block", "deepseek-v3")],
-    "b300": [("bf16", "bf16"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")],
+    "h200-nvl": [("bf16", "bf16"), ("fp8", "te-current"), ("fp8_block", "deepseek-v3")],
+    "b300": [("bf16", "bf16"), ("fp8", "te-current"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")],
 }
+#: the recipe whose autocast fprop fits the bandwidth efficiency of the quantization kernels
+_BW_RECIPE = "te-current"
+PRE = " (pre-quantized)"
 
 
 @cache
@@ -72,42 +86,55 @@ def _bisect(f: Callable[[float], float], target: float, lo: float = 0.02, hi: fl
     return 0.5 * (lo + hi)
 
 
-def _fprop(recipe: str, dev: Device, cal: dict[str, Any]) -> float:
+def _fprop(recipe: str, dev: Device, cal: dict[str, Any], gemm_only: bool = False) -> float:
+    """Predicted fprop sum of the TE benchmark: GEMMs + quantization (autocast), or the GEMM
+    kernels alone (``gemm_only``: the pre-quantized mode)."""
     d = dev.with_calibration(cal)
-    return price_layer(recipe, d, te_shape(), "te-benchmark").pass_ms("fprop")
+    c = price_layer(recipe, d, te_shape(), "te-benchmark")
+    if gemm_only:
+        return sum(g.ms for g in c.gemms if g.name.endswith(".fprop"))
+    return c.pass_ms("fprop")
 
 
 def _fit_device(name: str) -> dict[str, Any]:
-    obs = published()[name]
+    obs, pre = published()[name], published().get(f"{name}-prequantized", {})
     dev = get_device(name, calibration={})
     cal: dict[str, Any] = {"efficiency": {"bf16": 1.0, "fp8": 1.0}, "bandwidth_efficiency": 1.0}
+    fitted: list[str] = []
 
-    def with_(key: str, value: float, bw: float | None = None) -> dict[str, Any]:
-        eff = {**cal["efficiency"], key: value}
-        return {**cal, "efficiency": eff, "bandwidth_efficiency": bw or cal["bandwidth_efficiency"]}
+    def with_(key: str, value: float) -> dict[str, Any]:
+        return {**cal, "efficiency": {**cal["efficiency"], key: value}}
 
-    def fp8_given_bw(bw: float) -> float:
-        target = obs["te-delayed"]["fprop"]
-        return _bisect(lambda e: _fprop("te-delayed", dev, with_("fp8", e, bw)), target)
+    def fit_class(cls: str, recipe: str, target: float, gemm_only: bool) -> None:
+        nonlocal cal
+        e = _bisect(lambda v: _fprop(recipe, dev, with_(cls, v), gemm_only), target)
+        cal = with_(cls, e)
+        fitted.append(f"{recipe} fprop" + (PRE if gemm_only else ""))
 
-    def current_at(bw: float) -> float:
-        return _fprop("te-current", dev, with_("fp8", fp8_given_bw(bw), bw))
-
-    # current - delayed = the amax pass: a larger bandwidth efficiency makes current faster
-    bw = _bisect(current_at, obs["te-current"]["fprop"], 0.05, 1.5)
-    cal = with_("fp8", fp8_given_bw(bw), bw)
-    for cls, recipe in _FIT[name]:
-        target = obs[recipe]["fprop"]
-        cal = with_(cls, _bisect(lambda e, c=cls, r=recipe: _fprop(r, dev, with_(c, e)), target))
-    cal["fitted_on"] = [f"{r} fprop" for r in ("te-current", "te-delayed")] + [
-        f"{r} fprop" for _, r in _FIT[name]
-    ]
+    for cls, recipe in _FIT[name]:  # 1. GEMM kernels measured alone
+        if recipe in pre:
+            fit_class(cls, recipe, pre[recipe]["fprop"], True)
+    # 2. quantization kernels: the rest of te-current's autocast fprop (a larger bandwidth
+    # efficiency makes it faster)
+    bw = _bisect(
+        lambda b: _fprop(_BW_RECIPE, dev, {**cal, "bandwidth_efficiency": b}),
+        obs[_BW_RECIPE]["fprop"],
+        0.05,
+        1.5,
+    )
+    cal = {**cal, "bandwidth_efficiency": bw}
+    fitted.append(f"{_BW_RECIPE} fprop")
+    for cls, recipe in _FIT[name]:  # 3. classes without pre-quantized data
+        if recipe not in pre:
+            fit_class(cls, recipe, obs[recipe]["fprop"], False)
+    cal["fitted_on"] = fitted
     return cal
 
 
 def calibrate() -> dict[str, Any]:
-    """Fit every calibrated architecture on the `SPLIT` passes: ``{device: {"efficiency":
-    {class: e}, "bandwidth_efficiency": b, "fitted_on": [...]}}``."""
+    """Fit every calibrated architecture on the `SPLIT` passes (module docstring): ``{device:
+    {"efficiency": {class: e}, "bandwidth_efficiency": b, "fitted_on": ["RECIPE fprop", "RECIPE
+    fprop (pre-quantized)", ...]}}``."""
     return {name: _fit_device(name) for name in _FIT}
 
 
@@ -115,7 +142,8 @@ def calibration_toml(cal: dict[str, Any]) -> str:
     """The calibration as the TOML text shipped in ``data/calibration.toml``."""
     lines = [
         "# Written by fp8lab.cost.calibration.calibrate() (benchmarks/bench_cost.py --write):",
-        "# fitted on the fprop sums of TE's published GEMM timings only; see docs/cost.md.",
+        "# fitted on fprop sums of TE's published GEMM timings only (pre-quantized where published,",
+        "# then te-current's autocast fprop for the quantization kernels); see docs/cost.md.",
     ]
     for name, c in cal.items():
         lines += ["", f"[{name}]", f"bandwidth_efficiency = {c['bandwidth_efficiency']:.6f}"]
@@ -144,11 +172,16 @@ class Residual:
 
 def residuals(cal: dict[str, Any] | None = None) -> list[Residual]:
     """Every published per-pass and per-layer time (autocast and pre-quantized) against the
-    model calibrated with ``cal`` (default: the shipped calibration)."""
+    model calibrated with ``cal`` (default: the shipped calibration); ``held_out`` is false for
+    the quantities the calibration lists in its ``fitted_on``."""
+    from fp8lab.cost.devices import load_calibration
+
     out = []
     pub = published()
+    full = load_calibration() if cal is None else cal
     for name in _FIT:
         dev = get_device(name, calibration=cal)
+        fitted = set(full.get(name, {}).get("fitted_on", []))
         for table, pre in ((name, False), (f"{name}-prequantized", True)):
             for recipe, row in pub[table].items():
                 if recipe == "source":
@@ -161,11 +194,11 @@ def residuals(cal: dict[str, Any] | None = None) -> list[Residual]:
                             if q == "layer"
                             else sum(g.ms for g in c.gemms if g.name.endswith("." + q))
                         )
-                        label = f"{q} (pre-quantized)"
+                        label = f"{q}{PRE}"
                     else:
                         pred = c.layer_ms if q == "layer" else c.pass_ms(q)
                         label = q
-                    held = pre or q not in SPLIT
+                    held = f"{recipe} {label}" not in fitted
                     out.append(Residual(name, recipe, label, row[q], pred, held))
     return out
 

@@ -283,7 +283,12 @@ def _prec(fmt: str | None) -> str:
 def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost]:
     out = []
     cast_roles = {e.role for e in counts.events if e.kind == "cast"}
+    tensor_amax: set[str] = set()  # roles whose whole-tensor amax is already priced this step
     for e in counts.events:
+        if e.kind == "amax" and (e.scaling == "nvfp4" or e.granularity == (-1, -1)):
+            if e.role in tensor_amax:
+                continue  # the same tensor's amax again (NVFP4's second copy): computed once
+            tensor_amax.add(e.role)
         n = counts.elements(e)
         shape = counts.shape(e)
         read: dict[str, int] = {}
