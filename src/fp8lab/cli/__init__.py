@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from fp8lab.cli import comm_sim, compare, cost, formats, inspect, observe_report, snr
+from fp8lab.cli import replay as replay_cmd
 
 app = typer.Typer(
     name="fp8lab",
@@ -36,7 +37,7 @@ def _root(
         raise typer.Exit()
 
 
-for _module in (formats, snr, inspect, compare, cost, observe_report, comm_sim):
+for _module in (formats, snr, inspect, compare, cost, observe_report, comm_sim, replay_cmd):
     _module.register(app)
 
 

@@ -166,7 +166,7 @@ class AnomalyGuard:
         """Build from plain data (the constructor's keys; unknown keys raise naming them)."""
         keys = ("detectors", "policy", "checkpoint_every", "keep", "max_rollbacks", "window",
                 "on_restart", "escalate")  # fmt: skip
-        check_keys(d, keys, "guard key")
+        check_keys(d, keys, "guard")
         return cls(**{**dict(d), **overrides})
 
     @classmethod

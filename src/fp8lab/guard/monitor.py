@@ -203,6 +203,20 @@ class GuardMonitor:
             done.append(name)
         return done
 
+    def pinned_names(self) -> list[str]:
+        """States restarted by `reset_scaling` still waiting for their first scale (saved with
+        a checkpoint: `pin_current` re-applies it on resume)."""
+        ids = set(self._pinned)
+        return [n for n, ds in self.states if id(ds) in ids]
+
+    def pin_current(self, names: Iterable[str]) -> None:
+        """Current scaling until the next update for the named states (their state unchanged)."""
+        want = set(names)
+        for name, ds in self.states:
+            if name in want and ds.cfg.first_step != "current":
+                self._pinned.setdefault(id(ds), (ds, ds.cfg))
+                ds.cfg = ds.cfg.replace(first_step="current")
+
     def end_step(self) -> None:
         """After a step: states restarted by `reset_scaling` that have a scale again go back
         to their own configuration (delayed scaling from their fresh history)."""

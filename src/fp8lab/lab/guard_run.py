@@ -173,7 +173,13 @@ class GuardRun:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {"guard": self.monitor.state_dict()}
+        """What a checkpoint holds of the guard: detector statistics, the configuration
+        (`fp8lab replay` runs the same detectors) and the states mid-restart."""
+        return {
+            "guard": self.monitor.state_dict(),
+            "guard_config": self.guard.to_dict(),
+            "guard_pinned": self.monitor.pinned_names(),
+        }
 
     def prepare_load(self, state: dict[str, Any]) -> None:
         """Before a checkpoint's model state loads: re-apply its escalations (their layers'
@@ -181,3 +187,4 @@ class GuardRun:
         self.apply_escalations(list(state.get("loop", {}).get("escalations", [])))
         if state.get("guard") is not None:
             self.monitor.load_state_dict(state["guard"])
+        self.monitor.pin_current(state.get("guard_pinned", []))

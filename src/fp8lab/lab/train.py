@@ -31,6 +31,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 import tomllib
@@ -53,6 +54,7 @@ Callback = Callable[[dict[str, Any]], None]
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 STATS = "stats.jsonl"
+CHECKPOINTS = "checkpoints"  # guarded runs: the last `keep` checkpoints (step-NNNNNN.pt), replay
 
 
 @dataclass(frozen=True)
@@ -465,6 +467,8 @@ def train_run(
     amax_group: str = "world",
     grad_comm: str = "fp32",
     guard: Any = None,
+    fsdp: bool = False,
+    fp8_allgather: bool = False,
 ) -> RunResult:
     """Train one recipe; return its summary (see :func:`summarize`), model and records.
 
@@ -479,9 +483,10 @@ def train_run(
 
     Under torch.distributed (torchrun) the model runs as DDP on every rank
     (`fp8lab.dist.ddp.DataParallel`: the global batch split across ranks, loss = token sum /
-    global token count, ``amax_group`` world|none, ``grad_comm`` fp32|bf16|fp8|fp8-msamp); rank 0
-    alone writes metrics, checkpoints (consolidated: DDP replicates the model) and run.json,
-    so a checkpoint resumes on any number of ranks. Single-process runs are unchanged.
+    global token count, ``amax_group`` world|none, ``grad_comm`` fp32|bf16|fp8|fp8-msamp; or
+    FSDP2 with ``fsdp``, gathering weights as FP8 codes with ``fp8_allgather``); rank 0 alone
+    writes metrics (plus the ranks' communication fields), checkpoints (consolidated) and
+    run.json, so a checkpoint resumes on any number of ranks. Single-process runs are unchanged.
     """
     from fp8lab.optim import LossScaler
 
@@ -490,11 +495,12 @@ def train_run(
     name = recipe_name(recipe)
     emit = callback or (lambda event: None)
     model = build_model(cfg.model, recipe, tc.seed)
+    # before the optimizer: FSDP's fully_shard replaces the parameters
+    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather, guard)
     opt = make_optimizer(model, recipe, tc)
     scaler = None if recipe is None else LossScaler.from_recipe(recipe)
     injector = Injector(model, cfg.inject)
     params = [p for g in opt.param_groups for p in g["params"]]
-    dp = _data_parallel(model, amax_group, grad_comm)
     writer = dp is None or dp.is_main  # rank 0 writes every file
     st = LoopState()
     grun = _guard_run(guard, model, opt, scaler, recipe)
@@ -503,7 +509,8 @@ def train_run(
     if run_path is not None:
         run_path.mkdir(parents=True, exist_ok=True)
         if (run_path / CHECKPOINT).exists():
-            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, name,
+            ck_model, ck_opt = (model, opt) if dp is None else dp.for_checkpoint(opt, save=False)
+            st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, ck_model, ck_opt, scaler, name,
                                   prepare=grun.prepare_load if grun else None)  # fmt: skip
             if writer:
                 _truncate_jsonl(run_path / METRICS, st.step)
@@ -511,6 +518,7 @@ def train_run(
         elif writer:  # a fresh run: drop partial logs of a run that never checkpointed
             for f in (METRICS, STATS):
                 (run_path / f).unlink(missing_ok=True)
+            shutil.rmtree(run_path / CHECKPOINTS, ignore_errors=True)
     records: list[dict[str, Any]] = read_metrics(run_path) if run_path is not None else []
     val = val_batches(corpus.val, tc.batch_size, cfg.model.block_size, tc.seed, tc.eval_batches)
     tokens_per_step = tc.batch_size * cfg.model.block_size
@@ -541,6 +549,7 @@ def train_run(
                 if run_path and writer:
                     _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st,
                                      grun.checkpoint_extra())  # fmt: skip
+                    _keep_checkpoint(run_path, st.step, grun.guard.keep, rollback=True)
                 emit({"event": "guard", "recipe": name, **st.guard_events[-1]})
                 continue
             if grun is not None:
@@ -558,11 +567,15 @@ def train_run(
                     stats_f.write(json.dumps(json_safe({**row, "step": done})) + "\n")
             last = done == tc.steps or st.diverged or done == end
             if run_path and (done % tc.checkpoint_every == 0 or last):
+                # FSDP: every rank gathers the full tensors for rank 0's consolidated checkpoint
+                ck_model, ck_opt = (model, opt) if dp is None else dp.for_checkpoint(opt)
                 if writer:
                     metrics_f.flush()
                     stats_f.flush()
-                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st,
-                                     grun.checkpoint_extra() if grun else None)  # fmt: skip
+                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, ck_model, ck_opt, scaler,
+                                     st, grun.checkpoint_extra() if grun else None)  # fmt: skip
+                    if grun is not None:
+                        _keep_checkpoint(run_path, st.step, grun.guard.keep)
                 if dp is not None:
                     dp.barrier()  # no rank runs ahead of the last checkpoint
             emit({"event": "step", "recipe": name, **rec, "steps": tc.steps})
@@ -585,14 +598,22 @@ def train_run(
     return RunResult(summary=summary, model=model, records=records)
 
 
-def _data_parallel(model: torch.nn.Module, amax_group: str, grad_comm: str) -> Any:
-    """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank."""
+def _data_parallel(
+    model: torch.nn.Module, amax_group: str, grad_comm: str, fsdp: bool = False,
+    fp8_allgather: bool = False, guard: Any = None,
+) -> Any:  # fmt: skip
+    """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
+    checked either way: a bad value is an error even on one rank)."""
+    from fp8lab.dist.ddp import DataParallel, check_options
+
+    check_options(amax_group, grad_comm, fsdp, fp8_allgather)
     d = torch.distributed
     if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
         return None
-    from fp8lab.dist.ddp import DataParallel
-
-    return DataParallel(model, amax_group, grad_comm)
+    if fsdp and guard is not None:
+        raise ValueError("--fsdp cannot be combined with a guard (its rollback snapshots the "
+                         "replicated model); use DDP (no --fsdp)")  # fmt: skip
+    return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
 
 
 def _guard_run(guard: Any, model, opt, scaler, recipe) -> Any:
@@ -692,6 +713,8 @@ def _train_step(
         "tokens": tokens_per_step,
         "step_time_s": dt,
     }
+    if dp is not None:  # ranks, amax group, gradient communication (fp8lab.dist.ddp.state)
+        rec.update(dp.state())
     return rec, stat_rows
 
 
@@ -702,6 +725,25 @@ def _collect(model: torch.nn.Module, enabled: bool, step: int):
     from fp8lab.observe import sample
 
     return sample(model, step)
+
+
+def _keep_checkpoint(run_path: Path, step: int, keep: int, rollback: bool = False) -> None:
+    """Keep ``checkpoint.pt`` (just written at ``step``) as ``checkpoints/step-NNNNNN.pt`` too (a
+    hard link: no copy; the next atomic save replaces checkpoint.pt, not the link), the newest
+    ``keep`` of them. After a rollback the abandoned trajectory's checkpoints go."""
+    d = run_path / CHECKPOINTS
+    d.mkdir(exist_ok=True)
+    for f in d.glob("step-*.pt"):
+        if rollback and int(f.stem[5:]) > step:
+            f.unlink()
+    target = d / f"step-{step:06d}.pt"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(run_path / CHECKPOINT, target)
+    except OSError:  # no hard links here (some network or FAT file systems): a copy
+        shutil.copyfile(run_path / CHECKPOINT, target)
+    for f in sorted(d.glob("step-*.pt"))[:-keep]:
+        f.unlink()
 
 
 def _no_space(path: Path, exc: BaseException) -> OSError:
