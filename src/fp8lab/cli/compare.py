@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console
+from fp8lab.cli._common import clear_errors, console, table
 
 HELP = """Train the same model (a small GPT, or yours: --model) from the same initial weights
 on the same batches under several recipes and report how far each drifts from the baseline (loss
@@ -25,11 +25,15 @@ curves, relative gap, grad norms, tokens/s, simulated memory, operand statistics
 OUT/report.html. Rerunning with the same --out resumes; a different configuration in --out is
 refused, and so is a non-empty directory fp8lab did not make. Progress goes to stderr (bars on a
 terminal, otherwise a line every tenth of the run); --json prints only the summary on stdout:
-{"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "recipes": {name:
+{"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "device": ..., "recipes": {name:
 {final_train_loss, final_val_loss, rel_gap_pct, max_rel_gap_pct, skipped_steps, tokens_per_s,
-diverged}}}. A run is diverged when its loss is not finite or its validation loss exceeds ln(V)
-for V logits (ln(256) = 5.55: worse than a uniform guess); its gaps are null, and every gap is
-null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
+diverged, predicted_step_ms, guard_events}}} (guard_events: the anomaly guard's actions,
+[] without --guard or for a clean run). predicted_step_ms: the GEMM + quantization time of one step of
+the model's quantized Linears on --device predicted by fp8lab cost's roofline (null when the
+recipe cannot run there, e.g. fp32 or HiF8; the report gives the reason). A run is diverged
+when its loss is not finite or its validation loss exceeds ln(V) for V logits (ln(256) = 5.55:
+worse than a uniform guess); its gaps are null, and every gap is null when the baseline
+diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
 (rerun the same command to resume).
 """
 
@@ -126,14 +130,18 @@ def compare_and_report(
     threads: int = 0,
     callback: Any = None,
     command: str | None = None,
+    device: str | None = None,
+    guard: Any = None,
 ) -> dict[str, Any]:
     """Run the comparison (``fp8lab.lab.compare.run_comparison``) and write its report
-    (``fp8lab.report.training.write_report``) into ``out``; return the summary."""
-    from fp8lab.lab.compare import run_comparison
+    (``fp8lab.report.training.write_report``) into ``out``; return the summary. ``device``: the
+    GPU of the predicted step time (default ``DEFAULT_COST_DEVICE``)."""
+    from fp8lab.lab.compare import DEFAULT_COST_DEVICE, run_comparison
     from fp8lab.report.training import write_report
 
     result = run_comparison(cfg, names, baseline, out, jobs=jobs, threads=threads,
-                            callback=callback)  # fmt: skip
+                            callback=callback, device=device or DEFAULT_COST_DEVICE,
+                            guard=guard)  # fmt: skip
     write_report(result.out, result.summary, result.metrics, result.stats, result.lab_config,
                  command=command)  # fmt: skip
     return result.summary
@@ -194,6 +202,8 @@ def _summary_table(summary: dict[str, Any]) -> Any:
             ("max_rel_gap_pct", "max\ngap %"), ("skipped_steps", "skipped\nsteps"),
             ("tokens_per_s", "tokens\n/s"), ("step_ratio", "time /\nfp32"),
             ("mem_total", "total\nMiB"), ("diverged", "diverged"))  # fmt: skip
+    if summary.get("device"):  # the predicted step time on the cost device (fp8lab.cost)
+        cols = (*cols[:-2], ("predicted_step_ms", f"pred. ms\n{summary['device']}"), *cols[-2:])
     table = Table(title=f"fp8lab compare (baseline {summary['baseline']})", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # fmt: skip
     for key, title in cols:
@@ -279,6 +289,27 @@ def register(app: typer.Typer) -> None:
         grad_spike_scale: float | None = typer.Option(
             None, "--grad-spike-scale", help="Factor of the gradient spike (power of two)."
         ),
+        inject_nan_step: int | None = typer.Option(
+            None,
+            "--inject-nan-step",
+            help="Step (0-based, below --steps) whose loss becomes NaN, once (-1 = off).",
+        ),
+        guard_policy: str | None = typer.Option(
+            None,
+            "--guard",
+            help="Anomaly guard (fp8lab.guard, docs/guard.md): off (detectors only), skip (drop "
+            "the offending update) or rollback (restore the last good in-memory checkpoint, "
+            "restart the flagged delayed-scaling histories with one current-scaling step). "
+            "Actions go to guard_events in --json and metrics.jsonl. Default: no guard.",
+            show_default=False,
+        ),
+        guard_config: Path | None = typer.Option(
+            None,
+            "--guard-config",
+            help="TOML file with AnomalyGuard's keys (detectors, policy, checkpoint_every, keep, "
+            "max_rollbacks, window, on_restart, escalate); --guard overrides its policy.",
+            show_default=False,
+        ),
         overrides: list[str] = typer.Option(
             None,
             "--set",
@@ -297,6 +328,13 @@ def register(app: typer.Typer) -> None:
             False, "--tensorboard", help="Also log to OUT/tensorboard (needs the package)."
         ),
         quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
+        device: str | None = typer.Option(
+            None,
+            "--device",
+            help="GPU of the 'predicted step time' column (fp8lab cost): h100 (default), h200, "
+            "h200-nvl, b200, b300.",
+            show_default=False,
+        ),
     ) -> None:
         from fp8lab.lab.compare import json_summary
         from fp8lab.lab.models import ModelConfig
@@ -330,6 +368,7 @@ def register(app: typer.Typer) -> None:
                     "outlier_layers": outlier_layers,
                     "grad_spike_step": grad_spike_step,
                     "grad_spike_scale": grad_spike_scale,
+                    "nan_step": inject_nan_step,
                 }.items()
                 if v is not None
             }
@@ -345,15 +384,21 @@ def register(app: typer.Typer) -> None:
                 )
                 return
             cfg.check()
+            guard = _guard(guard_policy, guard_config)
             if not names:
                 raise ValueError("--recipes: no recipe given")
+            if device is not None:  # an unknown --device fails before any training
+                from fp8lab.cost import get_device
+
+                get_device(device)
             from fp8lab.dist.runtime import check_jobs, init_from_env
 
             check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
+            layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
             rank_ctx = init_from_env()
         if rank_ctx is not None and not rank_ctx.is_main:
             with clear_errors(INTERRUPTED):
-                _follow_rank0(cfg, names, base, out, threads)
+                _follow_rank0(cfg, names, base, out, threads, guard)
             return
 
         # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
@@ -375,10 +420,17 @@ def register(app: typer.Typer) -> None:
                 threads=threads,
                 callback=tb or on_event,
                 command=command,
+                device=device,
+                guard=guard,
             )
         if json_out:
-            typer.echo(json.dumps(json_summary(summary), allow_nan=False))
+            out_json = json_summary(summary)
+            if layers:
+                out_json["layer_settings"] = layers
+            typer.echo(json.dumps(out_json, allow_nan=False))
             return
+        for name, per_layer in layers.items():
+            console().print(_layer_table(name, per_layer))
         console().print(_summary_table(summary))
         if summary.get("baseline_diverged"):
             typer.echo(
@@ -388,7 +440,68 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"\nreport: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
 
 
-def _follow_rank0(cfg: Any, names: list[str], base: str, out: Path, threads: int) -> None:
+def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:
+    """For each recipe with ``[[layer]]`` rules: which layer of the model gets which settings
+    (`fp8lab.nn.layer_settings` of the converted model)."""
+    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.train import build_model
+    from fp8lab.nn import layer_settings
+
+    out = {}
+    for name in names:
+        rec = resolve_recipe(name)
+        if rec is not None and rec.layers:
+            out[name] = layer_settings(build_model(cfg.model, rec, cfg.train.seed))
+    return out
+
+
+def _layer_table(name: str, per_layer: dict[str, dict[str, Any]]) -> Any:
+    cols = [(c, "left") for c in ("layer", "rules", "fprop", "dgrad", "wgrad")]
+    t = table(f"per-layer settings of {name} (rules: its layer tables, the last wins)", cols)
+    for layer, s in per_layer.items():
+        rules = ", ".join(map(str, s["rules"])) or "-"
+        t.add_row(layer, rules, *(_short_cells(s["gemms"][g]) for g in ("fprop", "dgrad", "wgrad")))
+    return t
+
+
+def _short_cells(text: str) -> str:
+    """``grad_output=e5m2:tensor:delayed(h=1024, max), weight=...`` -> ``dy e5m2:tensor:delayed
+    w ...`` (one line per operand; the parameters of a delayed rule dropped)."""
+    short = {"input": "x", "weight": "w", "grad_output": "dy"}
+    lines = []
+    for cell in _cells(text):
+        role, _, spec = cell.partition("=")
+        lines.append(f"{short.get(role, role)} {spec.split('(')[0]}")
+    return "\n".join(lines)
+
+
+def _cells(text: str) -> list[str]:
+    """Split ``a=..., b=...`` at the commas outside parentheses."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()]
+
+
+def _guard(policy: str | None, path: Path | None) -> Any:
+    """The AnomalyGuard of --guard / --guard-config (None: neither given)."""
+    from fp8lab.guard import POLICIES, AnomalyGuard
+
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"--guard: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    if path is None:
+        return None if policy is None else AnomalyGuard(policy=policy)
+    return AnomalyGuard.from_toml(path, **({} if policy is None else {"policy": policy}))
+
+
+def _follow_rank0(
+    cfg: Any, names: list[str], base: str, out: Path, threads: int, guard: Any = None
+) -> None:
     """A torchrun rank other than 0: train the same recipes in the same order (DDP pairs its
     collectives with rank 0's) into rank 0's run folders, reading their checkpoints to resume and
     writing nothing; rank 0 prepares the output directory and writes the report."""
@@ -404,7 +517,7 @@ def _follow_rank0(cfg: Any, names: list[str], base: str, out: Path, threads: int
             raise ValueError(f"rank 0 did not prepare {out} within 120 s")
         time.sleep(0.2)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
-    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus)
+    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus, guard=guard)
 
 
 def _tensorboard(out: Path, forward):

@@ -86,6 +86,14 @@ Callback = Callable[[dict[str, Any]], None]
 
 
 # ----------------------------------------------------------------------------- recipes
+def run_dir(out: Path, name: str) -> Path:
+    """Where the run of recipe ``name`` lives under a comparison's ``out``: ``out/runs/NAME``;
+    a recipe file (``path/to/fix.toml``) runs in ``out/runs/fix.toml`` (its file name, so an
+    absolute or nested path never escapes ``out/runs``)."""
+    p = Path(name)
+    return out / "runs" / (p.name if p.suffix in (".toml", ".json") else name)
+
+
 def lab_recipes() -> dict[str, Any]:
     """Recipes defined by the lab itself (not presets of ``fp8lab.recipes()``)."""
     from fp8lab.qtensor import QuantSpec
@@ -259,14 +267,21 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def _worker(name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any) -> None:
+def _guard_dict(guard: Any) -> dict[str, Any]:
+    """A guard as plain data for a worker process (an AnomalyGuard or its dict)."""
+    return guard if isinstance(guard, dict) else guard.to_dict()
+
+
+def _worker(
+    name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any, guard: Any = None
+) -> None:
     """Child process: train one recipe, forward every event to the parent's queue."""
 
     try:
         set_threads(threads)
         cfg = LabConfig.from_dict(cfg_dict)
         corpus = load_corpus(cfg.data, cfg.model.block_size)
-        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=events.put)
+        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=events.put, guard=guard)
     except BaseException as exc:  # reported to the parent, which raises
         events.put(
             {
@@ -346,8 +361,11 @@ def run_recipes(
     threads: int = 0,
     callback: Callback | None = None,
     corpus: Corpus | None = None,
+    guard: Any = None,
+    dist: dict[str, Any] | None = None,
 ) -> None:
     """Train (or resume) each recipe into ``out/runs/<name>``; ``jobs`` > 1 uses processes.
+    ``dist``: torchrun options for `train_run` (amax_group, grad_comm, fsdp, fp8_allgather).
 
     An error of a recipe is raised again as ValueError (bad input, corrupt checkpoint) or
     OSError (e.g. a full disk) naming the recipe, anything else as RuntimeError."""
@@ -356,9 +374,11 @@ def run_recipes(
         set_threads(threads)
         corpus = corpus or load_corpus(cfg.data, cfg.model.block_size)
         for name in names:
-            train_run(resolve_recipe(name), cfg, corpus, out / "runs" / name, callback=emit)
+            train_run(resolve_recipe(name), cfg, corpus, run_dir(out, name), callback=emit,
+                      guard=guard, **(dist or {}))  # fmt: skip
         return
     ctx = mp.get_context("spawn")
+    gd = None if guard is None else _guard_dict(guard)  # plain data for the worker processes
     events = ctx.Manager().Queue()
     # longest first, so that the slow recipe overlaps with the others instead of running last
     pending = sorted(names, key=lambda n: -relative_cost(resolve_recipe(n)))
@@ -377,7 +397,7 @@ def run_recipes(
                 name = pending.pop(0)
                 p = ctx.Process(
                     target=_worker,
-                    args=(name, cfg.to_dict(), str(out / "runs" / name), threads, events),
+                    args=(name, cfg.to_dict(), str(run_dir(out, name)), threads, events, gd),
                     daemon=True,
                 )
                 p.start()
@@ -477,8 +497,8 @@ def summarize_comparison(
     reason in ``details[name]["predicted_step"]`` when the recipe cannot be priced there).
 
     Gaps are null for a diverged recipe, and for every recipe when the baseline diverged."""
-    runs = {n: json.loads((out / "runs" / n / "run.json").read_text()) for n in names}
-    metrics = {n: read_metrics(out / "runs" / n) for n in names}
+    runs = {n: json.loads((run_dir(out, n) / "run.json").read_text()) for n in names}
+    metrics = {n: read_metrics(run_dir(out, n)) for n in names}
     base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
     base_final = runs[baseline]["summary"]["final_val_loss"]
     vocab = cfg.model.vocab_size
@@ -517,6 +537,8 @@ def summarize_comparison(
             "tokens_per_s": s["tokens_per_s"],
             "diverged": diverged,
             "predicted_step_ms": predicted[n]["ms"],
+            # actions of the anomaly guard (fp8lab.guard): [] for a clean or unguarded run
+            "guard_events": s.get("guard_events", []),
         }
         recipe = resolve_recipe(n)
         details[n] = {
@@ -556,7 +578,7 @@ def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         for n in names:
-            for r in read_metrics(out / "runs" / n):
+            for r in read_metrics(run_dir(out, n)):
                 w.writerow({"recipe": n, **{k: ("" if v is None else v) for k, v in r.items()}})
     return path
 
@@ -581,6 +603,8 @@ def run_comparison(
     threads: int = 0,
     callback: Callback | None = None,
     device: str = DEFAULT_COST_DEVICE,
+    guard: Any = None,
+    dist: dict[str, Any] | None = None,
 ) -> ComparisonResult:
     """Train every recipe of ``recipes`` (the baseline is added if missing) into ``out_dir``,
     write ``summary.json`` and ``metrics.csv`` there and return the results.
@@ -588,12 +612,19 @@ def run_comparison(
     Everything is checked before anything is written: recipe names and files, ``jobs``,
     ``threads``, the config (:meth:`LabConfig.check`), the corpus and the output directory
     (:func:`prepare_out_dir`), the cost ``device`` of the predicted step time; a bad one raises
-    ValueError (FileNotFoundError for a missing data path)."""
+    ValueError (FileNotFoundError for a missing data path). ``guard``: an
+    `fp8lab.guard.AnomalyGuard` every run trains under (None: unguarded)."""
     names = list(dict.fromkeys(recipes))
     if not names:
         raise ValueError("no recipes given")
     for n in [*names, baseline]:
         resolve_recipe(n)  # fail fast on a typo, before any training
+    dirs: dict[Path, str] = {}
+    for n in dict.fromkeys([*names, baseline]):
+        other = dirs.setdefault(run_dir(Path(), n), n)
+        if other != n:
+            raise ValueError(f"recipes {other!r} and {n!r} would share the run directory "
+                             f"runs/{run_dir(Path(), n).name}; rename one file")  # fmt: skip
     if baseline not in names:
         names.insert(0, baseline)
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -610,15 +641,16 @@ def run_comparison(
     corpus = load_corpus(cfg.data, cfg.model.block_size)
     out = Path(out_dir)
     prepare_out_dir(out, cfg, baseline, corpus)
-    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus)
+    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus,
+                guard=guard, dist=dist)  # fmt: skip
     summary = summarize_comparison(cfg, names, baseline, out, device)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     write_metrics_csv(names, out)
     return ComparisonResult(
         out=out,
         summary=summary,
-        metrics={n: read_metrics(out / "runs" / n) for n in names},
-        stats={n: read_stats(out / "runs" / n) for n in names},
+        metrics={n: read_metrics(run_dir(out, n)) for n in names},
+        stats={n: read_stats(run_dir(out, n)) for n in names},
         lab_config=cfg.to_dict(),
     )
 
