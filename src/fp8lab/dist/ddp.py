@@ -87,6 +87,7 @@ class DataParallel:
                 # the simulated wire averages; the loss is already global: scale the mean by N
                 self.comm = GradCommHook(grad_comm, sum_over_ranks=True).register(self.ddp)
         self.grad_comm = grad_comm
+        self.sharding = ("fsdp-fp8" if fp8_allgather else "fsdp") if fsdp else "ddp"
 
     @property
     def is_main(self) -> bool:
@@ -118,6 +119,17 @@ class DataParallel:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    def for_checkpoint(self, opt: Any, save: bool = True) -> tuple[Any, Any]:
+        """What a checkpoint saves and loads in place of (model, optimizer).
+
+        DDP replicates the model: the model and ``opt`` themselves. FSDP2 shards parameters and
+        optimizer states: views whose ``state_dict()`` holds the full (consolidated) tensors --
+        gathered here, collectively, when ``save`` -- and whose ``load_state_dict(full)`` takes
+        this rank's rows, so a checkpoint written on N ranks resumes on M."""
+        if not self.fsdp:
+            return self.module, opt
+        return _FullState(self.module, save), _FullState(opt, save, self.module)
+
     def comm_bytes(self) -> dict[str, float]:
         """Bytes one rank sends per step for the gradients, by precision (ring all-reduce of
         DDP's 25 MiB buckets, `fp8lab.dist.comm.bytes_per_rank`), counted from the parameter
@@ -128,20 +140,106 @@ class DataParallel:
         return {p: bytes_per_rank(self.grad_numel, self.world, p, bucket) for p in WIRE_BYTES}
 
     def state(self) -> dict[str, Any]:
-        """Per-step fields for the metrics: the gradient communication counters (accumulated
-        since the start: relative L2 error against the fp32 all-reduce, underflow/overflow of
-        partial sums, bytes sent by this rank) and, with ``--amax-group none``, the largest
-        per-rank scale spread in binades (collective)."""
-        out: dict[str, Any] = {"ranks": self.world, "amax_group": self.amax_group,
-                               "grad_comm": self.grad_comm, "fsdp": self.fsdp}  # fmt: skip
+        """This step's fields for the metrics (call once per step, on every rank: collective
+        with ``--amax-group none``): ``ranks``, ``amax_group``, ``grad_comm``, ``sharding``
+        (ddp | fsdp | fsdp-fp8), ``grad_numel``, ``grad_comm_bytes`` (what one rank sends for the
+        gradients this step, from the tensor sizes and the wire format); with a simulated
+        ``--grad-comm``: ``grad_comm_rel_error`` (relative L2 error of this step's reduced
+        gradients against the fp32 all-reduce), ``grad_comm_messages``, ``grad_comm_underflow``
+        and ``grad_comm_overflow`` (partial-sum elements rounded onto the wire / lost to zero /
+        saturated); with ``--amax-group none``: ``scale_spread_binades`` (the largest per-state
+        spread of the scales over the ranks)."""
+        out: dict[str, Any] = {
+            "ranks": self.world, "amax_group": self.amax_group, "grad_comm": self.grad_comm,
+            "sharding": self.sharding, "grad_numel": self.grad_numel,
+            "grad_comm_bytes": self.comm_bytes()[self.grad_comm],
+        }  # fmt: skip
         c = self.comm
-        if c is not None:
+        if c is not None:  # this step's counters, then start the next step's afresh
             out.update(grad_comm_rel_error=c.rel_error(), grad_comm_messages=c.messages,
                        grad_comm_underflow=c.underflow, grad_comm_overflow=c.overflow,
                        grad_comm_bytes=c.bytes_sent)  # fmt: skip
+            c.messages = c.underflow = c.overflow = 0
+            c.bytes_sent = c.sq_error = c.sq_ref = 0.0
         if self.amax_group == "none":
             from fp8lab.dist.amax import scale_spread
 
             spread = list(scale_spread(self.module).values())
             out["scale_spread_binades"] = max(spread) if spread else 0.0
         return out
+
+
+def _gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a dim-0 sharded DTensor (torch.chunk shards; collective)."""
+    from fp8lab.dist.fsdp import local_weight
+
+    d = torch.distributed
+    world = d.get_world_size()
+    full_rows = t.shape[0]
+    rows = -(-full_rows // world)
+    local = local_weight(t).detach()
+    pad = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype)
+    pad[: local.shape[0]] = local
+    parts = [torch.empty_like(pad) for _ in range(world)]
+    d.all_gather(parts, pad)
+    return torch.cat(parts)[:full_rows].clone()
+
+
+def _full(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its full tensor (collective, in tree order)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return _gather_rows(tree)
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_full(v) for v in tree]
+    return tree
+
+
+def _sharded_like(full: Any, like: Any) -> Any:
+    """``full`` with each tensor whose counterpart in ``like`` is a DTensor turned into a DTensor
+    of this rank's rows (no communication: every rank holds the full checkpoint)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, DTensor) and isinstance(full, torch.Tensor):
+        d = torch.distributed
+        rows = torch.chunk(full, d.get_world_size(), dim=0)
+        rank = d.get_rank()
+        mine = rows[rank] if rank < len(rows) else full[full.shape[0] :]
+        return DTensor.from_local(
+            mine.clone(), like.device_mesh, like.placements, run_check=False,
+            shape=full.shape, stride=full.stride(),
+        )  # fmt: skip
+    if isinstance(full, dict) and isinstance(like, dict):
+        return {k: _sharded_like(v, like.get(k)) for k, v in full.items()}
+    if isinstance(full, list) and isinstance(like, list) and len(full) == len(like):
+        return [_sharded_like(v, w) for v, w in zip(full, like, strict=True)]
+    return full
+
+
+class _FullState:
+    """A model or optimizer under FSDP2 seen through full tensors (`DataParallel.for_checkpoint`)."""
+
+    def __init__(self, obj: Any, save: bool, model: torch.nn.Module | None = None) -> None:
+        self.obj = obj
+        self._full = _full(obj.state_dict()) if save else None
+
+    def state_dict(self) -> Any:
+        if self._full is None:
+            raise RuntimeError("for_checkpoint(save=False) views only load")
+        return self._full
+
+    def load_state_dict(self, state: Any) -> Any:
+        like = self.obj.state_dict()
+        if "state" in like and "state" in state:  # an optimizer: no state yet -> the params
+            params = [p for g in self.obj.param_groups for p in g["params"]]
+            like = {**like, "state": {i: {k: params[int(i)] if _same_shape(t, params[int(i)])
+                                          else None for k, t in v.items()}
+                                      for i, v in state["state"].items()}}  # fmt: skip
+        return self.obj.load_state_dict(_sharded_like(state, like))
+
+
+def _same_shape(t: Any, p: torch.Tensor) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) == tuple(p.shape)

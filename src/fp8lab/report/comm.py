@@ -1,0 +1,100 @@
+"""The distributed section of the compare report: ranks, amax group, gradient communication.
+
+Built from the metrics records a run under torchrun writes (`fp8lab.dist.ddp.DataParallel.state`
+fields); empty for single-process runs. Bytes per step by precision are counted from the
+gradient's element count, the rank count and each precision's wire format
+(`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["comm_html", "comm_markdown", "comm_rows"]
+
+_BUCKET = 25 * 1024 * 1024 // 4
+COLUMNS = (
+    ("recipe", "recipe"), ("ranks", "ranks"), ("amax_group", "amax group"),
+    ("sharding", "sharding"), ("grad_comm", "grad comm"), ("bytes", "MiB/step/rank"),
+    ("bytes_fp32", "fp32"), ("bytes_bf16", "bf16"), ("bytes_fp8", "fp8"),
+    ("bytes_fp8-msamp", "fp8-msamp"), ("rel_error", "rel. error vs fp32"),
+    ("underflow", "underflow %"), ("overflow", "overflow %"), ("spread", "scale spread (binades)"),
+)  # fmt: skip
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def comm_rows(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, str]]:
+    """One row per recipe trained on several ranks (none for single-process runs).
+
+    rel. error: mean over steps of the relative L2 error of the reduced gradients against the
+    fp32 all-reduce; underflow / overflow: % of the partial-sum elements put on the wire over
+    the run; scale spread: the largest per-rank spread of a delayed scale (``--amax-group
+    none``), over the run; MiB columns: what one rank sends per step for the gradients, this
+    run's precision and each precision."""
+    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+
+    rows = []
+    for name, recs in metrics.items():
+        recs = [r for r in recs if "ranks" in r]
+        if not recs:
+            continue
+        last = recs[-1]
+        row = {"recipe": name, "ranks": str(last["ranks"]), "amax_group": last["amax_group"],
+               "sharding": last.get("sharding", "ddp"), "grad_comm": last["grad_comm"]}  # fmt: skip
+        row["bytes"] = f"{_mean([r['grad_comm_bytes'] for r in recs]) / 2**20:.3f}"
+        for p in GRAD_COMMS:
+            b = bytes_per_rank(int(last["grad_numel"]), int(last["ranks"]), p, _BUCKET)
+            row[f"bytes_{p}"] = f"{b / 2**20:.3f}"
+        err = _mean([r.get("grad_comm_rel_error") for r in recs])
+        row["rel_error"] = "0 (fp32)" if err is None else f"{err:.2e}"
+        msgs = sum(r.get("grad_comm_messages", 0) for r in recs)
+        for k in ("underflow", "overflow"):
+            n = sum(r.get(f"grad_comm_{k}", 0) for r in recs)
+            row[k] = f"{100 * n / msgs:.3g}" if msgs else "-"
+        spreads = [r["scale_spread_binades"] for r in recs if "scale_spread_binades" in r]
+        row["spread"] = f"{max(spreads):.3g}" if spreads else "0 (world)"
+        rows.append(row)
+    return rows
+
+
+_NOTE = (
+    "Gradient bytes one rank sends per step (ring all-reduce: 2(N-1)/N of the gradient in the "
+    "wire format, plus fp8 scales / the MS-AMP amax), for this run's precision and for each "
+    "precision; with a simulated --grad-comm the error is against the fp32 all-reduce of the "
+    "same gradients and underflow/overflow count partial-sum elements lost to zero / saturated "
+    "on the wire (docs/distributed.md)."
+)
+
+
+def comm_markdown(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The section as markdown ("" without distributed runs)."""
+    rows = comm_rows(metrics)
+    if not rows:
+        return ""
+    lines = ["## Distributed training", "", _NOTE, ""]
+    lines.append("| " + " | ".join(t for _, t in COLUMNS) + " |")
+    lines.append("|---" * len(COLUMNS) + "|")
+    lines += ["| " + " | ".join(r[k] for k, _ in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n\n"
+
+
+def comm_html(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The section as HTML ("" without distributed runs)."""
+    rows = comm_rows(metrics)
+    if not rows:
+        return ""
+    e = html.escape
+    parts = [f"<h2>Distributed training</h2><p>{e(_NOTE)}</p><table><tr>"]
+    parts += [f"<th>{e(t)}</th>" for _, t in COLUMNS]
+    parts.append("</tr>")
+    for r in rows:
+        parts.append("<tr>" + "".join(f"<td>{e(r[k])}</td>" for k, _ in COLUMNS) + "</tr>")
+    parts.append("</table>")
+    return "".join(parts)
