@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "accumulators": "fp8lab.gemm",
     "qmatmul": "fp8lab.gemm",
     "Recipe": "fp8lab.recipe",
+    "LayerRule": "fp8lab.recipe",
     "recipes": "fp8lab.recipe",
     "get_recipe": "fp8lab.recipe",
     # L3 PyTorch integration
