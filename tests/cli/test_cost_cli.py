@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
@@ -150,3 +151,22 @@ def test_collective_bytes_in_json_and_ledger():
     assert res.exit_code == 0, res.output
     assert "Collective bytes ledger" in res.stdout and "FSDP weight all-gathers" in res.stdout
     assert "gradient reduce-scatter" in res.stdout
+
+
+def test_per_layer_recipe_file_priced_per_linear(tmp_path):
+    # te-current everywhere but layer 1, which runs bf16: the whole model (every Linear priced,
+    # "layer" = the model) costs half of each preset's two-layer model
+    f = tmp_path / "mixed.toml"
+    f.write_text('base = "te-current"\nname = "mixed"\n\n[[layer]]\nmatch = "layers.1.*"\n'
+                 'base = "bf16"\n')  # fmt: skip
+    res = runner.invoke(app, ["cost", "--recipes", f"bf16,te-current,{f}", *SMALL, "--json"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)["recipes"]
+    both = rec["bf16"]["layer_ms"] + rec["te-current"]["layer_ms"]
+    assert rec[str(f)]["layer_ms"] == pytest.approx(both / 2, rel=1e-12)
+    # a layer running a recipe no GPU multiplies natively: a clear error naming the layer
+    f.write_text(
+        'base = "te-current"\n\n[[layer]]\nmatch = "layers.0.proj"\nbase = "hif8-delayed"\n'
+    )
+    res = runner.invoke(app, ["cost", "--recipes", str(f), *SMALL])
+    assert res.exit_code == 2 and "layers.0.proj" in res.stderr and "HiF8" in res.stderr
