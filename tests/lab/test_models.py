@@ -224,10 +224,10 @@ def test_examples_build_offline():
         assert type(model.model).__name__ == arch and model.vocab_size >= 256
 
 
-def test_conv1d_converts_to_the_linear_with_the_transposed_weight():
+def test_conv1d_converts_to_a_linear_sharing_its_in_out_weight():
     from transformers.pytorch_utils import Conv1D
 
-    from fp8lab.nn import Linear, convert
+    from fp8lab.nn import Linear, convert, unconvert
 
     torch.manual_seed(0)
     conv = Conv1D(64, 128)  # nf=64 outputs, nx=128 inputs: weight [128, 64]
@@ -240,8 +240,9 @@ def test_conv1d_converts_to_the_linear_with_the_transposed_weight():
     x = torch.randn(4, 8, 128)
     plain = conv(x)
     convert(model, "te-delayed")
-    assert isinstance(model[0], Linear) and model[0].weight.shape == (64, 128)
-    assert model[0].bias is conv.bias  # shared; the weight is a transposed copy
+    assert isinstance(model[0], Linear) and model[0].weight_layout == "in_out"
+    assert model[0].weight is conv.weight and model[0].bias is conv.bias  # shared, [in, out]
+    assert model.state_dict()["0.weight"].shape == (128, 64)
     expected = Linear.from_linear(ref, "te-delayed")
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = model[0](xa), expected(xb)
@@ -249,8 +250,10 @@ def test_conv1d_converts_to_the_linear_with_the_transposed_weight():
     ya.square().sum().backward()
     yb.square().sum().backward()
     assert torch.equal(xa.grad, xb.grad)
-    assert torch.equal(model[0].weight.grad, expected.weight.grad)
     assert (ya - plain).abs().max() < 0.1 * plain.abs().max()  # and near the fp32 Conv1D
+    assert torch.equal(conv.weight.grad, expected.weight.grad.t())  # the user's Parameter learns
+    unconvert(model)
+    assert model[0] is conv and model[0].weight is conv.weight
 
 
 def test_memory_model_of_a_user_model(user_files):
@@ -266,3 +269,29 @@ def test_memory_model_of_a_user_model(user_files):
     te = model_memory(model, 256, 2, 16, resolve_recipe("te-delayed"))
     # + an E4M3 copy (1 byte/element, one fp32 scale) of fc1 [256, 128] and fc2 [128, 256]
     assert te["weights"] == 4 * n + 2 * (256 * 128 + 4)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "te-current", "mxfp8", "deepseek-v3", "nvfp4"])
+def test_conv1d_layout_is_bit_identical_to_the_transposed_linear(name):
+    from transformers.pytorch_utils import Conv1D
+
+    from fp8lab.nn import Linear
+
+    torch.manual_seed(1)
+    conv = Conv1D(96, 64)
+    ref = torch.nn.Linear(64, 96)
+    ref.weight = torch.nn.Parameter(conv.weight.detach().t().contiguous())
+    ref.bias = torch.nn.Parameter(conv.bias.detach().clone())
+    a, b = Linear.from_conv1d(conv, name), Linear.from_linear(ref, name)
+    x, dy = torch.randn(32, 64), torch.randn(32, 96)
+
+    def run(m):
+        xm = x.clone().requires_grad_()
+        torch.manual_seed(7)  # nvfp4 rounds gradients stochastically: same random stream
+        y = m(xm)
+        y.backward(dy)
+        return y, xm.grad
+
+    (ya, dxa), (yb, dxb) = run(a), run(b)
+    assert torch.equal(ya, yb) and torch.equal(dxa, dxb)
+    assert torch.equal(conv.weight.grad, ref.weight.grad.t())

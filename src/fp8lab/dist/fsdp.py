@@ -308,6 +308,9 @@ def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any =
     specs: dict[str, QuantSpec | None] = {}
     for name, m in linears:
         spec = m.recipe.spec("fprop", "weight") if fp8_allgather else None
+        if spec is not None and m.weight_layout != "out_in":
+            raise ValueError(f"--fp8-allgather: {name} stores its weight [in, out] (a "
+                             "transformers Conv1D); the FP8 all-gather shards [out, in] rows")  # fmt: skip
         if spec is not None:
             if get_format(spec.format).bits > 8:
                 raise ValueError(f"--fp8-allgather: {name} has a {spec.format} weight, not 8-bit")

@@ -25,10 +25,11 @@ Layers that would not run as modules are never claimed converted:
   converted modules.
 
 ``transformers``' ``Conv1D`` (the GPT-2 family's projections: ``y = x @ W + b`` with the
-weight stored transposed, [in, out]) counts as a Linear layer: it is converted to an
-:class:`fp8lab.nn.Linear` whose weight is a NEW ``Parameter`` holding the transposed copy
-[out, in] (the bias is shared), so build the optimizer after converting such a model. It is recognised by its class (name
-``Conv1D`` from a ``transformers`` module), so this module never imports ``transformers``.
+weight stored transposed, [in, out]) counts as a Linear layer: it becomes an
+:class:`fp8lab.nn.Linear` with ``weight_layout="in_out"`` sharing its Parameters (the weight
+keeps its [in, out] shape and state_dict entry; the GEMMs see its transpose), and `unconvert`
+gives the Conv1D back. It is recognised by its class (name ``Conv1D`` from a ``transformers``
+module), so this module never imports ``transformers``.
 
 `convert` warns when it converts nothing. `unconvert` swaps converted layers back to plain
 ``torch.nn.Linear`` sharing the same parameters.
@@ -114,21 +115,6 @@ def _is_conv1d(m: torch.nn.Module) -> bool:
 
 def _is_linear(m: torch.nn.Module) -> bool:
     return isinstance(m, torch.nn.Linear) or _is_conv1d(m)
-
-
-def _as_torch_linear(m: torch.nn.Module) -> torch.nn.Linear:
-    """A ``torch.nn.Linear`` computing the same map as a Linear or a ``Conv1D`` [in, out]: a
-    Conv1D's weight becomes a new Parameter holding its contiguous transpose [out, in]."""
-    if isinstance(m, torch.nn.Linear):
-        return m
-    w = m.weight
-    lin = torch.nn.Linear.__new__(torch.nn.Linear)
-    torch.nn.Module.__init__(lin)
-    lin.in_features, lin.out_features = w.shape
-    lin.weight = torch.nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
-    lin.bias = m.bias
-    lin.train(m.training)
-    return lin
 
 
 def _functional_only(model: torch.nn.Module) -> set[str]:
@@ -237,7 +223,8 @@ def convert(
             old.name = name
             old.set_recipe(rec)  # resolves the recipe's [[layer]] rules for this name
         else:
-            setattr(parent, attr, Linear.from_linear(_as_torch_linear(old), rec, name=name))
+            make = Linear.from_conv1d if _is_conv1d(old) else Linear.from_linear
+            setattr(parent, attr, make(old, rec, name=name))
     if not names:
         warnings.warn(
             f"convert: no Linear layer of {type(model).__name__} was converted to "
@@ -285,8 +272,7 @@ def converted(model: torch.nn.Module) -> list[str]:
 def unconvert(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every :class:`fp8lab.nn.Linear` of ``model`` back to a plain ``torch.nn.Linear``
     sharing the same ``Parameter`` objects (the scaling state is dropped); returns ``model``.
-    A converted ``transformers`` ``Conv1D`` comes back as a ``torch.nn.Linear`` (its weight is
-    the transposed [out, in] Parameter the conversion made), not as a Conv1D.
+    A converted ``transformers`` ``Conv1D`` comes back as that Conv1D (same Parameters).
     A converted ``model`` itself cannot be replaced in place: it raises ``TypeError``."""
     if isinstance(model, Linear):
         raise TypeError("unconvert: model is itself an fp8lab.nn.Linear; use Linear.to_linear()")

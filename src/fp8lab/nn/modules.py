@@ -71,9 +71,38 @@ class Linear(torch.nn.Linear):
         new._init_recipe(get_recipe(recipe))
         return new
 
-    def to_linear(self) -> torch.nn.Linear:
+    @classmethod
+    def from_conv1d(
+        cls, conv: torch.nn.Module, recipe: Recipe | str, name: str | None = None
+    ) -> Linear:
+        """Wrap a ``transformers`` ``Conv1D`` (``y = x @ W + b``, weight stored [in, out]),
+        sharing its Parameter objects: ``weight_layout = "in_out"``, so the weight keeps its
+        shape, its state_dict entry and any optimizer built before the conversion; the GEMMs
+        see its transpose [out, in], as TE's and torch's linear do."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = (int(n) for n in conv.weight.shape)
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.weight_layout = "in_out"
+        new.__dict__["_replaced"] = conv  # given back by to_linear (not a submodule)
+        new.name = name
+        new.train(conv.training)
+        new._init_recipe(get_recipe(recipe))
+        return new
+
+    #: how ``weight`` is stored: ``"out_in"`` (torch.nn.Linear) or ``"in_out"`` (a Conv1D's)
+    weight_layout = "out_in"
+
+    def to_linear(self) -> torch.nn.Module:
         """A plain ``torch.nn.Linear`` sharing this module's Parameter objects (no scaling state;
-        forward hooks are not carried over)."""
+        forward hooks are not carried over); for an ``"in_out"`` layer, the ``Conv1D`` it
+        replaced, holding this module's Parameters."""
+        if self.weight_layout == "in_out":
+            conv = self.__dict__["_replaced"]
+            conv.weight, conv.bias = self.weight, self.bias
+            conv.train(self.training)
+            return conv
         lin = torch.nn.Linear.__new__(torch.nn.Linear)
         torch.nn.Module.__init__(lin)
         lin.in_features, lin.out_features = self.in_features, self.out_features
@@ -154,13 +183,15 @@ class Linear(torch.nn.Linear):
         if not x.is_floating_point():
             raise TypeError(f"{self.name or 'Linear'}: input must be floating point, got {x.dtype}")
         plan, state = self._plan(active_recipe(self.recipe).for_layer(self.name or ""))
-        y = linear(x, self.weight, self.bias, plan, state)
+        w = self.weight if self.weight_layout == "out_in" else self.weight.t()
+        y = linear(x, w, self.bias, plan, state)
         if state:
             after_forward(self)
         return y
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name!r}"
+        layout = "" if self.weight_layout == "out_in" else ", weight_layout='in_out'"
+        return f"{super().extra_repr()}, recipe={self.recipe.name!r}{layout}"
 
     # ------------------------------------------------------------------ state_dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
