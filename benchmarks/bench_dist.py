@@ -1,13 +1,16 @@
 """Data-parallel throughput (1 vs 2 gloo ranks, one thread each) and gradient bytes per step.
 
 Throughput: the default lab GPT (``GPTConfig()``) under a recipe, trained with
-DistributedDataParallel on a fixed global batch split across the ranks (`fp8lab.dist.data`:
-global-token-count loss, summed gradients, ``--amax-group world``), one thread per rank, timed
-after warm-up steps; tokens/s counts the global batch. Bytes: what one rank sends per step to
-all-reduce the model's gradients at each ``--grad-comm`` precision (`fp8lab.dist.comm.
-bytes_per_rank`, DDP's 25 MiB buckets), for N = 2, 4, 8, 16.
+`fp8lab.dist.ddp.DataParallel` (DDP, or FSDP2 with ``--fsdp [--fp8-allgather]``) on a fixed
+global batch split across the ranks (`fp8lab.dist.data`: global-token-count loss, summed
+gradients, ``--amax-group world``, the amax all-reduces batched into one per step unless
+``--unbatched``), one thread per rank, timed after warm-up steps; tokens/s counts the global
+batch. Bytes: what one rank sends per step to all-reduce the model's gradients at each
+``--grad-comm`` precision (`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets), for
+N = 2, 4, 8, 16.
 
     .venv/bin/python benchmarks/bench_dist.py [--recipe te-delayed] [--steps 6] [--batch 8]
+        [--unbatched] [--fsdp [--fp8-allgather]]
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import torch
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int) -> None:
+def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int, mode: str) -> None:
     torch.set_num_threads(1)
-    from fp8lab.dist.amax import set_amax_group
-    from fp8lab.dist.data import allreduce_sum_hook, global_token_loss, shard_batch
+    from fp8lab.dist.data import global_token_loss, shard_batch
+    from fp8lab.dist.ddp import DataParallel
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
@@ -42,9 +45,9 @@ def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int)
         convert(model, recipe)
     net = model
     if world > 1:
-        set_amax_group(model, "world")
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        net.register_comm_hook(None, allreduce_sum_hook)
+        dp = DataParallel(model, "world", fsdp="fsdp" in mode, fp8_allgather="fp8" in mode,
+                          batch_amax="unbatched" not in mode)  # fmt: skip
+        net = dp.ddp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     warm = 2
@@ -76,7 +79,11 @@ def _throughput(world: int, args: argparse.Namespace) -> float:
         port = str(s.getsockname()[1])
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--_rank"]
-    tail = [str(world), port, args.recipe, str(args.steps), str(args.batch)]
+    mode = "-".join(
+        m for m, on in (("unbatched", args.unbatched), ("fsdp", args.fsdp),
+                        ("fp8", args.fp8_allgather)) if on
+    ) or "ddp"  # fmt: skip
+    tail = [str(world), port, args.recipe, str(args.steps), str(args.batch), mode]
     procs = [
         subprocess.Popen([*cmd, str(r), *tail], env=env, stdout=subprocess.PIPE, text=True)
         for r in range(world)
@@ -90,21 +97,30 @@ def _throughput(world: int, args: argparse.Namespace) -> float:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_rank":
         a = sys.argv[2:]
-        _rank(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]))
+        _rank(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]), a[6])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="te-delayed")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--unbatched", action="store_true", help="one amax all-reduce per state")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
+    ap.add_argument("--fp8-allgather", action="store_true", help="with --fsdp: FP8 all-gather")
+    ap.add_argument("--skip-one", action="store_true", help="only the 2-rank run")
     args = ap.parse_args()
     from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
     from fp8lab.lab.gpt import GPT, GPTConfig
 
-    print(f"recipe {args.recipe}, global batch {args.batch} x 128 tokens, 1 thread per rank")
-    one = _throughput(1, args)
+    print(
+        f"recipe {args.recipe}, global batch {args.batch} x 128 tokens, 1 thread per rank, "
+        f"unbatched={args.unbatched} fsdp={args.fsdp} fp8_allgather={args.fp8_allgather}"
+    )
+    one = None if args.skip_one else _throughput(1, args)
     two = _throughput(2, args)
     print("| ranks | tokens/s | vs 1 rank |\n|---|---|---|")
-    print(f"| 1 | {one:,.0f} | 1.00x |\n| 2 | {two:,.0f} | {two / one:.2f}x |")
+    if one is not None:
+        print(f"| 1 | {one:,.0f} | 1.00x |")
+    print(f"| 2 | {two:,.0f} | {'-' if one is None else f'{two / one:.2f}x'} |")
     numel = GPT(GPTConfig()).num_params()
     bucket = DDP_BUCKET_BYTES // 4
     print(f"\ngradient bytes one rank sends per step ({numel:,} parameters, 25 MiB buckets)")

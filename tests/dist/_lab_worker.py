@@ -1,7 +1,8 @@
 """A tiny lab training run under torchrun (or alone): tests/dist/test_lab_ddp.py.
 
-argv: run_dir steps [kill_at]. With kill_at, the last rank kills itself (SIGKILL) right after
-that step's event (a checkpoint is written every 3 steps).
+argv: run_dir steps [kill_at [mode]]. With kill_at >= 0, the last rank kills itself (SIGKILL)
+right after that step's event (a checkpoint is written every 3 steps). mode: ddp (te-delayed,
+default) or fsdp8 (te-current, FSDP2 with the FP8 all-gather; on one rank a plain run).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 def main() -> None:
     run_dir, steps = sys.argv[1], int(sys.argv[2])
     kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     torch.set_num_threads(1)
     from fp8lab.dist.runtime import init_from_env
     from fp8lab.lab.data import DataConfig, load_corpus
@@ -40,7 +42,9 @@ def main() -> None:
         if ev["event"] == "step" and ev["step"] == kill_at and rank == last:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    res = train_run(get_recipe("te-delayed"), cfg, corpus, run_dir, callback=on_event)
+    fsdp = mode == "fsdp8"
+    recipe = get_recipe("te-current" if fsdp else "te-delayed")
+    res = train_run(recipe, cfg, corpus, run_dir, callback=on_event, fsdp=fsdp, fp8_allgather=fsdp)
     if rank == 0:
         print(json.dumps({"final": res.records[-1]["train_loss"], "steps": len(res.records)}))
 

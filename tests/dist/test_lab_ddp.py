@@ -67,6 +67,29 @@ def test_kill_a_rank_then_resume_and_change_rank_count(base: Path) -> None:
     assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
 
 
+def test_fsdp_fp8_allgather_checkpoint_resumes_on_two_and_one_rank(base: Path) -> None:
+    # FSDP2 with the FP8 all-gather (te-current): rank 0 writes a consolidated checkpoint (every
+    # rank gathers the full tensors); a 2-rank rerun loads its rows back bit for bit, and the
+    # same checkpoint resumes on one rank (plain model)
+    full = _run(base / "f_full", 2, "6", "-1", "fsdp8")
+    assert full.returncode == 0, full.stderr[-3000:]
+    want = _final(full.stdout)
+    metrics = [json.loads(x) for x in (base / "f_full" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["sharding"] == "fsdp-fp8" and metrics[0]["ranks"] == 2
+    killed = _run(base / "f_killed", 2, "6", "4", "fsdp8")
+    assert killed.returncode != 0
+    shutil.copytree(base / "f_killed", base / "f_one")  # the step-3 checkpoint
+    again = _run(base / "f_killed", 2, "6", "-1", "fsdp8")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _final(again.stdout)["final"] == want["final"]  # resumed bit for bit
+    one = _run(base / "f_one", 1, "6", "-1", "fsdp8")
+    assert one.returncode == 0, one.stderr[-3000:]
+    got = _final(one.stdout)
+    assert got["steps"] == 6
+    # one rank scales activations with the global batch's amax, not each half's: close only
+    assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
+
+
 def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:
     out = base / "cmp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -74,6 +97,7 @@ def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:
            "--steps", "2", "--set", "model.d_model=32", "--set", "model.n_layer=1",
            "--set", "model.n_head=2", "--set", "model.d_ff=64", "--set", "model.block_size=16",
            "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
+           "--amax-group", "none", "--grad-comm", "fp8",
            "--quiet", "--json", "--out", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -82,6 +106,12 @@ def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:
     assert (out / "report.html").exists()
     lines = (out / "runs" / "te-delayed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]  # one writer
+    rec = json.loads(lines[-1])  # the flags reached train_run: per-step communication fields
+    assert rec["ranks"] == 2 and rec["amax_group"] == "none" and rec["grad_comm"] == "fp8"
+    assert 0 < rec["grad_comm_rel_error"] < 0.5 and rec["grad_comm_messages"] > 0
+    assert rec["scale_spread_binades"] > 0  # local amaxes: the ranks' scales differ
+    report = (out / "report.md").read_text()
+    assert "## Distributed training" in report and "| none | ddp | fp8 |" in report
 
 
 def test_jobs_under_torchrun_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -92,4 +122,30 @@ def test_jobs_under_torchrun_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = CliRunner().invoke(app, ["compare", "--jobs", "2", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "torchrun" in res.output
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fsdp"], "--fsdp needs 2 or more ranks: run under torchrun"),
+        (["--grad-comm", "fp8"], "--grad-comm fp8 needs 2 or more ranks"),
+        (["--amax-group", "none"], "--amax-group none needs 2 or more ranks"),
+        (["--grad-comm", "fp16"], "unknown gradient communication 'fp16'"),
+        (["--amax-group", "rank"], "--amax-group 'rank': expected one of world, none"),
+        (["--fp8-allgather"], "--fp8-allgather needs --fsdp"),
+        (["--fsdp", "--grad-comm", "bf16"], "with --fsdp the gradients are reduce-scattered"),
+    ],
+)
+def test_distributed_flags_without_torchrun_exit_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from fp8lab.cli import app
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    res = CliRunner().invoke(app, ["compare", *flags, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()), res.output
     assert not (tmp_path / "o").exists()

@@ -132,6 +132,7 @@ def compare_and_report(
     command: str | None = None,
     device: str | None = None,
     guard: Any = None,
+    dist: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the comparison (``fp8lab.lab.compare.run_comparison``) and write its report
     (``fp8lab.report.training.write_report``) into ``out``; return the summary. ``device``: the
@@ -141,7 +142,7 @@ def compare_and_report(
 
     result = run_comparison(cfg, names, baseline, out, jobs=jobs, threads=threads,
                             callback=callback, device=device or DEFAULT_COST_DEVICE,
-                            guard=guard)  # fmt: skip
+                            guard=guard, dist=dist)  # fmt: skip
     write_report(result.out, result.summary, result.metrics, result.stats, result.lab_config,
                  command=command)  # fmt: skip
     return result.summary
@@ -335,6 +336,32 @@ def register(app: typer.Typer) -> None:
             "h200-nvl, b200, b300.",
             show_default=False,
         ),
+        amax_group: str = typer.Option(
+            "world",
+            "--amax-group",
+            help="Under torchrun: the ranks whose delayed-scaling amaxes are all-reduced (MAX), "
+            "TE's amax_reduction_group: world (identical scales on every rank) or none (each "
+            "rank's local amax; the report shows the per-rank scale spread in binades).",
+        ),
+        grad_comm: str = typer.Option(
+            "fp32",
+            "--grad-comm",
+            help="Under torchrun with DDP: the gradient all-reduce's wire precision, simulated "
+            "exactly (fp8lab comm-sim numerics): fp32, bf16, fp8 (E5M2, per-message scales) or "
+            "fp8-msamp (E4M3, global amax, 1/sqrt(N) pre-division); the report gives its error "
+            "against fp32, partial-sum underflow/overflow and bytes per step.",
+        ),
+        fsdp: bool = typer.Option(
+            False,
+            "--fsdp",
+            help="Under torchrun: shard weights with FSDP2's fully_shard instead of DDP.",
+        ),
+        fp8_allgather: bool = typer.Option(
+            False,
+            "--fp8-allgather",
+            help="With --fsdp: all-gather each Linear weight as FP8 codes (uint8) plus scales, "
+            "quantized per shard with the global amax (current-scaled weights only).",
+        ),
     ) -> None:
         from fp8lab.lab.compare import json_summary
         from fp8lab.lab.models import ModelConfig
@@ -394,11 +421,12 @@ def register(app: typer.Typer) -> None:
             from fp8lab.dist.runtime import check_jobs, init_from_env
 
             check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
+            dist = _dist_options(amax_group, grad_comm, fsdp, fp8_allgather)
             layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
             rank_ctx = init_from_env()
         if rank_ctx is not None and not rank_ctx.is_main:
             with clear_errors(INTERRUPTED):
-                _follow_rank0(cfg, names, base, out, threads, guard)
+                _follow_rank0(cfg, names, base, out, threads, guard, dist)
             return
 
         # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
@@ -422,6 +450,7 @@ def register(app: typer.Typer) -> None:
                 command=command,
                 device=device,
                 guard=guard,
+                dist=dist,
             )
         if json_out:
             out_json = json_summary(summary)
@@ -499,9 +528,30 @@ def _guard(policy: str | None, path: Path | None) -> Any:
     return AnomalyGuard.from_toml(path, **({} if policy is None else {"policy": policy}))
 
 
+def _dist_options(amax_group: str, grad_comm: str, fsdp: bool, fp8_allgather: bool) -> dict:
+    """train_run's distributed keywords from the flags; ValueError on a bad value or
+    combination, or on a non-default one without torchrun (one process has nothing to
+    reduce, shard or communicate: the flag would silently do nothing)."""
+    from fp8lab.dist.ddp import check_options
+    from fp8lab.dist.runtime import under_torchrun
+
+    check_options(amax_group, grad_comm, fsdp, fp8_allgather)
+    given = [f for f, on in (("--fsdp", fsdp), ("--fp8-allgather", fp8_allgather),
+                             (f"--amax-group {amax_group}", amax_group != "world"),
+                             (f"--grad-comm {grad_comm}", grad_comm != "fp32")) if on]  # fmt: skip
+    if given and not under_torchrun():
+        raise ValueError(
+            f"{', '.join(given)} needs 2 or more ranks: run under torchrun, e.g. torchrun "
+            "--standalone --nproc-per-node 2 -m fp8lab compare ..."
+        )
+    return {"amax_group": amax_group, "grad_comm": grad_comm, "fsdp": fsdp,
+            "fp8_allgather": fp8_allgather}  # fmt: skip
+
+
 def _follow_rank0(
-    cfg: Any, names: list[str], base: str, out: Path, threads: int, guard: Any = None
-) -> None:
+    cfg: Any, names: list[str], base: str, out: Path, threads: int, guard: Any = None,
+    dist: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """A torchrun rank other than 0: train the same recipes in the same order (DDP pairs its
     collectives with rank 0's) into rank 0's run folders, reading their checkpoints to resume and
     writing nothing; rank 0 prepares the output directory and writes the report."""
@@ -517,7 +567,10 @@ def _follow_rank0(
             raise ValueError(f"rank 0 did not prepare {out} within 120 s")
         time.sleep(0.2)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
-    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus, guard=guard)
+    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus, guard=guard, dist=dist)
+    from fp8lab.dist.runtime import leave_group
+
+    leave_group()  # rank 0 summarizes alone (run_comparison leaves the group too)
 
 
 def _tensorboard(out: Path, forward):

@@ -25,6 +25,7 @@ __all__ = [
     "check_jobs",
     "gather_scaling_states",
     "init_from_env",
+    "leave_group",
     "under_torchrun",
 ]
 
@@ -69,6 +70,16 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> DistC
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         d.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
     return DistContext(rank=d.get_rank(), world=d.get_world_size())
+
+
+def leave_group() -> None:
+    """Every rank: wait for the others (barrier), then leave the process group. After the ranks'
+    shared work (training), what rank 0 does alone -- summaries, cost estimates building fresh
+    delayed-scaling layers -- must not issue collectives the other ranks never join."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        d.barrier()
+        d.destroy_process_group()
 
 
 def agree_any(flag: bool, group: Any = None) -> bool:

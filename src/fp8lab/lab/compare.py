@@ -643,6 +643,10 @@ def run_comparison(
     prepare_out_dir(out, cfg, baseline, corpus)
     run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus,
                 guard=guard, dist=dist)  # fmt: skip
+    if dist is not None:  # torchrun: the ranks are done; what follows is rank 0's alone
+        from fp8lab.dist.runtime import leave_group
+
+        leave_group()
     summary = summarize_comparison(cfg, names, baseline, out, device)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     write_metrics_csv(names, out)
