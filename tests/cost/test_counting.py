@@ -114,3 +114,16 @@ def test_to_dict_plain():
     d = count_linear_step("te-current").to_dict()
     assert d["passes"]["amax"] == 3 and d["passes"]["transpose"] == 3
     assert d["by_tensor"]["weight"] == {"amax": 1, "cast": 1, "transpose": 1}
+
+
+def test_single_high_precision_cell_still_quantizes_for_the_later_gemm():
+    # dgrad's dy in bf16 (fp8lab.recipe.GemmConfig.high_precision_roles): dgrad rounds it, and
+    # wgrad still takes dy quantized under the nominal E5M2 spec (the plan's shadow): amax + cast
+    # in the step, then the transpose for wgrad, as without the switch
+    from fp8lab.recipe import get_recipe
+
+    rec = get_recipe("te-current").with_cell_high_precision("dgrad", "grad_output", "bf16")
+    table = _table(count_linear_step(rec))
+    assert table["grad_output"] == {"round": 1, "amax": 1, "cast": 1, "transpose": 1}
+    assert table["input"] == TABLES["te-current"]["input"]
+    assert table["weight"] == TABLES["te-current"]["weight"]

@@ -134,3 +134,25 @@ def test_price_linears_and_step_from_a_list_of_linears():
                                 + sum(k.ms for k in layer.kernels if k.tensor.startswith("qkv.")))  # fmt: skip
     with pytest.raises(ValueError, match="tokens"):
         predict_step_ms("bf16", dev, linears=lins)
+
+
+def test_single_high_precision_cell_is_a_bf16_gemm_with_a_dequantize():
+    from fp8lab.recipe import get_recipe
+
+    dev = get_device("h200-nvl", CAL)
+    rec = get_recipe("te-current").with_cell_high_precision("dgrad", "grad_output", "bf16")
+    mixed, plain = price_layer(rec, dev, SHAPE), price_layer("te-current", dev, SHAPE)
+    bf16 = price_layer("bf16", dev, SHAPE)
+    dg = {g.name: g for g in mixed.gemms if g.name.endswith(".dgrad")}
+    assert {g.cls for g in dg.values()} == {"bf16"}
+    # the same GEMM as bf16's dgrad: both operands read as 16-bit
+    for g in bf16.gemms:
+        if g.name.endswith(".dgrad"):
+            assert dg[g.name].ms == g.ms and dg[g.name].bytes == g.bytes
+    # kernels, per Linear: W's dgrad transpose write (1 B/element) is gone, a dequantize of W
+    # reads 1 B + the FP32 scale and writes 2 B per element; dy's passes are unchanged
+    w = sum(o * i for _, i, o in SHAPE.linears())
+    assert sum(k.bytes for k in mixed.kernels) - sum(k.bytes for k in plain.kernels) == (
+        -w + (w + 4 * 4 + 2 * w)
+    )
+    assert [k.kind for k in mixed.kernels].count("dequantize") == 4

@@ -7,7 +7,9 @@ prepares or takes from the forward) and the re-tiling counter (`fp8lab.qtensor.r
 checked against the count). Each observed operand is classified by the module's frozen
 `LinearPlan` (the decisions the Function follows) into `Event`s:
 
-* ``round``: the operand is rounded to a GEMM's high precision (bf16/fp16 GEMMs);
+* ``round``: the operand is rounded to a GEMM's high precision (bf16/fp16 GEMMs, or a single
+  high-precision cell); such a cell is also quantized under its nominal spec when a later GEMM
+  takes its operand from it (the plan's ``shadow``: amax/cast events as for any quantization);
 * ``amax``: a separate pass over the high-precision tensor for its amax (current per-tensor
   scaling; NVFP4's tensor-level amax). Block scales, and delayed scaling (the amax is taken by
   the cast kernel itself, Transformer Engine's ``atomicMax``), need no separate pass;
@@ -246,9 +248,13 @@ def _classify(plan: Any, gemm: str, role: str, earlier: Any) -> list[tuple[str, 
 
     op = plan_operand(plan, gemm, role)
     if op.high_precision is not None:
-        if op.reuse is Reuse.SAME or op.high_precision == "fp32":
-            return []
-        return [("round", op.high_precision)]
+        hp: list[tuple[str, Any]] = []
+        if not (op.reuse is Reuse.SAME or op.high_precision == "fp32"):
+            hp.append(("round", op.high_precision))
+        shadow = getattr(op, "shadow", None)
+        if shadow is not None:  # a high-precision cell still quantized for a later GEMM
+            hp += _quantize(shadow, earlier)
+        return hp
     if op.spec is None:
         return []
     if op.reuse is Reuse.SAME:
@@ -257,11 +263,17 @@ def _classify(plan: Any, gemm: str, role: str, earlier: Any) -> list[tuple[str, 
         return []
     if op.reuse is Reuse.RETILE:
         return [("retile_from_quantized", op.spec)]
+    return _quantize(op.spec, earlier)
+
+
+def _quantize(spec: Any, earlier: Any) -> list[tuple[str, Any]]:
+    """A quantization from high precision: its amax pass if it needs one, then a cast (or, when
+    the earlier GEMM quantized the same tensor, a second tiling from the source)."""
     quantized_before = earlier is not None and earlier.quantized
     events: list[tuple[str, Any]] = []
-    if _needs_amax_pass(op.spec):
-        events.append(("amax", op.spec))
-    events.append(("retile_from_source" if quantized_before else "cast", op.spec))
+    if _needs_amax_pass(spec):
+        events.append(("amax", spec))
+    events.append(("retile_from_source" if quantized_before else "cast", spec))
     return events
 
 

@@ -15,6 +15,9 @@ How counted events become kernels (the hardware's fused kernels, as Transformer 
   scales;
 * ``transpose``: only on devices whose FP8 GEMMs need K-major operands (Hopper); written by the
   tensor's cast kernel (TE's fused cast-transpose: the write only) when the step casts it;
+* a GEMM with one bf16/fp16 cell (`fp8lab.recipe.GemmConfig.high_precision_roles`) runs in 16
+  bits: its quantized operand is dequantized by one kernel (read values + scales, write 2 bytes
+  per element; no transpose needed) and the GEMM is priced as a bf16/fp16 GEMM;
 * ``retile_from_source``: the other tiling written by the same cast kernel (TE quantizes rowwise and
   columnwise from one read): the write only; ``retile_from_quantized``: a kernel reading the
   quantized values and scales and writing the new ones (DeepSeek-V3);
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fp8lab.cost.counting import (
+    GEMM_AB,
     GEMM_DIMS,
     GemmEvent,
     StepCounts,
@@ -203,6 +207,9 @@ def gemm_class(g: GemmEvent) -> str:
     fa, fb = g.fmt_a, g.fmt_b
     if fa in ("bf16", "fp16") and fa == fb:
         return fa
+    mixed = _mixed_high(g)
+    if mixed is not None:  # one cell switched to 16 bits: the other operand is dequantized
+        return mixed
     if "fp32" in (fa, fb):
         raise UnpriceableError(
             f"{g.gemm}: fp32 GEMMs are not priced (no calibrated FP32/TF32 efficiency)"
@@ -226,6 +233,17 @@ def gemm_class(g: GemmEvent) -> str:
         if not any(r is not None and r.startswith("mx") for r in rules):
             return "fp8_block"
     raise UnpriceableError(f"{g.gemm}: no tensor-core GEMM for {fa} x {fb} with these scales")
+
+
+def _mixed_high(g: GemmEvent) -> str | None:
+    """The 16-bit format of a GEMM with one quantized and one bf16/fp16 operand (a single
+    high-precision cell, `fp8lab.recipe.GemmConfig.high_precision_roles`), else None. No tensor
+    core multiplies FP8 by bf16: the quantized operand is dequantized to that format (one
+    memory-bound kernel, `_dequantize_kernels`) and the GEMM runs in 16 bits."""
+    for hp, hp_gran, q_gran in ((g.fmt_a, g.gran_a, g.gran_b), (g.fmt_b, g.gran_b, g.gran_a)):
+        if hp in ("bf16", "fp16") and hp_gran is None and q_gran is not None:
+            return hp
+    return None
 
 
 def _efficiency(dev: Device, cls: str, recipe: str) -> float:
@@ -264,8 +282,11 @@ def _price_gemm(g: GemmEvent, name: str, dev: Device, recipe: str) -> GemmCost:
     eff = _efficiency(dev, cls, recipe)
     # operands as stored: their blocks refer to the natural layout
     (ra, ca), (rb, cb) = g.natural_shapes()
-    a = _operand_bytes(g.fmt_a, g.gran_a, g.scaling_a, ra, ca)
-    b = _operand_bytes(g.fmt_b, g.gran_b, g.scaling_b, rb, cb)
+    if cls in ("bf16", "fp16"):  # a mixed GEMM reads the dequantized 16-bit copy
+        a, b = ra * ca * 2, rb * cb * 2
+    else:
+        a = _operand_bytes(g.fmt_a, g.gran_a, g.scaling_a, ra, ca)
+        b = _operand_bytes(g.fmt_b, g.gran_b, g.scaling_b, rb, cb)
     nbytes = a + b + g.m * g.n * OUTPUT_BYTES
     t_compute = g.flops / (dev.peak(cls) * eff)
     t_memory = nbytes / (dev.bandwidth * dev.bandwidth_efficiency)
@@ -283,6 +304,8 @@ def _prec(fmt: str | None) -> str:
 def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost]:
     out = []
     cast_roles = {e.role for e in counts.events if e.kind == "cast"}
+    # a mixed GEMM dequantizes its quantized operand from the stored copy, in either layout
+    mixed = {g.gemm for g in counts.gemms if _mixed_high(g) is not None}
     tensor_amax: set[str] = set()  # roles whose whole-tensor amax is already priced this step
     for e in counts.events:
         if e.kind == "amax" and (e.scaling == "nvfp4" or e.granularity == (-1, -1)):
@@ -306,7 +329,7 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
             read = {"bf16": n * SOURCE_BYTES}
             written = {_prec(e.fmt): vals, "scales": sb}
         elif e.kind == "transpose":
-            if not dev.fp8_needs_k_major:
+            if not dev.fp8_needs_k_major or e.gemm in mixed:
                 continue
             written = {_prec(e.fmt): vals}
             if e.role in cast_roles:
@@ -329,6 +352,28 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
         sec = nbytes / (dev.bandwidth * dev.bandwidth_efficiency) + launches * dev.kernel_us * 1e-6
         gemm = e.gemm or "fprop"
         out.append(KernelCost(f"{lin}.{e.role}", gemm, e.kind, read, written, launches, sec * 1e3))
+    return out
+
+
+def _dequantize_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost]:
+    """A mixed GEMM's quantized operand dequantized to 16 bits: read values + scales, write
+    2 bytes per element (one kernel)."""
+    out = []
+    for g in counts.gemms:
+        hp = _mixed_high(g)
+        if hp is None:
+            continue
+        a_role, b_role = GEMM_AB[g.gemm]
+        (ra, ca), (rb, cb) = g.natural_shapes()
+        if g.gran_a is not None:
+            role, fmt, gran, rule, (r, c) = a_role, g.fmt_a, g.gran_a, g.scaling_a, (ra, ca)
+        else:
+            role, fmt, gran, rule, (r, c) = b_role, g.fmt_b, g.gran_b, g.scaling_b, (rb, cb)
+        read = {_prec(fmt): int(r * c * _bits(fmt)), "scales": scale_bytes(gran, rule, (r, c))}
+        written = {hp: r * c * 2}
+        nbytes = sum(read.values()) + sum(written.values())
+        sec = nbytes / (dev.bandwidth * dev.bandwidth_efficiency) + dev.kernel_us * 1e-6
+        out.append(KernelCost(f"{lin}.{role}", g.gemm, "dequantize", read, written, 1, sec * 1e3))
     return out
 
 
@@ -393,8 +438,8 @@ def price_linears(
         base = _counts(lrec)
         if scenario == "training":
             c = base.scaled(T=tokens, I=i, O=o)
-            cost.kernels += _price_kernels(c, lin, dev)
             cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, label) for g in c.gemms]
+            cost.kernels += _price_kernels(c, lin, dev) + _dequantize_kernels(c, lin, dev)
             continue
         for gemm in ("fprop", "dgrad", "wgrad"):
             m, k, n = _bench_dims(gemm, tokens, i, o)
