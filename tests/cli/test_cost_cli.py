@@ -58,6 +58,7 @@ def test_bad_input_exit_2():
         (["--ranks", "2", "--grad-comm", "fp16"], "unknown gradient communication 'fp16'"),
         (["--ranks", "0"], "--ranks must be >= 1"),
         (["--model", "gpt", "--hidden", "64"], "drop --hidden"),
+        (["--model", "gpt", "--tokens", "0"], "tokens must be a positive integer"),
         (["--hidden", "0"], "hidden must be a positive integer"),
         (["--scenario", "inference"], "unknown scenario"),
         (["--recipes", "mxfp8", "--device", "h100"], "no recipe of mxfp8 runs on h100"),

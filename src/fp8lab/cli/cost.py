@@ -85,7 +85,9 @@ def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
     built = _model(model)
     every = linear_shapes(built)
     block, layers = repeated_block(every)
-    tokens = given["tokens"] or TrainConfig().batch_size * ModelConfig().block_size
+    tokens = given["tokens"]
+    if tokens is None:  # the lab's default batch: 8 sequences of 128 tokens
+        tokens = TrainConfig().batch_size * ModelConfig().block_size
     other = other_parameters(built, every)
     dims = ", ".join(f"{n} {i}->{o}" for n, i, o in block)
     shape_words = (
