@@ -17,7 +17,7 @@ and update, every update of the step is deferred (`AmaxBatch.defer_update`) and 
 all-reduces all staged amaxes as one flat float32 buffer, then runs each update with its reduced
 amax. A state's new scale is first used in the next step's forward or backward, so deferring the
 updates to the end of the backward changes no number (tested bit for bit against the unbatched
-path); it turns ~33 scalar all-reduces per step of the default GPT into one.
+path); it turns the 30 scalar all-reduces per step of the default GPT (te-delayed) into one.
 
 Only data parallelism is modelled: with tensor or sequence parallelism one tensor's amax is split
 over ranks and ``none`` would be wrong inside a layer; those are out of scope.
