@@ -102,3 +102,28 @@ def test_state_dict_roundtrip():
     other = GuardMonitor(AnomalyGuard(), torch.nn.Linear(2, 2))
     other.load_state_dict(mon.state_dict())
     assert other.state_dict() == mon.state_dict() and other.loss_count == 3
+
+
+def test_operand_percentages_agree_with_the_watch_records():
+    import fp8lab
+    from fp8lab.guard.percent import operand_percentages
+    from fp8lab.observe import sample
+
+    torch.manual_seed(0)
+    lin = fp8lab.nn.Linear(64, 32, recipe="te-current", name="lin")
+    x = torch.randn(16, 64)
+    x[0, 0] = 1e-9  # underflows in E4M3 under the per-tensor scale
+    x.requires_grad_(True)  # dgrad runs (its grad_output is the natural-layout one)
+    with sample(lin, 1) as rows, operand_percentages() as ours:
+        (lin(x) * 1e-6).sum().backward()
+    watch = {(r["gemm"], r["role"]): r for r in rows if r["call"] == 0}
+    assert {(r["gemm"], r["role"]) for r in ours} == {
+        ("fprop", "input"),
+        ("fprop", "weight"),
+        ("dgrad", "grad_output"),
+    }
+    for r in ours:
+        w = watch[(r["gemm"], r["role"])]
+        assert r["underflow_pct"] == pytest.approx(w["underflow_pct"])
+        assert r["saturation_pct"] <= (w["saturation_pct"] or 0.0) + 1e-12
+    assert next(r for r in ours if r["role"] == "input")["underflow_pct"] > 0

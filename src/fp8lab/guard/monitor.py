@@ -68,6 +68,9 @@ class GuardMonitor:
             groups.setdefault(ds.history_len, []).append(i)
         self._groups = list(groups.values())
         self._pre: tuple[torch.Tensor, ...] | None = None
+        dss = [ds for _, ds in self.states]  # constants of each state, read once
+        self._margin = torch.tensor([float(ds.total_margin) for ds in dss])
+        self._interval = torch.tensor([ds.interval for ds in dss], dtype=torch.int64)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -97,11 +100,9 @@ class GuardMonitor:
             last[idx] = hist[:, -1]
             hmax[idx] = hist[:, 1:].max(dim=1).values  # NaN propagates: caught below
         ok = bool(torch.isfinite(hmax).all())
-        dss = [ds for _, ds in self.states]
-        fmt_max = torch.stack([ds.state.fmt_max for ds in dss])
-        margin = torch.tensor([float(ds.total_margin) for ds in dss])
-        interval = torch.tensor([ds.interval for ds in dss])
-        measured = (step % interval == 0) & (init == 1) & (last > 0) & torch.isfinite(last)
+        fmt_max = torch.stack([ds.state.fmt_max for _, ds in self.states])
+        margin = self._margin
+        measured = (step % self._interval == 0) & (init == 1) & (last > 0) & torch.isfinite(last)
         # binades by which amax * scale exceeds the format's max (less the margin): > 0 clamps
         head = torch.log2(last * scale / (fmt_max * torch.exp2(-margin)))
         stale = torch.log2(hmax / last)
@@ -161,6 +162,7 @@ class GuardMonitor:
         else:
             self._rows = None
         self._run = run
+        sig["fired"] = sorted({f.detector for f in found})  # the early-warning study's firings
         self.signals = sig
         return found
 

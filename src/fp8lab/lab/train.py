@@ -651,7 +651,7 @@ def _train_step(
     loss_scale = scaler.get_scale() if scaler is not None else 1.0
     if grun is not None:
         grun.before_step()
-    with _collect(model, collect or guard_rows, step + 1) as stat_rows:
+    with _collect(model, collect, step + 1) as stat_rows, _guard_rows(guard_rows) as g_rows:
         if dp is None:
             _, loss = model(x, y)
         else:  # this rank's shard; loss_all: the global batch's loss, equal on every rank
@@ -677,7 +677,7 @@ def _train_step(
         )
     blocked = grun is not None and grun.check(
         step, float(loss.detach()) if dp is None else loss_all, gnorm,
-        stat_rows if guard_rows else None,
+        g_rows if guard_rows else None,
     )  # fmt: skip
     if not found_inf and math.isfinite(gnorm) and not blocked:
         opt.step()
@@ -686,7 +686,6 @@ def _train_step(
         scaler.update()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
-    stat_rows = stat_rows if collect else []  # rows taken for the guard alone are not logged
 
     loss_v = float(loss.detach()) if dp is None else loss_all
     st.step += 1
@@ -744,6 +743,15 @@ def _keep_checkpoint(run_path: Path, step: int, keep: int, rollback: bool = Fals
         shutil.copyfile(run_path / CHECKPOINT, target)
     for f in sorted(d.glob("step-*.pt"))[:-keep]:
         f.unlink()
+
+
+def _guard_rows(enabled: bool):
+    """The anomaly guard's per-operand underflow / saturation % of this step, or []."""
+    if not enabled:
+        return contextlib.nullcontext([])
+    from fp8lab.guard.percent import operand_percentages
+
+    return operand_percentages()
 
 
 def _no_space(path: Path, exc: BaseException) -> OSError:

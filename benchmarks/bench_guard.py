@@ -1,0 +1,92 @@
+"""Overhead of the anomaly guard's detectors (issue 15 target: <= 3 % of the step time).
+
+One run: ``python benchmarks/bench_guard.py [--recipe te-delayed] [--steps 100] [--threads 1]``.
+Two copies of the lab's default GPT (same initial weights) train side by side in one process,
+step by step in alternation (so a change of machine load hits both alike): one unguarded, one
+under ``AnomalyGuard(policy="rollback")`` with its defaults (per-step checks, per-operand
+percentages every 10 steps, an in-memory snapshot every 50 steps). Each step's wall time covers
+everything the loop does for it (the guard's check, its bookkeeping after the step, snapshots).
+Prints the mean step time of each, the ratio and the overhead in %. The guarded copy must
+record no event (the two runs are then bit-identical, checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="te-delayed")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    from fp8lab.guard import AnomalyGuard
+    from fp8lab.lab.compare import resolve_recipe, set_threads
+    from fp8lab.lab.data import load_corpus
+    from fp8lab.lab.inject import Injector
+    from fp8lab.lab.train import (
+        LabConfig,
+        LoopState,
+        _guard_run,
+        _train_step,
+        build_model,
+        make_optimizer,
+    )
+    from fp8lab.optim import LossScaler
+
+    set_threads(args.threads)
+    recipe = resolve_recipe(args.recipe)
+    cfg = LabConfig().replace_train(steps=args.steps + 1, stats_every=0, eval_every=10**9)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    tokens = cfg.train.batch_size * cfg.model.block_size
+
+    def setup(guarded: bool):
+        model = build_model(cfg.model, recipe, cfg.train.seed)
+        opt = make_optimizer(model, recipe, cfg.train)
+        scaler = LossScaler.from_recipe(recipe)
+        grun = _guard_run(AnomalyGuard() if guarded else None, model, opt, scaler, recipe)
+        st = LoopState()
+        if grun is not None:
+            grun.snapshot(st)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return model, opt, scaler, Injector(model, cfg.inject), params, st, grun
+
+    runs = {"plain": setup(False), "guarded": setup(True)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    losses: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(args.steps + 1):
+        for name, (model, opt, scaler, inj, params, st, grun) in runs.items():
+            t0 = time.perf_counter()
+            rec, _ = _train_step(model, opt, scaler, inj, params, corpus, cfg, recipe, st, tokens,
+                                 None, grun)  # fmt: skip
+            if grun is not None:
+                assert grun.after_step(st) is None, "the guard acted on a healthy run"
+            if i > 0:  # the first step compiles / loads kernels
+                times[name].append(time.perf_counter() - t0)
+            losses[name].append(rec["train_loss"])
+    assert losses["plain"] == losses["guarded"], "guarded run differs"
+    mp, mg = statistics.fmean(times["plain"]), statistics.fmean(times["guarded"])
+    m = cfg.model
+    print(
+        f"guard overhead, {args.recipe}, GPT {m.n_layer} layers d_model {m.d_model}, "
+        f"{cfg.train.batch_size} x {m.block_size} tokens, {args.threads} thread(s), "
+        f"{args.steps} alternating steps each (no event; losses bit-identical)"
+    )
+    print(
+        f"unguarded {1000 * mp:8.1f} ms/step (median {1000 * statistics.median(times['plain']):.1f})"
+    )
+    print(
+        f"guarded   {1000 * mg:8.1f} ms/step (median {1000 * statistics.median(times['guarded']):.1f})"
+    )
+    print(f"ratio {mg / mp:.4f}  overhead {100 * (mg / mp - 1):+.2f} %  (target <= 3 %)")
+    torch.set_num_threads(torch.get_num_threads())
+
+
+if __name__ == "__main__":
+    main()
