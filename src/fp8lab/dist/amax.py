@@ -15,9 +15,10 @@ model by `set_amax_group`:
 Batching (`batch_amax_reduction`, TE's global amax buffer): instead of one all-reduce per state
 and update, every update of the step is deferred (`AmaxBatch.defer_update`) and `AmaxBatch.flush`
 all-reduces all staged amaxes as one flat float32 buffer, then runs each update with its reduced
-amax. A state's new scale is first used in the next step's forward or backward, so deferring the
-updates to the end of the backward changes no number (tested bit for bit against the unbatched
-path); it turns the 30 scalar all-reduces per step of the default GPT (te-delayed) into one.
+amax. A state's new scale is first used in the next step's forward or backward, so with one
+forward and one backward per step deferring the updates to the end of the backward changes no
+number (tested bit for bit against the unbatched path); a state updated twice before a flush is
+updated once with the max of its amaxes (TE's ``fp8_autocast`` semantics). It turns the 30 scalar all-reduces per step of the default GPT (te-delayed) into one.
 
 Only data parallelism is modelled: with tensor or sequence parallelism one tensor's amax is split
 over ranks and ``none`` would be wrong inside a layer; those are out of scope.
@@ -142,11 +143,12 @@ class AmaxBatch:
         self.updates = 0
 
     def defer_update(self, state: DelayedScaling, fmt: Any = None) -> None:
-        """Queue ``state``'s update. A state queued twice (a module run twice before the flush)
-        flushes first, so each update sees only its own amaxes, as unbatched."""
-        if any(s is state for s, _ in self.pending):
-            self.flush()
-        self.pending.append((state, fmt))
+        """Queue ``state``'s update. A state already queued (a module run twice before the
+        flush) stays queued once: its staging slot holds the max of all its amaxes and it is
+        updated once, as Transformer Engine does for a module run several times inside one
+        ``fp8_autocast`` (its second run already used the old scale either way)."""
+        if all(s is not state for s, _ in self.pending):
+            self.pending.append((state, fmt))
 
     def flush(self) -> int:
         """All-reduce (MAX) the staged amax of every queued state in one buffer, then update
