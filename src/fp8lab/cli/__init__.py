@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from fp8lab.cli import comm_sim, compare, cost, formats, inspect, observe_report, snr
+from fp8lab.cli import comm_sim, compare, cost, debug, formats, inspect, observe_report, snr
 from fp8lab.cli import replay as replay_cmd
 
 app = typer.Typer(
@@ -37,7 +37,7 @@ def _root(
         raise typer.Exit()
 
 
-for _module in (formats, snr, inspect, compare, cost, observe_report, comm_sim, replay_cmd):
+for _module in (formats, snr, inspect, compare, debug, cost, observe_report, comm_sim, replay_cmd):
     _module.register(app)
 
 

@@ -1,0 +1,186 @@
+"""``fp8lab debug``: find which GEMM of which layer breaks an FP8 run, and test a fix.
+
+The lab (``fp8lab.lab.debug``) runs the method and returns the result; this command writes the
+report (``fp8lab.report.debug``), prints progress per probe and turns bad input into exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fp8lab.cli._common import clear_errors, fail
+
+HELP = """Find which operand of which GEMM of which layer makes a low-precision run drift from
+its baseline, and test remedies, on a CPU. Seven stages: (1) gap of R to the baseline, and the
+noise (fp32 vs bf16, two runs differing only in rounding; a gap within 2x the noise is "no FP8
+problem found"); (2) recovery: R's checkpoint continued under the baseline; (3) fake
+quantization: R's grids with current scaling; (4) screening: one training step replayed bit for
+bit from R's checkpoints with one (layer, GEMM, role) cell at a time in high precision, scored by
+the share of the gradient error it removes; (5) confirmation probes per role and GEMM, then group
+testing over layers; (6) remedies for the culprit (current scaling, finer blocks, E5M2 for
+gradients, high precision for the culprit cells), each trained, with its gap and relative_cost;
+(7) verdict: OUT/report.html, report.md and OUT/fix.toml (a per-layer recipe file that
+`fp8lab compare --recipes OUT/fix.toml` accepts). --scenario plants a known fault in the default
+model (--list-scenarios). --json prints exactly {"schema_version": 1, "recipe", "baseline",
+"gap_pct", "noise_pct", "recovers", "culprit": {"role", "gemm", "layers"} or null,
+"attribution": [{"layer", "gemm", "role", "score"}], "remedies": [{"name", "gap_pct",
+"relative_cost"}], "fix", "probes": [{"name", "gap_pct"}]} (non-finite numbers null). Rerunning
+with the same --out resumes finished probes. Exit code 2 on bad input.
+"""
+
+
+def _progress(quiet: bool):
+    """One line on stderr per stage and per finished probe (and screening progress)."""
+    t0 = time.perf_counter()
+    seen: dict[str, int] = {}
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if quiet:
+            return
+        t = f"[{time.perf_counter() - t0:6.0f} s]"
+        kind = ev.get("event")
+        if kind == "stage":
+            typer.echo(f"{t} == {ev['text']}", err=True)
+        elif kind == "probe":
+            g = ev.get("gap_pct")
+            typer.echo(f"{t} probe {ev['probe']}: gap "
+                       + ("n/a" if g is None else f"{g:+.3f} %")
+                       + f"  ({ev.get('label', '')})", err=True)  # fmt: skip
+        elif kind == "start":
+            name = ev.get("probe", ev.get("recipe"))
+            if name not in seen:
+                seen[name] = 1
+                typer.echo(f"{t}   training {name} from step {ev['step']}/{ev['steps']}", err=True)
+        elif kind == "replay":
+            every = max(1, ev["total"] // 4)
+            if ev["done"] % every == 0 or ev["done"] == ev["total"]:
+                typer.echo(f"{t}   {ev['probe']}: {ev['done']}/{ev['total']} cells replayed",
+                           err=True)  # fmt: skip
+
+    return on_event
+
+
+def _list_scenarios() -> None:
+    from fp8lab.lab.debug.scenarios import SCENARIOS
+
+    for s in SCENARIOS.values():
+        typer.echo(f"{s.name:<20} {s.description}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("debug", help=HELP)
+    def debug_cmd(
+        recipe: str | None = typer.Option(
+            None,
+            "--recipe",
+            help="The recipe that drifts: a preset, 'e4m3-unscaled-grads', or "
+            "a recipe .toml/.json file (per-layer [[layer]] rules allowed).",
+            show_default=False,
+        ),
+        baseline: str = typer.Option("bf16", "--baseline", help="The reference recipe."),
+        scenario: str | None = typer.Option(
+            None,
+            "--scenario",
+            help="Plant a built-in fault (see --list-scenarios) instead of --recipe.",
+            show_default=False,
+        ),
+        list_scenarios: bool = typer.Option(
+            False, "--list-scenarios", help="List the built-in scenarios and exit."
+        ),
+        model: str | None = typer.Option(
+            None,
+            "--model",
+            help="The model, as for fp8lab compare: 'gpt', MODULE:FACTORY, "
+            "path/to/file.py:FACTORY or hf:CONFIG.json.",
+            show_default=False,
+        ),
+        data: list[Path] = typer.Option(
+            None, "--data", help="Text file or folder to train on (repeatable)."
+        ),
+        config: Path | None = typer.Option(
+            None, "--config", help="TOML file with [model] [data] [train] [inject] tables."
+        ),
+        overrides: list[str] = typer.Option(
+            None,
+            "--set",
+            help="Override one config value, SECTION.KEY=VALUE (repeatable), as "
+            "for fp8lab compare.",
+        ),
+        steps: int | None = typer.Option(None, "--steps", min=4, help="Training steps per probe."),
+        layers: str | None = typer.Option(
+            None,
+            "--layers",
+            help="Comma list of globs: search only these converted layers (default all).",
+            show_default=False,
+        ),
+        checkpoints: int = typer.Option(
+            3, "--checkpoints", min=1, max=20, help="Checkpoints of R screened by replay."
+        ),
+        out: Path = typer.Option(Path("runs/debug"), "--out", help="Output directory."),
+        jobs: int = typer.Option(1, "--jobs", min=1, help="Probes trained at once (processes)."),
+        threads: int = typer.Option(
+            0, "--threads", min=0, help="torch and numba threads per process (0 = defaults)."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
+    ) -> None:
+        from fp8lab.lab.debug import run_debug
+        from fp8lab.lab.debug.scenarios import get_scenario, plant
+        from fp8lab.lab.models import ModelConfig
+        from fp8lab.lab.train import LabConfig
+        from fp8lab.report.debug import write_report
+
+        if list_scenarios:
+            _list_scenarios()
+            return
+        with clear_errors():
+            if (recipe is None) == (scenario is None):
+                raise fail("give exactly one of --recipe and --scenario (--list-scenarios "
+                           "lists the scenarios)")  # fmt: skip
+            cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
+            if rest:
+                raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
+                                 "[model] [data] [train] [inject]")  # fmt: skip
+            if scenario is not None:
+                cfg = cfg.replace_train(**get_scenario(scenario).train)
+            if overrides:
+                cfg = cfg.with_overrides(overrides)
+            if model is not None:
+                cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
+            if steps is not None:
+                cfg = cfg.replace_train(steps=steps)
+            if data:
+                cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
+            expect = None
+            if scenario is not None:
+                rec, cfg, expect = plant(scenario, cfg)
+            else:
+                rec = recipe
+            globs = [g.strip() for g in layers.split(",") if g.strip()] if layers else None
+            if layers is not None and not globs:
+                raise ValueError("--layers: no glob given")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        t0 = time.perf_counter()
+        with clear_errors("interrupted; rerun the same command to resume"):
+            result = run_debug(rec, cfg, out, baseline=baseline, jobs=jobs, threads=threads,
+                               layers=globs, checkpoints=checkpoints,
+                               callback=_progress(quiet),
+                               scenario=scenario)  # fmt: skip
+            write_report(out, result, command=command, expect=expect)
+        if json_out:
+            typer.echo(json.dumps(result.to_json(), allow_nan=False))
+            return
+        typer.echo(result.verdict)
+        if result.fix:
+            typer.echo(f"\nfix: {result.fix}  (fp8lab compare --recipes {result.fix})")
+        typer.echo(f"report: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")

@@ -1,0 +1,225 @@
+"""One-step attribution: replay one training step under counterfactual cells.
+
+Because the lab's runs are deterministic and resume bit for bit, the step after a saved
+checkpoint can be replayed exactly: same weights, same scaling state, same batch, same RNG
+(:class:`StepReplay`; a replay with nothing switched reproduces the recorded loss and gradient
+bit for bit, and applying the optimizer gives the next checkpoint's weights). Screening
+(:func:`screen_snapshot`) replays that step
+
+- under the recipe under debug R: gradient ``g_R``;
+- under the baseline at the same weights: ``g_B``;
+- once per cell (layer, GEMM, role) with only that operand in high precision: ``g_c``;
+
+and scores each cell by the share of the gradient-error norm the switch removes,
+``(|g_R - g_B| - |g_c - g_B|) / |g_R - g_B|`` (norms over every parameter's gradient). Over several
+checkpoints the scores are pooled weighted by ``|g_R - g_B|`` (:func:`pool_scores`): a checkpoint
+where R's gradient is far off counts more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from fp8lab.lab.data import Corpus, get_batch, load_corpus
+from fp8lab.lab.debug.runner import load_state, load_weights
+from fp8lab.lab.debug.variants import CELLS, with_cells_hp
+from fp8lab.lab.inject import Injector
+from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+
+
+class StepReplay:
+    """Replays the step that follows checkpoint ``state`` of a run of ``recipe``.
+
+    ``baseline_weights``: load only the weights (the model runs ``recipe`` with fresh scaling
+    state: used for the baseline's gradient at R's weights)."""
+
+    def __init__(
+        self,
+        recipe: Any,
+        cfg: LabConfig,
+        corpus: Corpus,
+        state: dict[str, Any],
+        baseline_weights: bool = False,
+    ) -> None:
+        from fp8lab.optim import LossScaler
+
+        self.recipe, self.cfg, self.state = recipe, cfg, state
+        tc = cfg.train
+        self.model = build_model(cfg.model, recipe, tc.seed)
+        self.opt = make_optimizer(self.model, recipe, tc)
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.injector = Injector(self.model, cfg.inject)
+        self.own = not baseline_weights
+        if self.own:
+            self.model_state = state["model"]
+        else:
+            load_weights(self.model, state["model"])
+            self.model_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self._scaler_state = state.get("scaler") if self.own else None
+        self._new_scaler = lambda: LossScaler.from_recipe(recipe)
+        self.step = int(state["loop"]["step"])
+        self.batch = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed,
+                               self.step)  # fmt: skip
+        self.layer_recipes: dict[str, Any] = {}
+
+    def _reset(self) -> Any:
+        self.model.load_state_dict(self.model_state)
+        torch.set_rng_state(self.state["torch_rng"])
+        self.opt.zero_grad(set_to_none=True)
+        scaler = self._new_scaler()
+        if scaler is not None and self._scaler_state is not None:
+            scaler.load_state_dict(self._scaler_state)
+        return scaler
+
+    def _backward(self, scaler: Any) -> tuple[float, bool]:
+        """The training step's forward and backward, as ``fp8lab.lab.train`` runs them."""
+        x, y = self.batch
+        self.injector.set_step(self.step)
+        mult = self.injector.grad_multiplier(self.step)
+        loss_scale = scaler.get_scale() if scaler is not None else 1.0
+        _, loss = self.model(x, y)
+        (loss * (loss_scale * mult)).backward()
+        if mult != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(mult)
+        found_inf = scaler.unscale_(self.opt) if scaler is not None else False
+        return float(loss.detach()), bool(found_inf)
+
+    def gradient(self, switched: dict[str, Any] | None = None) -> tuple[float, torch.Tensor]:
+        """(loss, flat gradient of every parameter) of the replayed step. ``switched``: layer ->
+        the recipe that layer runs instead (its delayed-scaling state carried over)."""
+        scaler = self._reset()
+        mods = []
+        for layer, rec in (switched or {}).items():
+            mod = self.model.get_submodule(layer)
+            mods.append((mod, mod.recipe))
+            mod.set_recipe(rec, keep_state=True)
+        try:
+            loss, _ = self._backward(scaler)
+            flat = torch.cat([
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                for p in self.params
+            ])  # fmt: skip
+        finally:
+            for mod, rec in mods:
+                mod.set_recipe(rec)
+        return loss, flat
+
+    def full_step(self) -> dict[str, Any]:
+        """Replay the whole training step (clipping, optimizer, loss scaler); return the loss,
+        the gradient norm before clipping and the model state after the step."""
+        import math as _m
+
+        from fp8lab.optim import clip_grad_norm_, grad_norm
+
+        tc = self.cfg.train
+        scaler = self._reset()
+        self.opt.load_state_dict(self.state["optimizer"])
+        lr = tc.lr_at(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, found_inf = self._backward(scaler)
+        gnorm = float(grad_norm(self.params)) if found_inf else float("nan")
+        if not found_inf:
+            gnorm = (float(clip_grad_norm_(self.params, tc.grad_clip)) if tc.grad_clip > 0
+                     else float(grad_norm(self.params)))  # fmt: skip
+            if _m.isfinite(gnorm):
+                self.opt.step()
+        if scaler is not None:
+            scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": gnorm, "model": self.model.state_dict()}
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    v = float(torch.linalg.vector_norm((a - b).double()))
+    return v if math.isfinite(v) else math.inf
+
+
+def screen_snapshot(
+    recipe: dict[str, Any],
+    baseline: dict[str, Any],
+    cfg_dict: dict[str, Any],
+    snapshot: str,
+    layers: Sequence[str],
+    precision: str,
+    cells: Sequence[tuple[str, str]] = CELLS,
+    events: Any = None,
+) -> dict[str, Any]:
+    """Screen every (layer, cell) at one checkpoint (see the module doc). Returns ``{"step",
+    "loss", "err_r", "rows": [{layer, gemm, role, err}]}`` (``err``: |g_c - g_B|)."""
+    import time
+
+    from fp8lab.recipe import Recipe
+
+    t0 = time.perf_counter()
+    cfg = LabConfig.from_dict(cfg_dict)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    rec = Recipe.from_dict(recipe, where="recipe")
+    base = Recipe.from_dict(baseline, where="baseline")
+    state = load_state(snapshot)
+    r = StepReplay(rec, cfg, corpus, state)
+    b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
+    loss_r, g_r = r.gradient()
+    _, g_b = b.gradient()
+    err_r = _err(g_r, g_b)
+    todo = [(layer, g, ro) for layer in layers for g, ro in cells
+            if rec.for_layer(layer).spec(g, ro) is not None
+            and rec.for_layer(layer).gemm(g).high_precision is None]  # fmt: skip
+    rows = []
+    name = f"screen@{r.step}"
+    for i, (layer, g, ro) in enumerate(todo):
+        switched = {layer: with_cells_hp(rec.for_layer(layer), [(g, ro)], precision)}
+        _, g_c = r.gradient(switched)
+        rows.append({"layer": layer, "gemm": g, "role": ro, "err": _err(g_c, g_b)})
+        if events is not None:
+            events.put({"event": "replay", "recipe": name, "probe": name, "done": i + 1,
+                        "total": len(todo)})  # fmt: skip
+    return {"step": r.step, "loss": loss_r, "err_r": err_r, "rows": rows,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def pool_scores(screens: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell, the share of the gradient-error norm its switch removes, pooled over the
+    screened checkpoints: ``sum_t (e_R,t - e_c,t) / sum_t e_R,t``. A checkpoint where R's
+    gradient is not finite counts a cell as fully explaining it when its switch makes the
+    gradient finite. Sorted by score, highest first."""
+    num: dict[tuple[str, str, str], float] = {}
+    den: dict[tuple[str, str, str], float] = {}
+    for s in screens:
+        e_r = s["err_r"]
+        for row in s["rows"]:
+            key = (row["layer"], row["gemm"], row["role"])
+            if math.isinf(e_r):
+                n, d = (1.0 if math.isfinite(row["err"]) else 0.0), 1.0
+            else:
+                n, d = e_r - min(row["err"], 1e300), e_r
+            num[key] = num.get(key, 0.0) + n
+            den[key] = den.get(key, 0.0) + d
+    rows = [
+        {"layer": k[0], "gemm": k[1], "role": k[2],
+         "score": (num[k] / den[k]) if den[k] > 0 else 0.0}
+        for k in num
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["score"])
+    return rows
+
+
+def aggregate(rows: Sequence[dict[str, Any]], by: Sequence[str]) -> list[tuple[tuple, float]]:
+    """Sum of cell scores grouped by the keys ``by`` (e.g. ``("role",)``), highest first."""
+    out: dict[tuple, float] = {}
+    for r in rows:
+        k = tuple(r[b] for b in by)
+        out[k] = out.get(k, 0.0) + r["score"]
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+def snapshot_steps(steps: int, n: int) -> list[int]:
+    """``n`` checkpoint steps spread over a run of ``steps`` (never 0 or the last step)."""
+    pts = sorted({max(1, min(steps - 1, round(steps * (i + 1) / (n + 1)))) for i in range(n)})
+    return pts

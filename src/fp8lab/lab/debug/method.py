@@ -1,0 +1,446 @@
+"""The debugging method: seven stages from "R drifts from the baseline" to a tested fix.
+
+1. **gap and noise**: R, the baseline, and the pair fp32 / bf16 (two baselines that differ only
+   in rounding) from one initial model and one batch order. ``gap_pct`` is R's final validation
+   loss relative to the baseline's (as ``fp8lab compare``); ``noise_pct`` the largest |gap|
+   between fp32 and bf16 over the second half of the run. A gap within twice the noise is "no
+   FP8 problem found".
+2. **recovery**: R's checkpoint at ``recovery_from`` of the run, loaded into the baseline recipe
+   (weights and optimizer moments; loaded explicitly: the lab refuses it for users) and trained
+   to the end; ``recovers`` = its gap falls back within twice the noise.
+3. **fake quantization**: R's operand grids with current scaling and fp32 accumulation.
+4. **screening**: one-step attribution at R's checkpoints (:mod:`.attribution`).
+5. **confirmation**: training probes with one operand role in high precision in every layer
+   (the top roles of the screening), the culprit role's GEMMs one at a time, then group testing
+   over the layers (:mod:`.search`).
+6. **remedies** for the culprit role on the culprit layers, each a probe (:mod:`.remedies`).
+7. **verdict** (:mod:`.verdict`): the culprit, the best remedy as a per-layer recipe file.
+
+A probe *explains* the gap when it closes at least ``close`` (70 %) of it or lands within twice
+the noise. A diverged R counts as a gap as large as a uniform guess's (ln V).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8lab.lab.data import load_corpus
+from fp8lab.lab.debug import attribution, remedies, search, variants
+from fp8lab.lab.debug.result import DebugResult, Probe, _rel
+from fp8lab.lab.debug.runner import ProbeSpec, run_probe, run_tasks, snapshot_path
+from fp8lab.lab.debug.verdict import decide
+from fp8lab.lab.train import LabConfig, build_model, read_metrics
+
+Callback = Callable[[dict[str, Any]], None]
+CONFIG_FILE = "debug.json"
+NOISE_PAIR = ("fp32", "bf16")
+
+
+# ----------------------------------------------------------------------------- inputs
+def resolve(name_or_recipe: Any) -> Any:
+    """A Recipe, a preset or lab recipe name, or a recipe file path."""
+    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.recipe import Recipe
+
+    if isinstance(name_or_recipe, Recipe):
+        return name_or_recipe
+    return resolve_recipe(str(name_or_recipe))
+
+
+def select_layers(all_layers: Sequence[str], globs: Sequence[str] | None) -> list[str]:
+    """The converted layers matching any of ``globs`` (all without globs); a glob matching no
+    converted layer is a ValueError naming it."""
+    if not globs:
+        return list(all_layers)
+    out = []
+    for g in globs:
+        hit = [n for n in all_layers if fnmatch.fnmatchcase(n, g)]
+        if not hit:
+            raise ValueError(
+                f"--layers {g!r} matches no converted layer; converted layers: "
+                + ", ".join(all_layers[:12])
+                + (" ..." if len(all_layers) > 12 else "")
+            )
+        out += [n for n in hit if n not in out]
+    return [n for n in all_layers if n in out]
+
+
+@dataclass
+class _Ctx:
+    recipe: Any
+    baseline: Any
+    cfg: LabConfig
+    out: Path
+    jobs: int
+    threads: int
+    emit: Callback
+    layers: list[str]
+    all_layers: list[str]
+    dims: dict[str, tuple[int, int]]
+    precision: str
+    close: float
+    probes: dict[str, Probe] = field(default_factory=dict)
+    base_final: float | None = None
+    base_val: dict[int, float | None] = field(default_factory=dict)
+    gap: float | None = None
+    gap_ref: float | None = None
+    noise: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ probes
+    def run(self, specs: Sequence[ProbeSpec], extra: Sequence[tuple] = ()) -> list[Any]:
+        """Run probes (and extra tasks) in the pool; record the probes."""
+        cfg_d = self.cfg.to_dict()
+        todo = [s for s in specs if s.name not in self.probes]
+        tasks = [
+            (
+                run_probe,
+                {"spec": s, "cfg_dict": cfg_d, "run_dir": str(self.out / "probes" / s.name)},
+            )
+            for s in todo
+        ]
+        tasks += list(extra)
+        results = run_tasks(tasks, self.jobs, self.threads, self.emit)
+        for s in todo:
+            p = self._record(s)
+            if self.base_final is not None:
+                self.announce(p)
+        return results[len(todo) :]
+
+    def announce(self, p: Probe) -> None:
+        """A progress event for a finished probe."""
+        self.emit({"event": "probe", "probe": p.name, "recipe": p.name, "gap_pct": p.gap_pct,
+                   "label": p.label})  # fmt: skip
+
+    def _record(self, s: ProbeSpec) -> Probe:
+        from fp8lab.recipe import Recipe
+
+        run = json.loads((self.out / "probes" / s.name / "run.json").read_text())
+        recs = read_metrics(self.out / "probes" / s.name)
+        val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        p = Probe(s.name, s.kind, s.label, run["summary"], val,
+                  recipe=Recipe.from_dict(s.recipe, where=s.name))  # fmt: skip
+        self.probes[s.name] = p
+        if self.base_final is not None:
+            self._score(p)
+        return p
+
+    def _score(self, p: Probe) -> None:
+        s = p.summary
+        final = s.get("final_val_loss")
+        diverged = bool(s.get("diverged")) or final is None
+        p.gap_pct = None if diverged else _rel(final, self.base_final)
+        if self.gap_ref is None or p.kind == "baseline":
+            return
+        gap_p = self.gap_ref if diverged else (p.gap_pct if p.gap_pct is not None else 0.0)
+        p.closure = 1.0 - gap_p / self.gap_ref if self.gap_ref else None
+        within = (not diverged and self.noise is not None
+                  and abs(gap_p) <= 2 * self.noise)  # fmt: skip
+        p.explains = not diverged and (within or (p.closure is not None
+                                                  and p.closure >= self.close))  # fmt: skip
+
+    def spec(self, name: str, recipe: Any, kind: str, label: str, **kw: Any) -> ProbeSpec:
+        return ProbeSpec(name=name, recipe=recipe.replace(name=name).to_dict(), kind=kind,
+                         label=label, **kw)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the method
+def run_debug(
+    recipe: Any,
+    cfg: LabConfig,
+    out_dir: str | Path,
+    baseline: Any = "bf16",
+    jobs: int = 1,
+    threads: int = 0,
+    layers: Sequence[str] | None = None,
+    checkpoints: int = 3,
+    close: float = 0.7,
+    recovery_from: float = 0.5,
+    callback: Callback | None = None,
+    scenario: str | None = None,
+) -> DebugResult:
+    """Run the seven stages (module doc) for ``recipe`` against ``baseline`` under ``cfg``,
+    writing every probe into ``out_dir/probes``; return the :class:`DebugResult` (the report
+    and ``fix.toml`` are written by :func:`fp8lab.lab.debug.verdict.write_fix` and
+    ``fp8lab.report.debug``).
+
+    Bad input raises ValueError before any training: an unknown recipe or baseline, a
+    baseline with R's numerics, ``layers`` globs matching no converted layer, a bad config."""
+    t_start = time.perf_counter()
+    emit = callback or (lambda e: None)
+    rec = resolve(recipe)
+    base = resolve(baseline)
+    if rec.fingerprint() == base.fingerprint():
+        raise ValueError(
+            f"the baseline {base.name!r} has the same numerics as the recipe {rec.name!r}: "
+            "nothing to debug (choose another --baseline, e.g. bf16)"
+        )
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    if not (isinstance(checkpoints, int) and 1 <= checkpoints <= 20):
+        raise ValueError(f"checkpoints must be an integer in 1..20, got {checkpoints!r}")
+    if not 0 < close <= 1:
+        raise ValueError(f"close must be in (0, 1], got {close!r}")
+    if not 0 < recovery_from < 1:
+        raise ValueError(f"recovery_from must be in (0, 1), got {recovery_from!r}")
+    cfg.check()
+    if cfg.train.steps < 4:
+        raise ValueError(f"train.steps must be >= 4 for the debugger, got {cfg.train.steps}")
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(cfg.model, rec, cfg.train.seed)
+    all_layers = variants.converted_layers(model)
+    if not all_layers:
+        raise ValueError("the recipe converts no layer of the model: nothing to debug")
+    chosen = select_layers(all_layers, layers)
+    load_corpus(cfg.data, cfg.model.block_size)  # a missing data path fails here
+    out = Path(out_dir)
+    _prepare_out(out, cfg, rec, base, chosen)
+    ctx = _Ctx(rec, base, cfg, out, jobs, threads, emit, chosen, all_layers,
+               variants.layer_dims(model, all_layers), variants.hp_precision(base), close)  # fmt: skip
+    del model
+    steps = cfg.train.steps
+
+    # 1. gap and noise -------------------------------------------------------------------
+    t0 = time.perf_counter()
+    emit({"event": "stage", "stage": "gap", "text": "gap and noise: R, baseline, fp32, bf16"})
+    screen_steps = attribution.snapshot_steps(steps, checkpoints)
+    rec_step = max(1, min(steps - 1, round(steps * recovery_from)))
+    specs = [ctx.spec("recipe", rec, "recipe", f"R = {rec.name}",
+                      snapshots=tuple(sorted({*screen_steps, rec_step})))]  # fmt: skip
+    names = {"baseline": base}
+    for n in NOISE_PAIR:
+        r = resolve(n)
+        if r.fingerprint() != base.fingerprint():
+            names[f"noise-{n}"] = r
+    for name, r in names.items():
+        kind = "baseline" if name == "baseline" else "noise"
+        specs.insert(0, ctx.spec(name, r, kind, f"{kind}: {r.name}"))
+    ctx.run(specs)
+    bp = ctx.probes["baseline"]
+    ctx.base_final = bp.summary.get("final_val_loss")
+    ctx.base_val = dict(bp.val)
+    curves = {n: (ctx.probes["baseline"].val if f"noise-{n}" not in ctx.probes
+                  else ctx.probes[f"noise-{n}"].val) for n in NOISE_PAIR}  # fmt: skip
+    ctx.noise = _noise(curves["fp32"], curves["bf16"], steps)
+    vocab = _vocab(cfg)
+    base_diverged = bool(bp.summary.get("diverged")) or ctx.base_final is None
+    rp = ctx.probes["recipe"]
+    r_diverged = bool(rp.summary.get("diverged")) or rp.summary.get("final_val_loss") is None
+    if not base_diverged:
+        ctx.gap = None if r_diverged else _rel(rp.summary["final_val_loss"], ctx.base_final)
+        ctx.gap_ref = ctx.gap if not r_diverged else _rel(math.log(vocab), ctx.base_final)
+    for p in ctx.probes.values():
+        ctx._score(p)
+        ctx.announce(p)
+    ctx.timings["gap_s"] = time.perf_counter() - t0
+    no_problem = (not base_diverged and not r_diverged and ctx.gap is not None
+                  and ctx.noise is not None and abs(ctx.gap) <= 2 * ctx.noise)  # fmt: skip
+    state: dict[str, Any] = {"screen_steps": screen_steps, "recovery_step": rec_step,
+                             "base_diverged": base_diverged, "r_diverged": r_diverged,
+                             "no_problem": no_problem, "vocab": vocab, "scenario": scenario}  # fmt: skip
+    # R better than the baseline beyond the noise: nothing to debug either
+    state["r_better"] = not no_problem and ctx.gap_ref is not None and ctx.gap_ref < 0
+    if base_diverged or no_problem or state["r_better"]:
+        return decide(ctx, state, [], [], t_start)
+
+    # 2-4. recovery, fake quantization, screening -----------------------------------------
+    t0 = time.perf_counter()
+    emit({"event": "stage", "stage": "screen",
+          "text": "recovery, fake quantization and one-step attribution"})  # fmt: skip
+    r_dir = out / "probes" / "recipe"
+    fq = variants.per_layer(rec, all_layers, variants.fake_quant, "fake-quant")
+    rec_specs = [
+        ctx.spec("recovery", base, "recovery",
+                 f"R's checkpoint at step {rec_step} continued under {base.name}",
+                 start=str(snapshot_path(r_dir, rec_step)),
+                 start_metrics=str(r_dir)),
+        ctx.spec("fake-quant", fq, "fake-quant",
+                 "R's grids, current scaling, fp32 accumulation"),
+    ]  # fmt: skip
+    screen_tasks = [
+        (attribution.screen_snapshot, {
+            "recipe": rec.to_dict(), "baseline": base.to_dict(), "cfg_dict": cfg.to_dict(),
+            "snapshot": str(snapshot_path(r_dir, t)), "layers": chosen,
+            "precision": ctx.precision})
+        for t in screen_steps
+    ]  # fmt: skip
+    t_screen = time.perf_counter()
+    if jobs > 1:
+        screens = ctx.run(rec_specs, screen_tasks)
+        ctx.timings["screen_s"] = None  # overlapped with the probes
+    else:
+        screens = run_tasks(screen_tasks, 1, threads, emit)
+        ctx.timings["screen_s"] = time.perf_counter() - t_screen
+        ctx.run(rec_specs)
+    scores = attribution.pool_scores(screens)
+    ctx.timings["stage2_4_s"] = time.perf_counter() - t0
+    if ctx.timings["screen_s"] is None:
+        ctx.timings["screen_s"] = sum(s.get("seconds", 0.0) for s in screens)
+
+    # 5. confirmation ------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    emit({"event": "stage", "stage": "confirm", "text": "confirmation probes"})
+    role_rank = [k[0] for k, v in attribution.aggregate(scores, ("role",)) if v > 0]
+    for r in variants.ROLES:
+        if r not in role_rank and any(getattr(rec.for_layer(x), r) is not None for x in chosen):
+            role_rank.append(r)
+    culprit = None
+    tried_roles: list[str] = []
+    gemm_probes: dict[str, Probe] = {}
+    while role_rank and culprit is None:
+        batch = role_rank[:2] if not tried_roles else role_rank[:1]
+        role_rank = role_rank[len(batch) :]
+        specs = []
+        for r in batch:
+            tried_roles.append(r)
+            cells = {x: [(g, r) for g in variants.ROLE_GEMMS[r]] for x in chosen}
+            specs.append(
+                ctx.spec(
+                    f"role-{r}",
+                    variants.cells_hp(rec, cells, ctx.precision, "x"),
+                    "role",
+                    f"{r} in {ctx.precision} in every GEMM, all layers",
+                )
+            )
+        top = batch[0]
+        for g in variants.ROLE_GEMMS[top]:
+            cells = {x: [(g, top)] for x in chosen}
+            specs.append(
+                ctx.spec(
+                    f"gemm-{g}-{top}",
+                    variants.cells_hp(rec, cells, ctx.precision, "x"),
+                    "gemm",
+                    f"{top} in {ctx.precision} in {g} only, all layers",
+                )
+            )
+        ctx.run(specs)
+        ok = [r for r in batch if ctx.probes[f"role-{r}"].explains]
+        if ok:
+            culprit = max(ok, key=lambda r: ctx.probes[f"role-{r}"].closure or 0.0)
+    if culprit is not None:
+        need = [g for g in variants.ROLE_GEMMS[culprit] if f"gemm-{g}-{culprit}" not in ctx.probes]
+        if need:
+            ctx.run([ctx.spec(f"gemm-{g}-{culprit}",
+                              variants.cells_hp(rec, {x: [(g, culprit)] for x in chosen},
+                                                ctx.precision, "x"), "gemm",
+                              f"{culprit} in {ctx.precision} in {g} only, all layers")
+                     for g in need])  # fmt: skip
+        gemm_probes = {g: ctx.probes[f"gemm-{g}-{culprit}"] for g in variants.ROLE_GEMMS[culprit]}
+    ctx.timings["confirm_s"] = time.perf_counter() - t0
+
+    found: dict[str, Any] = {"role": culprit, "tried_roles": tried_roles}
+    remedy_rows: list[dict[str, Any]] = []
+    if culprit is not None:
+        # the GEMM where the operand matters most: the larger share closed
+        gemm = max(gemm_probes, key=lambda g: gemm_probes[g].closure or -math.inf)
+        found["gemm"] = gemm
+        # group testing over the layers, ordered by the role's attribution
+        t0 = time.perf_counter()
+        emit({"event": "stage", "stage": "layers", "text": "group testing over layers"})
+        per_layer_score = {x: 0.0 for x in chosen}
+        for row in scores:
+            if row["role"] == culprit and row["layer"] in per_layer_score:
+                per_layer_score[row["layer"]] += row["score"]
+        order = sorted(chosen, key=lambda x: (-per_layer_score[x], chosen.index(x)))
+
+        def layer_probe_name(k: int) -> str:
+            return f"layers-{culprit}-top{k}" if k < len(order) else f"role-{culprit}"
+
+        def explains(prefixes: list[list[str]]) -> list[bool]:
+            specs = []
+            for pre in prefixes:
+                name = layer_probe_name(len(pre))
+                cells = {x: [(g, culprit) for g in variants.ROLE_GEMMS[culprit]] for x in pre}
+                specs.append(ctx.spec(name, variants.cells_hp(rec, cells, ctx.precision, "x"),
+                                      "layers", f"{culprit} in {ctx.precision} on "
+                                      + ", ".join(pre)))  # fmt: skip
+            ctx.run(specs)
+            return [ctx.probes[layer_probe_name(len(p))].explains for p in prefixes]
+
+        layers_found, tried = search.prefix_search(order, explains, jobs)
+        found.update(layers=layers_found, order=order, tried=tried,
+                     layer_scores=per_layer_score)  # fmt: skip
+        ctx.timings["layers_s"] = time.perf_counter() - t0
+
+        # 6. remedies ------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        emit({"event": "stage", "stage": "remedies", "text": "remedies"})
+        cand = remedies.remedy_variants(rec, culprit, gemm, layers_found, ctx.precision)
+        ctx.run([ctx.spec(f"remedy-{n}", v, "remedy", _remedy_words(n, culprit, gemm,
+                                                                      layers_found))
+                 for n, v in cand.items()])  # fmt: skip
+        role_probe = ctx.probes[layer_probe_name(len(layers_found))]
+        tokens = cfg.train.batch_size * cfg.model.block_size
+        for n in remedies.REMEDIES:
+            p = role_probe if n == "high-precision-role" else ctx.probes.get(f"remedy-{n}")
+            if p is None:
+                continue
+            remedy_rows.append({
+                "name": n, "probe": p.name, "gap_pct": p.gap_pct, "closure": p.closure,
+                "explains": p.explains,
+                "relative_cost": remedies.relative_cost(p.recipe, rec, ctx.dims, tokens),
+                "recipe": p.recipe,
+                "label": _remedy_words(n, culprit, gemm, layers_found),
+            })  # fmt: skip
+        ctx.timings["remedies_s"] = time.perf_counter() - t0
+    return decide(ctx, state, scores, remedy_rows, t_start, found)
+
+
+def _remedy_words(name: str, role: str, gemm: str | None, layers: Sequence[str]) -> str:
+    where = ", ".join(layers) if len(layers) <= 4 else f"{len(layers)} layers"
+    return {
+        "current-scaling": f"current scaling for {role} on {where}",
+        "finer-granularity": f"finer scaling blocks for {role} on {where}",
+        "e5m2-gradients": f"E5M2 for {role} on {where}",
+        "high-precision-cells": f"{role} of {gemm} in high precision on {where}",
+        "high-precision-role": f"{role} in high precision in every GEMM on {where}",
+    }[name]
+
+
+def _noise(fp32: list, bf16: list, steps: int) -> float | None:
+    """Largest |relative gap| between the fp32 and bf16 validation curves over the second half
+    of the run (at least the final point)."""
+    a = dict(fp32)
+    pts = [(s, v, a.get(s)) for s, v in bf16 if s in a]
+    late = [p for p in pts if p[0] >= steps / 2] or pts[-1:]
+    gaps = [abs(g) for s, v, w in late for g in [_rel(w, v)] if g is not None]
+    return max(gaps) if gaps else None
+
+
+def _vocab(cfg: LabConfig) -> int:
+    return getattr(cfg.model, "vocab_size", 256)
+
+
+def _prepare_out(out: Path, cfg: LabConfig, rec: Any, base: Any, layers: list[str]) -> None:
+    """Create ``out`` or check it holds a debug run of the same inputs (then probes resume)."""
+    from fp8lab.lab.train import mismatch_message, recipe_settings
+
+    meta = {"lab": cfg.to_dict(), "recipe": recipe_settings(rec),
+            "baseline": recipe_settings(base), "layers": layers}  # fmt: skip
+    path = out / CONFIG_FILE
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise ValueError(
+                f"{out}: a non-empty directory not made by fp8lab debug; refusing to write into "
+                "it (choose a new or empty --out)"
+            ) from None
+        why = mismatch_message(old, meta)
+        if why:
+            raise ValueError(
+                f"{out} holds a debug run of other inputs; choose another --out. {why}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=2) + "\n")

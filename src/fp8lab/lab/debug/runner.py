@@ -1,0 +1,240 @@
+"""Training probes of the debugger: full or continued runs of one recipe, in parallel.
+
+A probe is :func:`fp8lab.lab.train.train_run` of one recipe (plain data, so it crosses process
+boundaries) into ``OUT/probes/<name>``, from the same initial weights and batch order as every
+other probe. Two additions, both built on the runner's own resume:
+
+- ``snapshots``: steps at which a copy of the checkpoint is kept (``snapshots/step_<n>.pt``). The
+  run is trained in segments (``stop_after``); resuming is bit-identical, so the segmented run
+  equals an uninterrupted one.
+- ``start``: the checkpoint of *another* run (another recipe) to continue from. The lab refuses
+  such a resume for users; the debugger converts the checkpoint explicitly
+  (:func:`convert_checkpoint`: the weights and optimizer moments are kept, the scaling state and
+  loss scaler are the new recipe's fresh ones) and writes it as the probe's own.
+
+:func:`run_tasks` runs module-level functions ``jobs`` at a time in spawned processes (or in this
+process for ``jobs=1``), forwarding their progress events.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import shutil
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8lab.lab.data import Corpus, load_corpus
+from fp8lab.lab.train import (
+    CHECKPOINT,
+    LabConfig,
+    build_model,
+    checkpoint_config,
+    make_optimizer,
+    read_metrics,
+    train_run,
+)
+
+Callback = Callable[[dict[str, Any]], None]
+SNAPSHOTS = "snapshots"
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    """A run checkpoint as saved by the lab (``weights_only``: plain tensors and data)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def snapshot_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / SNAPSHOTS / f"step_{step}.pt"
+
+
+def weights_only(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model state without the converted layers' recipe fingerprints and scaling state
+    (``*.fp8_*`` keys): what another recipe's model can load."""
+    return {k: v for k, v in model_state.items() if not k.rpartition(".")[2].startswith("fp8_")}
+
+
+def load_weights(model: torch.nn.Module, model_state: dict[str, torch.Tensor]) -> None:
+    """Load another recipe's weights into ``model``, keeping ``model``'s own recipe
+    fingerprints and (fresh) scaling state."""
+    own = model.state_dict()
+    merged = {k: v for k, v in own.items() if k.rpartition(".")[2].startswith("fp8_")}
+    merged.update(weights_only(model_state))
+    model.load_state_dict(merged)
+
+
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, recipe: Any, cfg: LabConfig, corpus: Corpus
+) -> None:
+    """Write checkpoint ``src`` (any recipe) as a checkpoint of ``recipe`` under ``cfg`` at
+    ``dst``: weights, optimizer moments, loop state and RNG kept; scaling state, recipe
+    fingerprints and loss scaler are ``recipe``'s fresh ones. The optimizer's storage formats
+    become ``recipe``'s (the saved moments are float32 tensors either way)."""
+    from fp8lab.optim import LossScaler
+
+    state = load_state(src)
+    model = build_model(cfg.model, recipe, cfg.train.seed)
+    load_weights(model, state["model"])
+    opt = make_optimizer(model, recipe, cfg.train)
+    osd = dict(state["optimizer"])
+    mine = opt.state_dict()
+    if "fp8lab" in mine:
+        osd["fp8lab"] = {**mine["fp8lab"], "skipped_steps": osd.get("fp8lab", {}).get(
+            "skipped_steps", 0)}  # fmt: skip
+    if getattr(opt, "param_format", None) in (None, "fp32"):  # no separate master copies
+        osd["state"] = {
+            k: {n: v for n, v in s.items() if n != "master"} for k, s in osd["state"].items()
+        }
+    opt.load_state_dict(osd)
+    scaler = LossScaler.from_recipe(recipe)
+    out = {
+        "config": checkpoint_config(cfg, recipe, corpus),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "loop": state["loop"],
+        "torch_rng": state["torch_rng"],
+    }
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".tmp")
+    torch.save(out, tmp)
+    tmp.replace(dst)
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One training probe. ``recipe``: plain data (``Recipe.to_dict()``); ``start``: a
+    checkpoint of another run to continue from (its metrics up to that step are copied from
+    ``start_metrics``); ``snapshots``: steps whose checkpoints are kept."""
+
+    name: str
+    recipe: dict[str, Any]
+    start: str | None = None
+    start_metrics: str | None = None
+    snapshots: tuple[int, ...] = ()
+    label: str = ""  # what the probe tests, in words (for the report)
+    kind: str = "probe"
+
+
+@dataclass
+class ProbeResult:
+    name: str
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    run_dir: Path
+    label: str = ""
+    kind: str = "probe"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_probe(
+    spec: ProbeSpec, cfg_dict: dict[str, Any], run_dir: str, events: Any = None
+) -> dict[str, Any]:
+    """Train one probe into ``run_dir`` (resuming what is there); return its summary."""
+    from fp8lab.recipe import Recipe
+
+    cfg = LabConfig.from_dict(cfg_dict)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    recipe = Recipe.from_dict(spec.recipe, where=f"probe {spec.name}")
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def emit(ev: dict[str, Any]) -> None:
+        if events is not None:
+            events.put({**ev, "recipe": spec.name, "probe": spec.name})
+
+    done = out / "run.json"
+    if done.exists():
+        run = json.loads(done.read_text())
+        if run["summary"].get("complete") or run["summary"].get("diverged"):
+            return run["summary"]
+    if spec.start and not (out / CHECKPOINT).exists():
+        convert_checkpoint(spec.start, out / CHECKPOINT, recipe, cfg, corpus)
+        start_step = int(load_state(out / CHECKPOINT)["loop"]["step"])
+        recs = read_metrics(Path(spec.start_metrics)) if spec.start_metrics else []
+        with open(out / "metrics.jsonl", "w") as f:
+            for r in recs:
+                if r["step"] <= start_step:
+                    f.write(json.dumps(r) + "\n")
+    result = None
+    for stop in [*sorted(s for s in spec.snapshots if 0 < s < cfg.train.steps), None]:
+        snap = None if stop is None else snapshot_path(out, stop)
+        if snap is not None and snap.exists():
+            continue
+        result = train_run(recipe, cfg, corpus, out, callback=emit, stop_after=stop)
+        if snap is not None:
+            snap.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(out / CHECKPOINT, snap)
+        if result.summary.get("diverged"):
+            break
+    if result is None:  # every segment was there already
+        result = train_run(recipe, cfg, corpus, out, callback=emit)
+    return result.summary
+
+
+def _init_worker(threads: int) -> None:
+    from fp8lab.lab.compare import set_threads
+
+    set_threads(threads)
+
+
+def run_tasks(
+    tasks: Sequence[tuple[Callable[..., Any], dict[str, Any]]],
+    jobs: int = 1,
+    threads: int = 0,
+    callback: Callback | None = None,
+) -> list[Any]:
+    """Call ``fn(**kwargs, events=queue)`` for every task, ``jobs`` at a time in spawned
+    processes (``jobs`` 1: here, one after another); return the results in task order.
+    Events a task puts on its queue go to ``callback``. The first error is raised again."""
+    emit = callback or (lambda e: None)
+    if jobs <= 1 or len(tasks) <= 1:
+        _init_worker(threads)
+
+        class _Direct:
+            def put(self, ev: dict[str, Any]) -> None:
+                emit(ev)
+
+        return [fn(**kw, events=_Direct()) for fn, kw in tasks]
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    try:
+        events = manager.Queue()
+        results: list[Any] = [None] * len(tasks)
+        with ProcessPoolExecutor(
+            max_workers=min(jobs, len(tasks)),
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(threads,),
+        ) as pool:
+            futures = {pool.submit(fn, **kw, events=events): i for i, (fn, kw) in enumerate(tasks)}
+            pending = set(futures)
+            try:
+                while pending:
+                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    _drain(events, emit)
+                    for fut in done:
+                        results[futures[fut]] = fut.result()  # raises the task's error
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+            _drain(events, emit)
+        return results
+    finally:
+        manager.shutdown()
+
+
+def _drain(events: Any, emit: Callback) -> None:
+    while True:
+        try:
+            emit(events.get_nowait())
+        except queue.Empty:
+            return

@@ -1,0 +1,219 @@
+"""The verdict: culprit, best remedy, ``fix.toml`` and the words that explain them.
+
+The best remedy is the cheapest (``relative_cost``; equal costs: the simpler change, in the
+order of ``remedies.REMEDIES``) among those that explain the gap (close at least 70 % of it, or
+land within twice the noise); when none does, the one with the smallest gap, and ``fix`` is
+then null. ``fix.toml`` is a per-layer recipe file: ``base = "<preset>"``
+and ``[[layer]]`` tables when R is a preset, else R's full settings plus the tables; it is read
+back and checked to give the remedy's numerics on every layer before it is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fp8lab.lab.debug.result import DebugResult
+from fp8lab.recipe import Recipe
+
+FIX = "fix.toml"
+RESULT = "debug_result.json"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.3f} %"
+
+
+def best_remedy(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Cheapest explaining remedy; else the smallest gap (None without remedies)."""
+    from fp8lab.lab.debug.remedies import REMEDIES
+
+    ok = [r for r in rows if r["explains"]]
+    if ok:  # equal costs: the simpler change (REMEDIES order), never a gap difference in noise
+        return min(ok, key=lambda r: (round(r["relative_cost"], 9), REMEDIES.index(r["name"])))
+    finite = [r for r in rows if r["gap_pct"] is not None]
+    return min(finite, key=lambda r: abs(r["gap_pct"])) if finite else None
+
+
+def fix_text(remedy: Recipe, recipe: Recipe, note: str) -> str:
+    """The remedy as a recipe file: ``base = R`` + the layer rules when R is a preset whose
+    numerics it still has, otherwise the remedy's full settings (with its rules)."""
+    from fp8lab.recipe import get_recipe, recipes
+    from fp8lab.recipe.toml_writer import dump_toml
+
+    head = "".join(f"# {line}\n" for line in note.splitlines())
+    base_name = recipe.name if recipe.name in recipes() else None
+    if base_name is not None:
+        rule_free = recipe.replace(layers=()) if recipe.layers else recipe
+        if rule_free.fingerprint() != get_recipe(base_name).fingerprint():
+            base_name = None
+    if base_name is None:
+        return head + remedy.to_toml()
+    d: dict[str, Any] = {"base": base_name, "name": remedy.name,
+                         "description": f"{base_name} with the fp8lab debug remedy"}  # fmt: skip
+    d["layer"] = [r.to_dict() for r in remedy.layers]
+    return head + dump_toml(d)
+
+
+def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str) -> Path:
+    """Write ``fix.toml`` and check it reads back to the remedy's numerics on every layer."""
+    text = fix_text(remedy, recipe, note)
+    tmp = path.with_suffix(".tmp.toml")
+    tmp.write_text(text)
+    try:
+        back = Recipe.load(tmp)
+        same = back.replace(layers=()).fingerprint() == remedy.replace(layers=()).fingerprint()
+        same = same and all(back.for_layer(x).fingerprint() == remedy.for_layer(x).fingerprint()
+                            for r in remedy.layers for x in _names(r))  # fmt: skip
+        if not same:  # fall back to the fully expanded recipe
+            tmp.write_text("".join(f"# {ln}\n" for ln in note.splitlines()) + remedy.to_toml())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _names(rule: Any) -> tuple[str, ...]:
+    m = rule.match
+    return (m,) if isinstance(m, str) else tuple(m)
+
+
+def decide(
+    ctx: Any,
+    state: dict[str, Any],
+    scores: list[dict[str, Any]],
+    remedy_rows: list[dict[str, Any]],
+    t_start: float,
+    found: dict[str, Any] | None = None,
+) -> DebugResult:
+    """Assemble the :class:`DebugResult` (and write ``fix.toml`` and ``debug_result.json``)."""
+    rec, base = ctx.recipe, ctx.baseline
+    noise, gap = ctx.noise, ctx.gap
+    recovery = ctx.probes.get("recovery")
+    recovers = False
+    if state.get("no_problem") or state.get("r_better"):
+        recovers = True
+    elif recovery is not None and recovery.gap_pct is not None and noise is not None:
+        recovers = abs(recovery.gap_pct) <= 2 * noise
+    culprit = None
+    fix = None
+    words: list[str] = []
+    reason = ""
+    r_words = (f"R = {rec.name} ends {_pct(gap)} from the baseline {base.name} "
+               f"(noise: fp32 vs bf16 differ by up to {_pct(noise).lstrip('+')}).")  # fmt: skip
+    if state.get("r_diverged"):
+        r_words = f"R = {rec.name} diverged (the baseline {base.name} did not)."
+    best = None
+    if state.get("base_diverged"):
+        reason = "baseline-diverged"
+        words.append(f"The baseline {base.name} diverged, so a gap to it means nothing: no "
+                     "verdict. Choose another --baseline or a smaller learning rate.")  # fmt: skip
+    elif state.get("no_problem"):
+        reason = "no-problem"
+        words.append(r_words + " That is within twice the noise: no FP8 problem found.")
+    elif state.get("r_better"):
+        reason = "no-problem"
+        words.append(r_words + " R is better than the baseline beyond the noise: no FP8 "
+                     "problem to find.")  # fmt: skip
+    else:
+        words.append(r_words)
+        if recovery is not None:
+            words.append(
+                f"Recovery: R's checkpoint at step {state['recovery_step']} continued under "
+                f"{base.name} ends {_pct(recovery.gap_pct)} from the baseline: "
+                + (
+                    "it recovers (the damage is in the computation, not the weights)."
+                    if recovers
+                    else "it does not recover within the noise."
+                )
+            )
+        fq = ctx.probes.get("fake-quant")
+        if fq is not None:
+            words.append(
+                f"Fake quantization (R's grids, current scaling, fp32 accumulation) ends "
+                f"{_pct(fq.gap_pct)}: "
+                + ("the grids themselves are fine; scaling or accumulation is at fault."
+                   if fq.explains else "the grids (format or granularity) are part of it.")
+            )  # fmt: skip
+        role = (found or {}).get("role")
+        if role is None:
+            reason = "unexplained"
+            tried = (found or {}).get("tried_roles", [])
+            words.append(
+                "No single operand role explains the gap: with "
+                + (", ".join(f"{r} ({_pct(ctx.probes[f'role-{r}'].gap_pct)})" for r in tried)
+                   or "no role")
+                + " in high precision on every layer the gap stays above 30 % of R's. "
+                "The fault may need several roles, or lie outside the quantized GEMMs "
+                "(attention, optimizer state, master weights, loss scaling)."
+            )  # fmt: skip
+        else:
+            layers = found["layers"]
+            culprit = {"role": role, "gemm": found["gemm"], "layers": list(layers)}
+            reason = "culprit"
+            gp = {g: ctx.probes.get(f"gemm-{g}-{role}") for g in ("fprop", "dgrad", "wgrad")}
+            gtxt = ", ".join(f"{g} only {_pct(p.gap_pct)}" for g, p in gp.items() if p)
+            many = len(layers) > 3
+            where = (f"{len(layers)} of {len(ctx.layers)} layers" if many
+                     else ", ".join(layers))  # fmt: skip
+            words.append(
+                f"Culprit: the {role} operand on {where}, mattering most in {found['gemm']} "
+                f"(in high precision on every layer: {gtxt})."
+            )
+            best = best_remedy(remedy_rows)
+            if best is not None:
+                words.append(
+                    f"Best remedy: {best['label']} (gap {_pct(best['gap_pct'])}, relative cost "
+                    f"{best['relative_cost']:+.3f})"
+                    + ("." if best["explains"] else "; it does not close 70 % of the gap.")
+                )
+            if best is not None and best["explains"]:
+                note = (
+                    f"fp8lab debug fix for {rec.name}: {best['label']}\n"
+                    f"gap {_pct(gap)} -> {_pct(best['gap_pct'])} against {base.name}"
+                )
+                fix = str(write_fix(best["recipe"].replace(name=f"{rec.name}-fix"), rec,
+                                    ctx.out / FIX, note))  # fmt: skip
+    attribution = [{k: r[k] for k in ("layer", "gemm", "role", "score")} for r in scores]
+    ctx.timings["total_s"] = time.perf_counter() - t_start
+    result = DebugResult(
+        recipe=rec.name,
+        baseline=base.name,
+        gap_pct=gap,
+        noise_pct=noise,
+        recovers=recovers,
+        culprit=culprit,
+        attribution=attribution,
+        remedies=[{k: r[k] for k in ("name", "gap_pct", "relative_cost")} for r in remedy_rows],
+        fix=fix,
+        probes=ctx.probes,
+        verdict=" ".join(words),
+        reason=reason,
+        details={
+            "timings_s": dict(ctx.timings),
+            "state": {k: v for k, v in state.items()},
+            "found": _plain(found or {}),
+            "remedies": [{k: v for k, v in r.items() if k != "recipe"} for r in remedy_rows],
+            "best_remedy": None if best is None else best["name"],
+            "layers": ctx.layers,
+            "precision": ctx.precision,
+            "lab": ctx.cfg.to_dict(),
+        },
+    )
+    (ctx.out / RESULT).write_text(json.dumps(
+        {**result.to_json(), "verdict": result.verdict, "reason": reason,
+         "details": result.details}, indent=2, default=str, allow_nan=False) + "\n")  # fmt: skip
+    return result
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
