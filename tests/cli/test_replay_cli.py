@@ -1,0 +1,106 @@
+"""``fp8lab compare --guard`` and ``fp8lab replay`` through the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp8lab.cli import app
+
+runner = CliRunner()
+
+TINY = """[model]
+block_size = 16
+n_layer = 1
+n_head = 2
+d_model = 32
+d_ff = 64
+[data]
+paths = [{paths}]
+split_chunk = 256
+[train]
+steps = 12
+batch_size = 2
+warmup_steps = 1
+eval_every = 6
+eval_batches = 1
+stats_every = 0
+checkpoint_every = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("run")
+    (d / "t.txt").write_text("Now is the winter of our discontent made glorious summer. " * 60)
+    (d / "cfg.toml").write_text(TINY.format(paths=json.dumps(str(d / "t.txt"))))
+    (d / "guard.toml").write_text("checkpoint_every = 4\nkeep = 2\n")
+    out = d / "out"
+    r = runner.invoke(app, ["compare", "--config", str(d / "cfg.toml"), "--recipes",
+                            "te-delayed", "--baseline", "te-delayed", "--out", str(out),
+                            "--guard", "rollback", "--guard-config", str(d / "guard.toml"),
+                            "--inject-nan-step", "6", "--json", "--quiet"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    (ev,) = summary["recipes"]["te-delayed"]["guard_events"]
+    assert ev["action"] == "rollback" and ev["step"] == 6 and ev["to_step"] == 4
+    return out
+
+
+def test_guarded_compare_keeps_checkpoints_and_logs_events(guarded):
+    run = guarded / "runs" / "te-delayed"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000008.pt",
+        "step-000012.pt",
+    ]
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert [len(r["guard_events"]) for r in recs] == [0] * 4 + [1] + [0] * 7
+
+
+@pytest.mark.parametrize("step", [9, 2])  # from checkpoints/step-000008.pt; from step 0
+def test_replay_is_bit_identical(guarded, step):
+    r = runner.invoke(app, ["replay", str(guarded / "runs" / "te-delayed"), "--step", str(step),
+                            "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["matches_record"] and res["record_step"] == step + 1
+    assert res["loss"] == res["record"]["train_loss"]
+    assert res["start_step"] == (8 if step == 9 else 0)
+    assert res["signals"]["headroom"] is not None and res["findings"] == []
+
+
+def test_replay_text_output(guarded):
+    r = runner.invoke(app, ["replay", str(guarded / "runs" / "te-delayed"), "--step", "10"])
+    assert r.exit_code == 0, r.output
+    assert "bit-identical to the record" in r.stdout and "staleness" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--step", "99"], "steps 0..11"),
+        (["--step", "1", "--json"], None),
+    ],
+)
+def test_replay_bad_input(guarded, tmp_path, args, words):
+    if words is None:  # a folder that is not a run
+        r = runner.invoke(app, ["replay", str(tmp_path), *args])
+        assert r.exit_code == 2 and "checkpoint" in r.output
+        return
+    r = runner.invoke(app, ["replay", str(guarded / "runs" / "te-delayed"), *args])
+    assert r.exit_code == 2 and words in r.output
+
+
+def test_guard_config_errors_are_exit_code_2(tmp_path):
+    bad = tmp_path / "g.toml"
+    bad.write_text("polcy = 'skip'\n")
+    r = runner.invoke(app, ["compare", "--guard-config", str(bad), "--steps", "2",
+                            "--out", str(tmp_path / "o")])  # fmt: skip
+    assert r.exit_code == 2 and "g.toml" in r.output and "polcy" in r.output
+    r = runner.invoke(app, ["compare", "--guard", "maybe", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--guard" in r.output
+    assert not (tmp_path / "o").exists()
