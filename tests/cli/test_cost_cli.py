@@ -57,6 +57,9 @@ def test_bad_input_exit_2():
         (["--fsdp"], "need --ranks"),
         (["--ranks", "2", "--grad-comm", "fp16"], "unknown gradient communication 'fp16'"),
         (["--ranks", "0"], "--ranks must be >= 1"),
+        (["--ranks", "2", "--fp8-allgather"], "--fp8-allgather needs --fsdp"),
+        (["--ranks", "2", "--fsdp", "--grad-comm", "bf16"], "reduce-scattered in fp32"),
+        (["--ranks", "2", "--amax-group", "some"], "--amax-group 'some'"),
         (["--model", "gpt", "--hidden", "64"], "drop --hidden"),
         (["--model", "gpt", "--tokens", "0"], "tokens must be a positive integer"),
         (["--hidden", "0"], "hidden must be a positive integer"),
@@ -145,13 +148,14 @@ def test_collective_bytes_in_json_and_ledger():
         assert {"layer_ms", "speedup_vs_bf16", "gemm_ms", "quantize_ms", "bytes"} < set(
             out["recipes"][r]
         )
-    # te-delayed: x, W, dy of 4 Linears x 2 layers, one float32 amax all-reduce each
-    assert out["recipes"]["te-delayed"]["collective_bytes"]["amax_allreduces"] == 24
-    assert out["recipes"]["te-delayed"]["collective_bytes"]["amax_allreduce_bytes"] == 24 * 3 * 4
-    res = runner.invoke(app, [*args, "--fsdp"])
+    # te-delayed: x, W, dy of 4 Linears x 2 layers: 24 float32 amaxes in one all-reduce
+    cb = out["recipes"]["te-delayed"]["collective_bytes"]
+    assert cb["amax_allreduces"] == 1 and cb["amax_allreduce_bytes"] == 1.5 * 4 * 24
+    res = runner.invoke(app, ["cost", "--recipes", "bf16,te-current", *SMALL, "--ranks", "4",
+                              "--fsdp", "--fp8-allgather"])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "Collective bytes ledger" in res.stdout and "FSDP weight all-gathers" in res.stdout
-    assert "gradient reduce-scatter" in res.stdout
+    assert "gradient reduce-scatter" in res.stdout and "FP8 all-gather" in res.stdout
 
 
 def test_per_layer_recipe_file_priced_per_linear(tmp_path):

@@ -22,8 +22,9 @@ tokens), or --model: the quantized Linears of a model (gpt, MODULE:FACTORY, file
 hf:CONFIG.json, the Linears fp8lab.nn.convert would swap; a stack of identical blocks is shown
 per layer) on batch 8 x 128 tokens unless --tokens. --scenario training prices a forward+backward
 step (each tensor quantized once); te-benchmark prices TE's benchmark_gemm.py (each GEMM timed as
-its own forward). --ranks N [--grad-comm P] [--fsdp] adds the bytes one rank sends per step:
-gradient all-reduce (reduce-scatter under FSDP) in precision P, amax all-reduces, FSDP weight
+its own forward). --ranks N [--grad-comm P] [--fsdp [--fp8-allgather]] [--amax-group G] adds
+the bytes one rank sends per step, with fp8lab compare's distributed options: gradient
+all-reduce in precision P (a float32 reduce-scatter under FSDP), amax all-reduces, FSDP weight
 all-gathers (docs/cost.md). Only GEMMs and their quantization are timed: attention, norms and
 communication are not. Devices: h100, h200,
 h200-nvl, b200, b300. A recipe the device lacks the tensor cores for (mxfp8, nvfp4 on Hopper) is
@@ -226,7 +227,9 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
     con.print(prec)
     if coll:
         first = next(iter(coll.values()))
-        how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (", FSDP" if first.fsdp else "")
+        how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (
+            (", FSDP, FP8 all-gather" if first.fp8_allgather else ", FSDP") if first.fsdp else ""
+        )
         cl = Table(
             title=f"Collective bytes ledger (MB one rank sends per step, whole model; {how})"
         )
@@ -295,7 +298,18 @@ def register(app: typer.Typer) -> None:
         fsdp: bool = typer.Option(
             False,
             "--fsdp",
-            help="FSDP2: weights all-gathered (fwd + bwd), gradients reduce-scattered.",
+            help="FSDP2: weights all-gathered (fwd + bwd; bf16), gradients reduce-scattered.",
+        ),
+        fp8_allgather: bool = typer.Option(
+            False,
+            "--fp8-allgather",
+            help="With --fsdp: quantized weights all-gathered as FP8/FP4 codes + scales.",
+        ),
+        amax_group: str | None = typer.Option(
+            None,
+            "--amax-group",
+            help="world (default: delayed-scaling amaxes all-reduced, one batched all-reduce "
+            "per step) or none (local amaxes).",
         ),
         json_out: bool = typer.Option(False, "--json", help="Print the totals as JSON."),
     ) -> None:
@@ -304,15 +318,25 @@ def register(app: typer.Typer) -> None:
             raise fail("--recipes is empty")
         with clear_errors():
             dist = None
-            if ranks is None and (grad_comm is not None or fsdp):
-                raise ValueError("--grad-comm and --fsdp need --ranks N (data-parallel ranks)")
+            flags = (grad_comm is not None, fsdp, fp8_allgather, amax_group is not None)
+            if ranks is None and any(flags):
+                raise ValueError(
+                    "--grad-comm, --fsdp, --fp8-allgather and --amax-group need --ranks N "
+                    "(data-parallel ranks)"
+                )
             if ranks is not None:
                 if ranks < 1:
                     raise ValueError(f"--ranks must be >= 1, got {ranks}")
-                from fp8lab.dist.comm import check_grad_comm
+                from fp8lab.dist.ddp import check_options
 
-                dist = {"ranks": ranks, "grad_comm": check_grad_comm(grad_comm or "fp32"),
-                        "fsdp": fsdp}  # fmt: skip
+                dist = {
+                    "ranks": ranks,
+                    "grad_comm": grad_comm or "fp32",
+                    "fsdp": fsdp,
+                    "fp8_allgather": fp8_allgather,
+                    "amax_group": amax_group or "world",
+                }
+                check_options(dist["amax_group"], dist["grad_comm"], fsdp, fp8_allgather)
             given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
             work = _workload(model, given)
             dev, priced = _price(names, device, work, scenario)

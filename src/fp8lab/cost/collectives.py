@@ -2,39 +2,42 @@
 
 Bytes are what **one rank sends per step** (the convention of `fp8lab.dist.comm.bytes_per_rank`),
 for ``N`` ranks, counted per Linear from the recipe's counted step (`count_linear_step`: which
-tensors are quantized, in which format and blocks) plus the model's other parameters:
+tensors are quantized, in which format and blocks) plus the model's other parameters. The
+options are `fp8lab.dist.ddp.DataParallel`'s (checked by `fp8lab.dist.ddp.check_options`, the
+same messages as ``fp8lab compare``'s flags):
 
-* **gradient reduction** in the ``--grad-comm`` precision (`fp8lab.dist.comm`: ``fp32``,
-  ``bf16``, ``fp8`` = E5M2 with a 4-byte scale per message, ``fp8-msamp`` = E4M3 with one amax
-  all-reduce per bucket) over every gradient element (Linear weights + other parameters):
+* **gradient reduction** over every gradient element (Linear weights + other parameters):
 
-  - DDP: a ring all-reduce, `fp8lab.dist.comm.bytes_per_rank` (``2(N-1)/N`` of the data, buckets
-    of `DDP_BUCKET_NUMEL` float32 elements, DDP's default ``bucket_cap_mb = 25``);
-  - FSDP: a reduce-scatter, half of it: ``(N-1)/N`` of the data, ``fp8`` adds ``N-1`` 4-byte
-    scales per bucket and rank, ``fp8-msamp`` its amax all-reduce (``N-1`` messages of 4 bytes).
+  - DDP: a ring all-reduce in the ``grad_comm`` precision, `fp8lab.dist.comm.bytes_per_rank`
+    (``2(N-1)/N`` of the data; ``fp32``, ``bf16``, ``fp8`` = E5M2 with a 4-byte scale per
+    message, ``fp8-msamp`` = E4M3 with one amax all-reduce per bucket), buckets of
+    `DDP_BUCKET_NUMEL` float32 elements (DDP's default ``bucket_cap_mb = 25``);
+  - FSDP: a float32 reduce-scatter, ``(N-1)/N`` of the data (fp8lab's FSDP reduce-scatters
+    float32; another ``grad_comm`` is refused, as ``fp8lab compare --fsdp`` refuses it).
 
-* **amax all-reduces**: fp8lab's delayed scaling all-reduces (MAX) the float32 amax of each
-  delayed-scaled tensor once per step (`DelayedScaling.update` with ``reduce_amax``, the lab's
-  ``amax_group = "world"``): one collective per Linear and delayed-scaled tensor (``scale_update``
-  events). Under FSDP, a weight quantized with current scaling whose blocks span the sharded row
-  axis (per-tensor; NVFP4's tensor scale) all-reduces its shard amaxes before every gather, as
-  `fp8lab.dist.fsdp.fp8_all_gather` does: ``k`` float32 amaxes per gather. A scalar cannot be
-  chunked over a ring: an all-reduce of ``k`` amaxes is counted as ``N-1`` messages of ``4k``
-  bytes per rank (`fp8lab.dist.comm`'s convention for MS-AMP's amax).
+* **amax all-reduces** (MAX, float32): with ``amax_group="world"`` every delayed-scaled tensor's
+  amax is reduced once per step (``scale_update`` events: te-delayed, 3 per Linear); with
+  ``batch_amax`` (DataParallel's default, TE's global amax buffer) all of them travel in one
+  all-reduce per step, otherwise one all-reduce each; ``"none"`` reduces nothing. Under FSDP
+  with ``fp8_allgather``, a weight quantized with current scaling whose blocks span the sharded
+  row axis (per-tensor) all-reduces its amax before every gather (``fsdp_pre_all_gather``). An
+  all-reduce of ``k`` amaxes is priced as a ring: ``2(N-1)/N * 4k`` bytes per rank.
 
-* **FSDP all-gathers** (``fsdp=True``; FSDP2 reshards after forward, so each weight is gathered
-  twice per step): a ring all-gather of ``S`` bytes sends ``(N-1)/N * S`` per rank. The forward
-  gathers the weight as fprop uses it: FP8/FP4 codes plus scales for a quantized weight
-  (torchao's float8 FSDP2 path; `fp8lab.dist.fsdp`), bf16 or fp32 for a high-precision one. The
-  backward gathers what dgrad's operand is made from: the same copy when dgrad transposes or
-  re-tiles it (DeepSeek-V3, Hopper), its own copy when it is quantized again from high precision
-  (MXFP8/NVFP4 column-wise copies), or the high-precision weight. Other parameters (embeddings,
-  norms, head) are gathered in bf16 (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)``),
-  in fp32 for a recipe whose GEMMs are all fp32.
+* **FSDP weight all-gathers** (``fsdp=True``; FSDP2 reshards after forward, so each weight is
+  gathered twice per step): a ring all-gather of ``S`` bytes sends ``(N-1)/N * S`` per rank.
+  Without ``fp8_allgather`` the weights travel in the recipe's 16-bit compute precision (bf16, as
+  a GPU run with ``MixedPrecisionPolicy(param_dtype=bfloat16)`` gathers them; fp32 for an
+  all-fp32 recipe; fp8lab's CPU emulation gathers float32 to stay exact). With ``fp8_allgather``
+  a quantized weight travels as codes + scales: the forward gathers the copy fprop uses; the
+  backward gathers what dgrad's operand is made from -- the same copy when dgrad transposes or
+  re-tiles it (per-tensor, 128x128), its own column-wise copy when it is quantized again from
+  high precision (MXFP8: TE moves both layouts; fp8lab gathers the row-wise codes again and
+  re-quantizes locally, the same number of bytes). fp8lab refuses delayed-scaled and NVFP4
+  weights in its FP8 all-gather; they are priced here as TE would move them (codes + scales).
+  Other parameters (embeddings, norms, head) travel in the 16-bit precision.
 
-Not counted: biases of the Linears (add them to ``other`` when known), optimizer-state
-sharding, tensor/sequence/pipeline parallelism, and the time these bytes take (no interconnect
-tables).
+Not counted: the Linears' biases (add them to ``other``), optimizer-state sharding,
+tensor/sequence/pipeline parallelism, and time (no interconnect tables).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8lab.cost.counting import StepCounts, scale_bytes
-from fp8lab.dist.comm import WIRE_BYTES, bytes_per_rank, check_grad_comm
+from fp8lab.dist.comm import bytes_per_rank
 from fp8lab.formats import get_format
 from fp8lab.recipe import Recipe, get_recipe
 
@@ -61,6 +64,7 @@ class CollectiveBytes:
     ranks: int
     grad_comm: str
     fsdp: bool
+    fp8_allgather: bool
     grad_reduce: float
     amax_allreduce: float
     amax_allreduces: int
@@ -69,13 +73,6 @@ class CollectiveBytes:
     @property
     def total(self) -> float:
         return self.grad_reduce + self.amax_allreduce + self.fsdp_allgather
-
-    def scaled(self, k: int) -> CollectiveBytes:
-        """``k`` copies of these collectives (``k`` identical layers)."""
-        return CollectiveBytes(
-            self.ranks, self.grad_comm, self.fsdp, k * self.grad_reduce,
-            k * self.amax_allreduce, k * self.amax_allreduces, k * self.fsdp_allgather,
-        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,17 +106,21 @@ def _gather_amaxes(counts: StepCounts, gemm: str) -> int:
     return k
 
 
-def _weight_gathers(counts: StepCounts) -> list[tuple[int, int]]:
+def _weight_gathers(counts: StepCounts, hp_bytes: int, fp8: bool) -> list[tuple[int, int]]:
     """(bytes of the copy, amaxes all-reduced first) of the forward and backward gathers."""
     o, i = counts.dims["O"], counts.dims["I"]
     g = {x.gemm: x for x in counts.gemms}
     fp, dg = g["fprop"], g["dgrad"]  # the weight is operand B of both
+    if not fp8 or fp.gran_b is None:  # high-precision weights
+        return [(o * i * hp_bytes, 0), (o * i * hp_bytes, 0)]
     fwd = (_copy_bytes(fp.fmt_b, fp.gran_b, fp.scaling_b, o, i), _gather_amaxes(counts, "fprop"))
     own = any(
         e.gemm == "dgrad" and e.role == "weight" and e.kind in ("cast", "retile_from_source")
         for e in counts.events
     )
-    if own or dg.gran_b is None:  # quantized again from high precision, or used unquantized
+    if dg.gran_b is None:  # dgrad uses the weight unquantized (a high-precision cell)
+        bwd = (o * i * hp_bytes, 0)
+    elif own:  # quantized again from high precision: its own copy
         bwd = (
             _copy_bytes(dg.fmt_b, dg.gran_b, dg.scaling_b, o, i),
             _gather_amaxes(counts, "dgrad"),
@@ -134,11 +135,9 @@ def _delayed_reduced(recipe: Recipe, role: str) -> bool:
     return bool(getattr(getattr(spec, "scaling", None), "reduce_amax", True))
 
 
-def _reduce_scatter_bytes(numel: int, n: int, precision: str, bucket: int) -> float:
-    buckets = -(-numel // bucket) if numel > 0 else 0
-    data = (n - 1) / n * numel * WIRE_BYTES[precision]
-    extra = {"fp8": (n - 1) * 4.0, "fp8-msamp": (n - 1) * 4.0}.get(precision, 0.0) * buckets
-    return data + extra
+def _allreduce_bytes(n: int, floats: int) -> float:
+    """Ring all-reduce of ``floats`` float32 values: ``2(N-1)/N`` of the buffer per rank."""
+    return 2.0 * (n - 1) / n * 4 * floats
 
 
 def collective_bytes(
@@ -148,46 +147,57 @@ def collective_bytes(
     ranks: int,
     grad_comm: str = "fp32",
     fsdp: bool = False,
+    fp8_allgather: bool = False,
+    amax_group: str = "world",
+    batch_amax: bool = True,
     other: int = 0,
     bucket_numel: int = DDP_BUCKET_NUMEL,
 ) -> CollectiveBytes:
     """Bytes one rank sends in one step of data-parallel training of ``linears`` (``[(name, in,
     out)]``, a recipe with per-layer rules is applied per name) plus ``other`` parameter
-    elements, on ``ranks`` ranks (module docstring). ``ranks`` = 1: all zeros. ValueError for
-    ranks < 1 or an unknown ``grad_comm``."""
+    elements, on ``ranks`` ranks, with `fp8lab.dist.ddp.DataParallel`'s options (module
+    docstring). ``ranks`` = 1: all zeros. ValueError for ranks < 1 or an invalid option or
+    combination (`fp8lab.dist.ddp.check_options`)."""
     from fp8lab.cost.model import _counts, layer_recipe
+    from fp8lab.dist.ddp import check_options
 
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
-    check_grad_comm(grad_comm)
+    check_options(amax_group, grad_comm, fsdp, fp8_allgather)
     if not isinstance(other, int) or other < 0:
         raise ValueError(f"other must be an integer >= 0, got {other!r}")
     rec = get_recipe(recipe)
     n = ranks
     numel = other
-    amax_k: list[int] = []  # one entry per amax all-reduce: amaxes in it
+    delayed = 0  # delayed-scaled tensors whose amax is reduced each step
+    gather_amaxes: list[int] = []  # one entry per FSDP pre-gather all-reduce: amaxes in it
     gathered = 0.0  # bytes of every copy gathered (before the (N-1)/N)
-    all_fp32 = True
+    counted = []
     for lin, i, o in linears:
         lrec, _ = layer_recipe(rec, lin)
         counts = _counts(lrec).scaled(T=1, I=i, O=o)
+        counted.append(counts)
         numel += o * i
-        all_fp32 &= all(g.fmt_a == g.fmt_b == "fp32" for g in counts.gemms)
-        amax_k += [
+        delayed += sum(
             1 for e in counts.events if e.kind == "scale_update" and _delayed_reduced(lrec, e.role)
-        ]
-        if fsdp:
-            for nbytes, k in _weight_gathers(counts):
+        )
+    all_fp32 = all(g.fmt_a == g.fmt_b == "fp32" for c in counted for g in c.gemms)
+    hp_bytes = 4 if all_fp32 else 2
+    if fsdp:
+        for counts in counted:
+            for nbytes, k in _weight_gathers(counts, hp_bytes, fp8_allgather):
                 gathered += nbytes
                 if k:
-                    amax_k.append(k)
+                    gather_amaxes.append(k)
+        gathered += 2 * other * hp_bytes  # forward and backward
     if n == 1:
-        return CollectiveBytes(n, grad_comm, fsdp, 0.0, 0.0, 0, 0.0)
-    if fsdp:
-        gathered += 2 * other * (4 if all_fp32 else 2)  # forward and backward
-        grad = _reduce_scatter_bytes(numel, n, grad_comm, bucket_numel)
-    else:
-        grad = bytes_per_rank(numel, n, grad_comm, bucket_numel)
-    amax = sum(((n - 1) * 4.0 * k for k in amax_k), 0.0)
+        return CollectiveBytes(n, grad_comm, fsdp, fp8_allgather, 0.0, 0.0, 0, 0.0)
+    if amax_group == "none":
+        delayed = 0
+    reductions = [delayed] if batch_amax and delayed else [1] * delayed
+    reductions += gather_amaxes
+    amax = sum((_allreduce_bytes(n, k) for k in reductions), 0.0)
+    # FSDP: a float32 reduce-scatter; DDP: the all-reduce on the grad_comm wire
+    grad = (n - 1) / n * 4 * numel if fsdp else bytes_per_rank(numel, n, grad_comm, bucket_numel)
     gather = (n - 1) / n * gathered
-    return CollectiveBytes(n, grad_comm, fsdp, grad, amax, len(amax_k), gather)
+    return CollectiveBytes(n, grad_comm, fsdp, fp8_allgather, grad, amax, len(reductions), gather)
