@@ -163,3 +163,18 @@ def test_escalation_pins_the_tensor_to_current_scaling(corpus):
     layer, role = pinned[0].rsplit(":", 1)
     mod = res.model.get_submodule(layer)
     assert mod.recipe.spec("dgrad" if role == "grad_output" else "fprop", role).scaling == "max"
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "te-delayed", "deepseek-v3", "mxfp8",
+                                  "hif8-delayed", "e4m3-unscaled-grads"])  # fmt: skip
+def test_demo_recipes_guarded_are_bit_identical(corpus, name):
+    from fp8lab.lab.compare import resolve_recipe
+
+    cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
+        **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip
+    g = AnomalyGuard(checkpoint_every=5, detectors={"saturation": {"every": 3},
+                                                    "underflow": {"every": 3}})  # fmt: skip
+    plain = train_run(resolve_recipe(name), cfg, corpus)
+    guarded = train_run(resolve_recipe(name), cfg, corpus, guard=g)
+    assert guarded.summary["guard_events"] == []
+    assert _losses(guarded) == _losses(plain) and _same_model(guarded.model, plain.model)
