@@ -198,7 +198,7 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
         cells = []
         for r in names:
             c = costs[r].gemms[i]
-            cells.append(f"{c.ms:.3f} {c.cls} {c.bound[0]}")
+            cells.append(f"{c.ms:.4g} {c.cls} {c.bound[0]}")
         g.add_row(gc.name, f"{gc.m}x{gc.k}x{gc.n}", *cells)
     con.print(g)
     led = Table(title="Per-tensor bytes ledger (MB read + written by its quantization passes)")
@@ -250,12 +250,12 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
     for r, c in costs.items():
         tot.add_row(
             r,
-            f"{c.layer_ms:.3f}",
-            f"{c.gemm_ms:.3f}",
-            f"{c.quantize_ms:.3f}",
+            f"{c.layer_ms:.4g}",
+            f"{c.gemm_ms:.4g}",
+            f"{c.quantize_ms:.4g}",
             f"{100 * c.quantize_ms / c.layer_ms:.1f}",
             f"{priced['bf16_ms'] / c.layer_ms:.2f}x",
-            f"{c.layer_ms * layers:.3f}",
+            f"{c.layer_ms * layers:.4g}",
             f"{c.bytes / 1e9:.2f}",
         )
     con.print(tot)
