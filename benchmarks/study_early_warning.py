@@ -23,7 +23,7 @@ per-step records are cached in OUT/runs/NAME.json (a rerun with the same setting
 them). Prints the table, writes OUT/early_warning.json and the figure OUT/early_warning.png
 (``--figure PATH`` to put it elsewhere, e.g. docs/figures/early_warning.png).
 
-Cost: at --steps 300 --seeds 1, 14 runs / 4200 steps (deepseek-v3's steps cost ~3x), about
+Cost: at --steps 300 --seeds 1, 13 runs / 3900 steps (deepseek-v3's steps cost ~3x), about
 12 min on 2 idle cores with --jobs 2 (1 thread per process).
 """
 
@@ -219,8 +219,8 @@ def analyze(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": runs, "table": table, "divergence": loss_row}
 
 
-def _cell(vals: list[int | None]) -> str:
-    return ", ".join("—" if v is None else str(v) for v in vals) if vals else "n/a"
+def _cell(vals: list[int | None], none: str = "—") -> str:
+    return ", ".join(none if v is None else str(v) for v in vals) if vals else "n/a"
 
 
 def format_table(an: dict[str, Any]) -> str:
@@ -237,16 +237,13 @@ def format_table(an: dict[str, Any]) -> str:
     lines = ["| signal | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     d = an["divergence"]
 
-    def div_cell(v):
-        return _cell(v) if v else "n/a"
-
     lines.append(
-        "| *loss crosses the divergence rule* | "
+        "| *loss crosses the divergence rule (steps after the fault; lr: at step)* | "
         + " | ".join(
             [
-                f"{_cell(d['spike'])} (after fault)",
-                f"{_cell(d['outliers'])} (after fault)",
-                *(f"step {div_cell(d[f'lr x{m}'])}" for m in LR_MULTS),
+                _cell(d["spike"], "never"),
+                _cell(d["outliers"], "never"),
+                *(_cell(d[f"lr x{m}"], "never") for m in LR_MULTS),
                 f"{d['healthy_divergences']} runs diverged",
                 "",
             ]
@@ -268,7 +265,26 @@ def format_table(an: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _raster(ax, run: dict[str, Any], mark: int | None, mark_label: str, title: str) -> None:
+    """Firing steps of every signal of one analyzed run (one row per signal)."""
+    from fp8lab.lab import early_warning as ew
+
+    for i, sig in enumerate(ew.SIGNALS):
+        steps = run["fires"][sig]
+        ax.plot(steps, [i] * len(steps), "|", color="tab:blue", ms=7)
+    if mark is not None:
+        ax.axvline(mark, color="r", ls="--", lw=1, label=mark_label)
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_yticks(range(len(ew.SIGNALS)), list(ew.SIGNALS), fontsize=8)
+    ax.set_ylim(len(ew.SIGNALS) - 0.5, -0.5)
+    ax.set_xlim(0, run["steps"])
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=10)
+
+
 def figure(results: list[dict[str, Any]], an: dict[str, Any], path: Path) -> None:
+    """2 x 3 panels: loss and key signals of the spike and outlier runs, the lr sweep's losses;
+    firing rasters of the spike run and of the first diverging lr run; false-alarm rates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,67 +292,77 @@ def figure(results: list[dict[str, Any]], an: dict[str, Any], path: Path) -> Non
 
     from fp8lab.lab import early_warning as ew
 
-    first = {}
+    first, arun = {}, {}
     for r in results:
         first.setdefault(r["job"]["name"].rsplit("-seed", 1)[0], r)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=80)
+    for x in an["runs"]:
+        arun.setdefault(x["name"].rsplit("-seed", 1)[0], x)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), dpi=72)
 
-    def steps_of(r, key):
-        return [x["step"] for x in r["records"]], [x.get(key) for x in r["records"]]
+    def series(r, key):
+        return [x["step"] for x in r["records"]], [
+            math.nan if x.get(key) is None else x[key] for x in r["records"]
+        ]
 
-    for ax, scen, keys in (
+    panels = (
         (axes[0, 0], "spike-te-delayed-x1", ("headroom", "staleness")),
         (axes[0, 1], "outliers-te-delayed-x1", ("kurtosis_linear_in", "kurtosis_block")),
-    ):
+    )
+    for ax, scen, keys in panels:
         r = first.get(scen)
         if r is None:
             continue
-        t, loss = steps_of(r, "loss")
-        ax.plot(t, [math.nan if v is None else v for v in loss], color="k", lw=1, label="loss")
+        ax.plot(*series(r, "loss"), color="k", lw=1, label="loss")
         ax.axvline(r["job"]["fault"], color="r", ls="--", lw=1, label="fault")
         ax.set_ylabel("train loss")
         ax2 = ax.twinx()
         for k, c in zip(keys, ("tab:blue", "tab:orange"), strict=True):
-            tt, v = steps_of(r, k)
-            ax2.plot(tt, [math.nan if x is None else x for x in v], color=c, lw=1, label=k)
+            ax2.plot(*series(r, k), color=c, lw=1, label=k)
         ax2.set_yscale("symlog")
-        ax2.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper center", fontsize=8)
         ax.legend(loc="upper right", fontsize=8)
-        ax.set_title(f"{r['job']['scenario']} (te-delayed, seed {r['job']['seed']})")
+        ax.set_title(f"{r['job']['scenario']} (te-delayed, seed {r['job']['seed']})", fontsize=10)
         ax.set_xlabel("step")
-    ax = axes[1, 0]
-    for m, c in zip(
-        (1, *LR_MULTS), ("k", "tab:blue", "tab:green", "tab:orange", "tab:red"), strict=True
-    ):
-        name = "healthy-te-delayed-x1" if m == 1 else f"lr-te-delayed-x{m}"
-        r = first.get(name)
+    ax = axes[0, 2]
+    colors = ("k", "tab:blue", "tab:green", "tab:orange", "tab:red")
+    for m, c in zip((1, *LR_MULTS), colors, strict=True):
+        r = first.get("healthy-te-delayed-x1" if m == 1 else f"lr-te-delayed-x{m}")
         if r is None:
             continue
-        t, loss = steps_of(r, "loss")
-        ax.plot(
-            t,
-            [math.nan if v is None else min(v, 20) for v in loss],
-            color=c,
-            lw=1,
-            label=f"lr x{m}",
-        )
-        div = ew.divergence_step(loss)
+        t, loss = series(r, "loss")
+        ax.plot(t, [min(v, 20.0) for v in loss], color=c, lw=1, label=f"lr x{m}")
+        div = ew.divergence_step([x.get("loss") for x in r["records"]])
         if div is not None:
             ax.axvline(div, color=c, ls=":", lw=1)
-    ax.set_title("learning-rate sweep, te-delayed (dotted: divergence step)")
+    ax.set_title("lr sweep, te-delayed (dotted: divergence step)", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (clipped at 20)")
     ax.legend(fontsize=8)
-    ax = axes[1, 1]
+    x = arun.get("spike-te-delayed-x1")
+    if x is not None:
+        _raster(axes[1, 0], x, x["fault"], "spike", "firings, spike run")
+    div_runs = [
+        arun[k]
+        for k in (f"lr-te-delayed-x{m}" for m in LR_MULTS)
+        if k in arun and arun[k]["divergence_step"] is not None
+    ]
+    if div_runs:
+        x = div_runs[0]
+        _raster(
+            axes[1, 1], x, x["divergence_step"], "divergence", f"firings, lr x{x['lr_mult']} run"
+        )
+    else:
+        axes[1, 1].set_axis_off()
+    ax = axes[1, 2]
     rates = [an["table"][s]["healthy"]["per_1000"] or 0.0 for s in ew.SIGNALS]
     neg = [an["table"][s]["negative_control"]["per_1000"] or 0.0 for s in ew.SIGNALS]
     y = range(len(ew.SIGNALS))
-    ax.barh([i + 0.2 for i in y], rates, height=0.4, label="6 demo recipes")
-    ax.barh([i - 0.2 for i in y], neg, height=0.4, label=DEMO_NEGATIVE)
+    ax.barh([i - 0.2 for i in y], rates, height=0.4, label="6 demo recipes")
+    ax.barh([i + 0.2 for i in y], neg, height=0.4, label=DEMO_NEGATIVE)
     ax.set_yticks(list(y), list(ew.SIGNALS), fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("firings per 1000 healthy steps")
-    ax.set_title("false alarms (no fault)")
+    ax.set_ylim(len(ew.SIGNALS) - 0.5, -0.5)
+    ax.set_xlabel("firings per 1000 steps")
+    ax.set_title("false alarms (healthy runs, no fault)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
