@@ -87,6 +87,11 @@ def plot_loss(metrics, baseline, negative, path: Path) -> Path:
         vals = [r for r in recs if "val_loss" in r]
         ax2.plot([r["step"] for r in vals], [_nan(r["val_loss"]) for r in vals], marker="o",
                  ms=3, **style[n])  # fmt: skip
+        for ev in (e for r in recs for e in r.get("guard_events") or ()):  # fp8lab.guard actions
+            x, color = ev["step"] + 1, style[n].get("color")
+            ax1.axvline(x, color=color, ls=":", lw=1)
+            ax1.annotate(f"{ev['action']} ({ev['detector']})", (x, 0.98), rotation=90,
+                         xycoords=("data", "axes fraction"), va="top", fontsize=7, color=color)  # fmt: skip
     ax1.set(title="train loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/byte)")
     ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/byte)")
     for ax in (ax1, ax2):
@@ -490,8 +495,15 @@ def write_report(
     if plot_underflow(stats, out / FIGURES / "underflow.png") is not None:
         figs["Operand underflow"] = f"{FIGURES}/underflow.png"
     md = render_markdown(summary, figs, stats, lab_cfg, command)
+    page = render_html(summary, figs, stats, lab_cfg, command)
+    from fp8lab.report.comm import comm_html, comm_markdown  # torchrun runs: ranks, comm
+
+    md = md.replace("## Recipe settings", comm_markdown(metrics) + "## Recipe settings", 1)
+    page = page.replace(
+        "<h2>Recipe settings</h2>", comm_html(metrics) + "<h2>Recipe settings</h2>", 1
+    )
     (out / "report.md").write_text(md)
-    (out / "report.html").write_text(render_html(summary, figs, stats, lab_cfg, command))
+    (out / "report.html").write_text(page)
     paths = {"report.md": out / "report.md", "report.html": out / "report.html"}
     paths.update({Path(f).name: out / f for f in figs.values()})
     return paths
