@@ -189,8 +189,8 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
     con.print(f"{work.header}; scenario {scenario}")
     if layers != work.layers:
         con.print("per-layer recipe rules: every Linear is priced; 'layer' = the whole model")
-    g = Table(title="Per-GEMM time (ms; GEMM kernel, its class and bound)")
-    g.add_column("GEMM")
+    g = Table(title="Per-GEMM time (µs; GEMM kernel, its class and bound: c/m)")
+    g.add_column("GEMM", overflow="fold")
     g.add_column("M x K x N")
     for r in names:
         g.add_column(r, justify="right")
@@ -198,7 +198,7 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
         cells = []
         for r in names:
             c = costs[r].gemms[i]
-            cells.append(f"{c.ms:.4g} {c.cls} {c.bound[0]}")
+            cells.append(f"{c.ms * 1e3:.4g} {c.cls} {c.bound[0]}")
         g.add_row(gc.name, f"{gc.m}x{gc.k}x{gc.n}", *cells)
     con.print(g)
     led = Table(title="Per-tensor bytes ledger (MB read + written by its quantization passes)")
