@@ -102,7 +102,14 @@ def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1])["recipes"]["te-delayed"]
+    js = json.loads(res.stdout.strip().splitlines()[-1])["recipes"]["te-delayed"]["distributed"]
+    assert js["ranks"] == 2 and js["amax_group"] == "none" and js["grad_comm"] == "fp8"
+    assert (
+        js["grad_bytes_per_step_by_precision"]["fp8"]
+        < js["grad_bytes_per_step_by_precision"]["fp32"]
+        and 0 < js["grad_comm_rel_error"] < 0.5
+        and js["max_scale_spread_binades"] > 0
+    )
     assert (out / "report.html").exists()
     lines = (out / "runs" / "te-delayed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]  # one writer

@@ -27,8 +27,11 @@ refused, and so is a non-empty directory fp8lab did not make. Progress goes to s
 terminal, otherwise a line every tenth of the run); --json prints only the summary on stdout:
 {"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "device": ..., "recipes": {name:
 {final_train_loss, final_val_loss, rel_gap_pct, max_rel_gap_pct, skipped_steps, tokens_per_s,
-diverged, predicted_step_ms, guard_events}}} (guard_events: the anomaly guard's actions,
-[] without --guard or for a clean run). predicted_step_ms: the GEMM + quantization time of one step of
+diverged, predicted_step_ms, guard_events, distributed}}} (guard_events: the anomaly guard's
+actions, [] without --guard or for a clean run; distributed: null on one process, under torchrun
+ranks, amax_group, sharding, grad_comm, grad bytes per step (this precision and each),
+grad_comm_rel_error against fp32, partial-sum underflow/overflow %, max scale spread in
+binades). predicted_step_ms: the GEMM + quantization time of one step of
 the model's quantized Linears on --device predicted by fp8lab cost's roofline (null when the
 recipe cannot run there, e.g. fp32 or HiF8; the report gives the reason). A run is diverged
 when its loss is not finite or its validation loss exceeds ln(V) for V logits (ln(256) = 5.55:

@@ -11,6 +11,7 @@ value on every rank, so guard decisions taken from it agree.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from fp8lab.dist.comm import WIRE_BYTES, check_grad_comm
 from fp8lab.dist.data import allreduce_sum_hook, global_token_loss, shard_batch
 from fp8lab.dist.hooks import GradCommHook
 
-__all__ = ["DataParallel", "check_options"]
+__all__ = ["DataParallel", "check_options", "comm_summary"]
 
 
 def check_options(
@@ -167,6 +168,46 @@ class DataParallel:
             spread = list(scale_spread(self.module).values())
             out["scale_spread_binades"] = max(spread) if spread else 0.0
         return out
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def comm_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run's distributed fields from its metrics records (`DataParallel.state`), None for a
+    single-process run: ``ranks``, ``amax_group``, ``sharding``, ``grad_comm``,
+    ``grad_bytes_per_step`` (mean bytes one rank sent per step at this precision),
+    ``grad_bytes_per_step_by_precision`` (every precision, counted from the gradient's element
+    count, the ranks and the wire formats: `fp8lab.dist.comm.bytes_per_rank`, 25 MiB buckets),
+    ``grad_comm_rel_error`` (mean over steps; 0 for fp32), ``grad_comm_underflow_pct`` and
+    ``grad_comm_overflow_pct`` (% of the partial-sum elements put on the wire; None for fp32),
+    ``max_scale_spread_binades`` (``--amax-group none``; 0 with world)."""
+    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+
+    recs = [r for r in records if "ranks" in r]
+    if not recs:
+        return None
+    last = recs[-1]
+    n, world = int(last["grad_numel"]), int(last["ranks"])
+    msgs = sum(r.get("grad_comm_messages", 0) for r in recs)
+    spreads = [r["scale_spread_binades"] for r in recs if "scale_spread_binades" in r]
+    err = _mean([r.get("grad_comm_rel_error") for r in recs])
+    return {
+        "ranks": world, "amax_group": last["amax_group"],
+        "sharding": last.get("sharding", "ddp"), "grad_comm": last["grad_comm"],
+        "grad_bytes_per_step": _mean([r["grad_comm_bytes"] for r in recs]),
+        "grad_bytes_per_step_by_precision": {
+            p: bytes_per_rank(n, world, p, 25 * 1024 * 1024 // 4) for p in GRAD_COMMS
+        },
+        "grad_comm_rel_error": 0.0 if err is None else err,
+        "grad_comm_underflow_pct": (100 * sum(r.get("grad_comm_underflow", 0) for r in recs)
+                                    / msgs) if msgs else None,
+        "grad_comm_overflow_pct": (100 * sum(r.get("grad_comm_overflow", 0) for r in recs)
+                                   / msgs) if msgs else None,
+        "max_scale_spread_binades": max(spreads) if spreads else 0.0,
+    }  # fmt: skip
 
 
 def _gather_rows(t: torch.Tensor) -> torch.Tensor:

@@ -518,6 +518,8 @@ def summarize_comparison(
         return model_memory(user_model, v, bs, T, recipe)
 
     predicted = predicted_steps(cfg, names, device, user_model)
+    from fp8lab.dist.ddp import comm_summary
+
     base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
@@ -542,6 +544,8 @@ def summarize_comparison(
             "predicted_step_ms": predicted[n]["ms"],
             # actions of the anomaly guard (fp8lab.guard): [] for a clean or unguarded run
             "guard_events": s.get("guard_events", []),
+            # under torchrun: ranks, amax group, gradient communication (null on one process)
+            "distributed": comm_summary(metrics[n]),
         }
         recipe = resolve_recipe(n)
         details[n] = {

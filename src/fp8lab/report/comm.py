@@ -9,13 +9,11 @@ gradient's element count, the rank count and each precision's wire format
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["comm_html", "comm_markdown", "comm_rows"]
 
-_BUCKET = 25 * 1024 * 1024 // 4
 COLUMNS = (
     ("recipe", "recipe"), ("ranks", "ranks"), ("amax_group", "amax group"),
     ("sharding", "sharding"), ("grad_comm", "grad comm"), ("bytes", "MiB/step/rank"),
@@ -25,41 +23,32 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _mean(values: list[float]) -> float | None:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(vals) / len(vals) if vals else None
-
-
 def comm_rows(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, str]]:
-    """One row per recipe trained on several ranks (none for single-process runs).
-
-    rel. error: mean over steps of the relative L2 error of the reduced gradients against the
-    fp32 all-reduce; underflow / overflow: % of the partial-sum elements put on the wire over
-    the run; scale spread: the largest per-rank spread of a delayed scale (``--amax-group
-    none``), over the run; MiB columns: what one rank sends per step for the gradients, this
-    run's precision and each precision."""
-    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+    """One row per recipe trained on several ranks (none for single-process runs), from
+    `fp8lab.dist.ddp.comm_summary`: rel. error = mean over steps of the relative L2 error of the
+    reduced gradients against the fp32 all-reduce; underflow / overflow = % of the partial-sum
+    elements put on the wire over the run; scale spread = the largest per-rank spread of a
+    delayed scale (``--amax-group none``); MiB = what one rank sends per step for the
+    gradients, this run's precision and each precision."""
+    from fp8lab.dist.ddp import comm_summary
 
     rows = []
     for name, recs in metrics.items():
-        recs = [r for r in recs if "ranks" in r]
-        if not recs:
+        c = comm_summary(list(recs))
+        if c is None:
             continue
-        last = recs[-1]
-        row = {"recipe": name, "ranks": str(last["ranks"]), "amax_group": last["amax_group"],
-               "sharding": last.get("sharding", "ddp"), "grad_comm": last["grad_comm"]}  # fmt: skip
-        row["bytes"] = f"{_mean([r['grad_comm_bytes'] for r in recs]) / 2**20:.3f}"
-        for p in GRAD_COMMS:
-            b = bytes_per_rank(int(last["grad_numel"]), int(last["ranks"]), p, _BUCKET)
+        row = {"recipe": name, "ranks": str(c["ranks"]), "amax_group": c["amax_group"],
+               "sharding": c["sharding"], "grad_comm": c["grad_comm"],
+               "bytes": f"{c['grad_bytes_per_step'] / 2**20:.3f}"}  # fmt: skip
+        for p, b in c["grad_bytes_per_step_by_precision"].items():
             row[f"bytes_{p}"] = f"{b / 2**20:.3f}"
-        err = _mean([r.get("grad_comm_rel_error") for r in recs])
-        row["rel_error"] = "0 (fp32)" if err is None else f"{err:.2e}"
-        msgs = sum(r.get("grad_comm_messages", 0) for r in recs)
+        err = c["grad_comm_rel_error"]
+        row["rel_error"] = "0 (fp32)" if c["grad_comm"] == "fp32" else f"{err:.2e}"
         for k in ("underflow", "overflow"):
-            n = sum(r.get(f"grad_comm_{k}", 0) for r in recs)
-            row[k] = f"{100 * n / msgs:.3g}" if msgs else "-"
-        spreads = [r["scale_spread_binades"] for r in recs if "scale_spread_binades" in r]
-        row["spread"] = f"{max(spreads):.3g}" if spreads else "0 (world)"
+            v = c[f"grad_comm_{k}_pct"]
+            row[k] = "-" if v is None else f"{v:.3g}"
+        spread = c["max_scale_spread_binades"]
+        row["spread"] = "0 (world)" if c["amax_group"] == "world" else f"{spread:.3g}"
         rows.append(row)
     return rows
 
