@@ -127,3 +127,16 @@ def test_single_high_precision_cell_still_quantizes_for_the_later_gemm():
     assert table["grad_output"] == {"round": 1, "amax": 1, "cast": 1, "transpose": 1}
     assert table["input"] == TABLES["te-current"]["input"]
     assert table["weight"] == TABLES["te-current"]["weight"]
+
+
+def test_counting_issues_no_collective_under_torch_distributed(monkeypatch):
+    # a cost estimate on rank 0 alone (fp8lab compare's summary) must not all-reduce amaxes
+    # the other ranks never join: delayed-scaling updates use the local amax
+    import torch.distributed as dist
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran while counting")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    assert _table(count_linear_step("te-delayed")) == TABLES["te-delayed"]

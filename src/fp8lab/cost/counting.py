@@ -302,6 +302,7 @@ def count_linear_step(recipe: Recipe | str, dims: dict[str, int] | None = None) 
     d = dict(PROXY if dims is None else dims)
     gen = torch.Generator().manual_seed(0)
     lin = Linear(d["I"], d["O"], bias=False, recipe=rec, name="counted")
+    _local_updates(lin)
     x = torch.randn(d["T"], d["I"], generator=gen).requires_grad_(True)
     before = retile_counts()
     # the record is a dict: its insertion order is the order the Function prepared operands
@@ -319,6 +320,22 @@ def count_linear_step(recipe: Recipe | str, dims: dict[str, int] | None = None) 
             f"values ran, {expected} classified"
         )
     return counts
+
+
+class _LocalUpdate:
+    """A delayed-scaling state's ``group`` for the counted step: the update uses the local amax
+    and never a collective (`DelayedScaling.update` defers to a group with ``defer_update``), so
+    counting (a cost estimate on one rank of a distributed job) cannot wait on other ranks."""
+
+    def defer_update(self, ds: Any, fmt: Any) -> None:
+        ds.update(fmt, reduced=ds.state.amax_history[0].clone())
+
+
+def _local_updates(module: Any) -> None:
+    from fp8lab.dist.amax import delayed_states
+
+    for ds in delayed_states(module).values():
+        ds.state.group = _LocalUpdate()
 
 
 def _event(kind: str, what: Any, op: Any, gemm: str, role: str) -> Event:
