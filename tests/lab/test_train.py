@@ -313,18 +313,22 @@ def test_stats_are_the_watch_records_of_the_consumed_operands(qcorpus, tmp_path,
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "nvfp4"])
-def test_recording_stats_does_not_change_training(qcorpus, name):
+def test_recording_stats_does_not_change_training(qcorpus, tmp_path, name):
     """Stats on every step vs none: bit-identical losses, gradient norms and weights (incl.
     scaling state). nvfp4 rounds gradients stochastically: sampling must not draw from torch's
-    generator (its records are not exact, their saturation is null)."""
+    generator, and its records are exact too (the GEMM's own quantized operand is measured)."""
     import fp8lab
+    from fp8lab.observe import read_records
 
     recipe = fp8lab.get_recipe(name)
     cfg = QTINY.replace_train(steps=5, eval_every=5)
-    every = train_run(recipe, cfg.replace_train(stats_every=1), qcorpus)
+    every = train_run(recipe, cfg.replace_train(stats_every=1), qcorpus, tmp_path)
     never = train_run(recipe, cfg.replace_train(stats_every=0), qcorpus)
     assert _losses(every.records) == _losses(never.records)
     assert _same_state(every.model, never.model)
+    rows = read_records(tmp_path / "stats.jsonl")
+    assert {r["step"] for r in rows} == {1, 2, 3, 4, 5}
+    assert all(r["exact"] and r["saturation_pct"] is not None for r in rows)
 
 
 def test_grad_spike_leaves_delayed_scaling_stale(qcorpus, tmp_path):

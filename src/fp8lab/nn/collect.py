@@ -21,6 +21,7 @@ import torch
 
 from fp8lab.nn.modules import Linear
 from fp8lab.nn.operand import COLLECTORS
+from fp8lab.qtensor import QTensor
 
 __all__ = ["OperandRecord", "collect_operands"]
 
@@ -62,7 +63,7 @@ def collect_operands(
         if allowed is not None and name not in allowed:
             return
         hp = hp.detach()
-        used = used.detach() if isinstance(used, torch.Tensor) else used
+        used = used.dequantize() if isinstance(used, QTensor) else used.detach()
         record[(name, gemm, role)] = (
             fn(hp, used) if fn is not None else {"high_precision": hp, "used": used}
         )

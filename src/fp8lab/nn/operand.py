@@ -88,7 +88,9 @@ class _Collectors(threading.local):
 COLLECTORS = _Collectors()
 
 
-def _record(op: OperandPlan, source: torch.Tensor, used: torch.Tensor) -> None:
+def _record(op: OperandPlan, source: torch.Tensor, used: torch.Tensor | QTensor) -> None:
+    # ``used``: the QTensor itself when quantized, so a sampler (fp8lab.observe) reads its
+    # scaled values and scales instead of quantizing again; collect_operands dequantizes it
     for c in COLLECTORS.active:
         c(op.layer or "?", op.gemm, op.role, source, used)
 
@@ -146,7 +148,7 @@ def prepare(x: torch.Tensor, op: OperandPlan, held: list[torch.Tensor] | None) -
         shadow = _quantize(x, op.shadow, held, want_dense=True)
     operand = Operand(used, x, shadow)
     if COLLECTORS.active:
-        _record(op, x, operand.dense())
+        _record(op, x, operand.used)  # type: ignore[arg-type]
     return operand
 
 
@@ -177,7 +179,7 @@ def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None
         q2 = _quantize(deq, spec, held, want, retile_from=retile_from)  # type: ignore[arg-type]
         operand = Operand(q2, kept.source)
     if COLLECTORS.active:
-        _record(op, kept.source if kept.source is not None else kept.dense(), operand.dense())
+        _record(op, kept.source if kept.source is not None else kept.dense(), operand.used)  # type: ignore[arg-type]
     return operand
 
 

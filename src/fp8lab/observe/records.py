@@ -1,14 +1,13 @@
 """One row of statistics per GEMM operand, from the operands the GEMMs really consumed.
 
-The nn collection hook (`fp8lab.nn.collect_operands`, `fp8lab.nn.operand.COLLECTORS`) hands over,
-per ``(layer, gemm, role)``, the high-precision operand ``hp`` (natural layout) and the tensor
-the GEMM consumed ``used`` (the quantized operand's dequantized copy, or the bf16/fp16-rounded
-tensor). The statistics are those of `fp8lab.stats.error_stats` on that pair. Scale and
-saturation need the quantized values in the scaled domain: they come from re-quantizing ``hp``
-with the scale the module used (a delayed scale read from the module's own state before it is
-updated; current scaling recomputed; a reused or re-tiled backward operand rebuilt from the
-forward's), accepted only when its dequantized copy equals ``used`` bit for bit (``exact``);
-otherwise ``scale``/``saturation_pct`` are None rather than a guess.
+The nn collection hook (`fp8lab.nn.operand.COLLECTORS`) hands over, per ``(layer, gemm, role)``,
+the high-precision operand ``hp`` (natural layout) and what the GEMM consumed: the QTensor the
+quantization pass made (reused or re-tiled for a backward GEMM), or the bf16/fp16-rounded
+tensor. The statistics are those of `fp8lab.stats.error_stats` on ``hp`` and the dequantized
+copy; scale and saturation read the QTensor's own scaled values and scales, so nothing is
+quantized again (and a stochastic rounding's draw is the one the GEMM used). A quantized operand
+handed over as a plain tensor has no scaled values: ``scale``/``saturation_pct`` None and
+``exact`` false rather than a guess.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ import torch
 
 from fp8lab.nn import Linear, active_recipe
 from fp8lab.nn.plan import OperandPlan
-from fp8lab.qtensor import QTensor, QuantSpec, quantize
-from fp8lab.scaling.delayed import DelayedScaling, delayed_scale
+from fp8lab.qtensor import QTensor
 from fp8lab.stats import error_stats
 
 __all__ = ["FIELDS", "NATURAL_OPERANDS", "OperandStats", "operand_row"]
@@ -52,39 +50,9 @@ FIELDS = (
 NATURAL_OPERANDS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.float32:
-        return bool(torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)))
-    return bool(torch.equal(a, b))
-
-
-def _fixed_scale_spec(spec: QuantSpec, hp: torch.Tensor) -> QuantSpec:
-    """``spec`` with a delayed scale replaced by the fixed multiplier in force right now (read,
-    never updated: no amax is staged, the training state is untouched)."""
-    if not spec.is_delayed:
-        return spec
-    sc = spec.scaling
-    # the tensor's amax matters only before the first update of first_step="current" (and for
-    # a bare configuration): three passes over hp, skipped on every other sampled step
-    needs_amax = not isinstance(sc, DelayedScaling) or (
-        sc.cfg.first_step == "current" and not sc.initialized
-    )
-    amax = None
-    if needs_amax and hp.numel():
-        amax = torch.nan_to_num(hp.detach().abs(), nan=0.0).amax().to(torch.float32)
-    if isinstance(sc, DelayedScaling):
-        s = sc.scale_for(amax, spec.fmt)
-    else:  # a bare configuration quantizes with a throwaway state (step 0)
-        s = delayed_scale(sc, amax if amax is not None else torch.zeros(()), spec.fmt)
-    return spec.replace(scaling=float(s.reshape(())))
-
-
 class OperandStats:
-    """Turns hook calls into rows for one model: finds each layer's operand plan, rebuilds the
-    QTensor the GEMM consumed, and measures it. ``earlier`` keeps the last rebuilt operand per
-    ``(layer, role)`` within a step, for backward operands reused or re-tiled from the forward."""
+    """Turns hook calls into rows for one model: finds each layer's operand plan (for the spec's
+    description and the high-precision cells) and measures the operand the GEMM consumed."""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         self.modules: dict[str, Linear] = {}
@@ -94,11 +62,7 @@ class OperandStats:
                     if m.name is None:
                         m.name = n
                     self.modules[m.name] = m
-        self.earlier: dict[tuple[str, str], QTensor] = {}
         self.plans: dict[str, Any] = {}
-
-    def new_step(self) -> None:
-        self.earlier.clear()
 
     def plan(self, layer: str, gemm: str, role: str) -> OperandPlan | None:
         m = self.modules.get(layer)
@@ -111,30 +75,6 @@ class OperandStats:
             plan, _ = m._plan(active_recipe(m.recipe))
             self.plans[layer] = plan
         return getattr(plan, gemm)[role]
-
-    def rebuild(self, layer: str, role: str, op: OperandPlan, hp: torch.Tensor,
-                used: torch.Tensor) -> QTensor | None:  # fmt: skip
-        """The QTensor whose dequantized copy is ``used`` (bit for bit), or None.
-
-        None for stochastic rounding: its random draw cannot be repeated, and drawing again
-        would advance torch's generator, i.e. change the training run being observed."""
-        if op.spec.rounding == "stochastic":  # type: ignore[union-attr]
-            return None
-        spec = _fixed_scale_spec(op.spec, hp)  # type: ignore[arg-type]
-        prev = self.earlier.get((layer, role))
-        if prev is not None and _same_bits(prev.dequantize(), used):
-            return prev  # reused as is (Reuse.SAME)
-        cands = [hp]
-        if prev is not None:  # re-tiled from the forward's dequantized operand (Reuse.RETILE)
-            cands.append(prev.dequantize())
-        for src in cands:
-            if src.shape != used.shape:
-                continue
-            q = quantize(src.detach(), spec)
-            if _same_bits(q.dequantize(), used):
-                self.earlier[(layer, role)] = q
-                return q
-        return None
 
     def row(self, layer: str, gemm: str, role: str, hp: torch.Tensor,
             used: Any) -> dict[str, Any] | None:  # fmt: skip
@@ -158,8 +98,6 @@ class OperandStats:
             spec = q.spec
         else:
             spec = op.spec
-            if q is None:
-                q = self.rebuild(layer, role, op, hp32, used)
         return operand_row(hp32, used, spec.fmt.name, spec.describe(), q)
 
 

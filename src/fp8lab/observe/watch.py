@@ -38,7 +38,6 @@ class _Sampler:
     def __init__(self, stats: OperandStats, step: int, rows: list[dict[str, Any]]) -> None:
         self.stats, self.step, self.rows = stats, step, rows
         self.calls: dict[tuple[str, str, str], int] = {}
-        stats.new_step()
 
     def __call__(self, layer: str, gemm: str, role: str, hp: torch.Tensor, used: Any) -> None:
         if self.stats.modules and layer not in self.stats.modules:
