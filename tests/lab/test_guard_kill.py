@@ -76,7 +76,7 @@ def test_kill_9_during_checkpoint_write_keeps_the_previous_one(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert (run / "checkpoint.tmp").exists()  # the half-written file, never renamed
-    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
     assert state["loop"]["step"] == 4  # the first checkpoint, intact
     recipe = fp8lab.get_recipe("te-delayed")
     corpus = load_corpus(cfg.data, cfg.model.block_size)

@@ -129,7 +129,7 @@ def test_skip_batch_moves_the_data_cursor(corpus, tmp_path):
     res = train_run(fp8lab.get_recipe("te-delayed"), _with(nan_step=17), corpus, tmp_path, guard=g)
     (ev,) = res.summary["guard_events"]
     assert ev["skip_batch"] and ev["batch"] == 17
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert state["loop"]["step"] == 40 and state["loop"]["cursor"] == 41
     assert state["loop"]["skip_batches"] == [17] and state["loop"]["injected"] == ["nan@17"]
 

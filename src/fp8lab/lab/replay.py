@@ -43,7 +43,7 @@ __all__ = ["replay_step"]
 
 
 def _load(path: Path) -> dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
         raise ValueError(f"{path}: not an fp8lab run checkpoint")
     return state
@@ -97,7 +97,7 @@ def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
         raise ValueError(f"{run}: cannot replay here: {why}")
     start = None
     for p in paths:
-        done = int(torch.load(p, map_location="cpu", weights_only=False)["loop"]["step"])
+        done = int(torch.load(p, map_location="cpu", weights_only=True)["loop"]["step"])
         if done <= step and (start is None or done > start[1]):
             start = (p, done)
     tc = cfg.train

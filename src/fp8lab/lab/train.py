@@ -798,7 +798,7 @@ def _load_checkpoint(
     path: Path, ckpt_cfg, model, opt, scaler, name: str = "", prepare=None
 ) -> LoopState:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
             raise ValueError("not an fp8lab run checkpoint")
     except Exception as exc:  # zip errors, EOFError, UnpicklingError, ...
