@@ -8,7 +8,7 @@ model's converted layers, so it also works with other sizes (``--set model.n_lay
 - ``outlier-channels``: a few input channels of one layer (the last SwiGLU down projection,
   where Fishman et al. 2024 find outliers) carry activations ``outlier_scale`` times larger,
   under te-delayed (per-tensor delayed scaling): one scale for the whole tensor is set by the
-  outliers (x1e4) and most other values fall below E4M3's smallest subnormal. Expect: that layer, role ``input``.
+  outliers (x1e5) and most other values fall below E4M3's smallest subnormal. Expect: that layer, role ``input``.
 - ``unscaled-gradient``: one layer's gradient operand (the last attention output projection)
   cast to E4M3 with a fixed scale of 1 (no scaling), via a per-layer recipe rule on te-delayed:
   gradients below E4M3's smallest subnormal (2^-9) flush to zero in that layer. Expect: that layer, role ``grad_output``.
@@ -53,7 +53,7 @@ def _outliers(cfg: LabConfig, layers: Sequence[str]):
     target = _pick(layers, "mlp.down")
     inject = cfg.inject
     if inject.outlier_channels == 0:  # the user may have set their own
-        inject = replace(inject, outlier_channels=4, outlier_scale=1e4)
+        inject = replace(inject, outlier_channels=4, outlier_scale=1e5)
     inject = replace(inject, outlier_layers=target)
     recipe = get_recipe("te-delayed")
     return recipe, replace(cfg, inject=inject), {"role": "input", "layers": [target]}
@@ -94,7 +94,7 @@ def _spike(cfg: LabConfig, layers: Sequence[str]):
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("outlier-channels", "4 input channels of the last mlp.down x1e4 under "
+        Scenario("outlier-channels", "4 input channels of the last mlp.down x1e5 under "
                  "te-delayed (per-tensor delayed scaling)", _outliers,
                  {"steps": 300, "eval_every": 25}),
         Scenario("unscaled-gradient", "the last attn.proj gradient operand in E4M3 with a "

@@ -1,0 +1,121 @@
+"""``fp8lab debug`` through the command line: bad input is exit code 2 with a clear message,
+--list-scenarios, --help, and the exact --json schema."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp8lab.cli import app
+
+runner = CliRunner()
+
+TINY = """[model]
+block_size = 16
+n_layer = 1
+n_head = 2
+d_model = 32
+d_ff = 64
+[data]
+paths = [{paths}]
+split_chunk = 256
+[train]
+steps = 8
+batch_size = 4
+warmup_steps = 2
+eval_every = 4
+eval_batches = 1
+stats_every = 0
+checkpoint_every = 100
+"""
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    text = tmp_path / "text.txt"
+    text.write_text("All the world's a stage, and all the men and women merely players. " * 40)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY.format(paths=json.dumps(str(text))))
+    return cfg
+
+
+def _bad(args: list[str], *words: str) -> None:
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    for w in words:
+        assert w in r.output, r.output
+
+
+def test_bad_input_exits_2_before_training(tmp_path, config):
+    out = tmp_path / "out"
+    base = ["debug", "--config", str(config), "--out", str(out)]
+    _bad([*base, "--recipe", "no-such-recipe"], "unknown recipe 'no-such-recipe'")
+    _bad([*base, "--recipe", "bf16"], "same numerics")  # the baseline is bf16
+    _bad([*base, "--recipe", "te-current", "--baseline", "te-current"], "same numerics")
+    _bad([*base, "--recipe", "te-current", "--baseline", "nope"], "unknown recipe 'nope'")
+    _bad([*base, "--recipe", "te-current", "--layers", "blocks.*.nothing"],
+         "--layers 'blocks.*.nothing' matches no converted layer")  # fmt: skip
+    _bad([*base, "--recipe", "te-current", "--layers", " , "], "--layers")
+    _bad([*base, "--scenario", "no-such"], "unknown scenario 'no-such'", "outlier-channels")
+    _bad([*base], "exactly one of --recipe and --scenario")
+    _bad([*base, "--recipe", "te-current", "--scenario", "gradient-spike"], "exactly one")
+    _bad([*base, "--recipe", str(tmp_path / "missing.toml")], "no such recipe file")
+    _bad([*base, "--recipe", "te-current", "--set", "train.lr=abc"], "train")
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_out_dir_not_ours_is_refused(tmp_path, config):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    _bad(["debug", "--config", str(config), "--out", str(out), "--recipe", "te-current"],
+         "not made by fp8lab debug")  # fmt: skip
+    assert (out / "precious.txt").read_text() == "keep"
+
+
+def test_list_scenarios_and_help():
+    r = runner.invoke(app, ["debug", "--list-scenarios"])
+    assert r.exit_code == 0
+    for name in ("outlier-channels", "unscaled-gradient", "gradient-spike"):
+        assert name in r.output
+    r = runner.invoke(app, ["debug", "--help"])
+    assert r.exit_code == 0 and "--scenario" in r.output and "--json" in r.output
+
+
+def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
+    """fp32 against bf16 differs by rounding only: the gap is the noise itself, "no FP8
+    problem found" (the full pipeline's output is checked by the scenario tests)."""
+    out = tmp_path / "out"
+    args = ["debug", "--config", str(config), "--out", str(out), "--recipe", "fp32", "--json",
+            "--quiet", "--threads", "1"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
+                       "recovers", "culprit", "attribution", "remedies", "fix", "probes"]  # fmt: skip
+    assert d["schema_version"] == 1 and d["recipe"] == "fp32"
+    assert d["culprit"] is None and d["fix"] is None and d["recovers"] is True
+    assert abs(d["gap_pct"]) <= 2 * d["noise_pct"]
+    assert d["baseline"] == "bf16" and isinstance(d["recovers"], bool)
+    assert {p["name"] for p in d["probes"]} >= {"baseline", "recipe", "noise-fp32"}
+    for a in d["attribution"]:
+        assert list(a) == ["layer", "gemm", "role", "score"]
+    for rem in d["remedies"]:
+        assert list(rem) == ["name", "gap_pct", "relative_cost"]
+    if d["culprit"] is not None:
+        assert list(d["culprit"]) == ["role", "gemm", "layers"]
+        assert d["culprit"]["role"] in ("input", "weight", "grad_output")
+        assert d["culprit"]["gemm"] in ("fprop", "dgrad", "wgrad")
+    if d["fix"] is not None:
+        tomllib.loads(Path(d["fix"]).read_text())
+    assert (out / "report.html").exists() and (out / "report.md").exists()
+    assert "no FP8 problem found" in (out / "report.md").read_text()
+    # rerunning the same command resumes: every probe is read back
+    r2 = runner.invoke(app, args)
+    assert r2.exit_code == 0
+    assert json.loads(r2.stdout.strip().splitlines()[-1]) == d

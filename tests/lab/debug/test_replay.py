@@ -1,0 +1,97 @@
+"""The attribution replay is bit-identical to the training step it replays."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fp8lab.lab.data import DataConfig, load_corpus
+from fp8lab.lab.debug.attribution import StepReplay, pool_scores, screen_snapshot
+from fp8lab.lab.debug.runner import ProbeSpec, load_state, run_probe, snapshot_path
+from fp8lab.lab.debug.variants import with_cells_hp
+from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.train import LabConfig, TrainConfig, read_metrics
+from fp8lab.recipe import get_recipe
+
+TINY = LabConfig(
+    model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32, d_ff=64),
+    train=TrainConfig(steps=8, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4,
+                      eval_batches=1, stats_every=0, checkpoint_every=100),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "t.txt"
+    f.write_text("All the world's a stage, and all the men and women merely players. " * 40)
+    return str(f)
+
+
+def _cfg(text, **inject):
+    cfg = replace(TINY, data=DataConfig(paths=(text,), split_chunk=256))
+    return replace(cfg, inject=replace(cfg.inject, **inject)) if inject else cfg
+
+
+@pytest.mark.parametrize(
+    ("recipe", "inject"),
+    [("te-delayed", {"grad_spike_step": 3, "grad_spike_scale": 1024.0}),
+     ("fp16-amp", {}),  # dynamic loss scaling
+     ("mxfp8", {"outlier_channels": 2, "outlier_layers": "blocks.0.mlp.down"})],
+)  # fmt: skip
+def test_replay_reproduces_the_recorded_step_bit_for_bit(tmp_path, text, recipe, inject):
+    cfg = _cfg(text, **inject)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    rec = get_recipe(recipe)
+    spec = ProbeSpec("r", rec.to_dict(), snapshots=(3, 4))
+    run_probe(spec, cfg.to_dict(), str(tmp_path / "r"))
+    recs = {r["step"]: r for r in read_metrics(tmp_path / "r")}
+    state = load_state(snapshot_path(tmp_path / "r", 3))
+    replay = StepReplay(rec, cfg, corpus, state)
+    assert replay.step == 3
+    loss, g = replay.gradient()
+    # the metrics hold float(loss) exactly (JSON round-trips a double)
+    assert loss == recs[4]["train_loss"]
+    full = replay.full_step()
+    assert full["loss"] == recs[4]["train_loss"]
+    assert full["grad_norm"] == recs[4]["grad_norm"]
+    after = load_state(snapshot_path(tmp_path / "r", 4))["model"]
+    assert full["model"].keys() == after.keys()
+    assert all(torch.equal(full["model"][k], after[k]) for k in after)
+    if rec.fprop.high_precision:  # every GEMM already in high precision: no cell to switch
+        return
+    # a counterfactual replay leaves the next plain replay untouched (state reloaded)
+    layer = "blocks.0.mlp.down"
+    switched = {layer: with_cells_hp(rec.for_layer(layer), [("fprop", "input")], "bf16")}
+    _, g_c = replay.gradient(switched)
+    assert not torch.equal(g_c, g)
+    _, g_again = replay.gradient()
+    assert torch.equal(g_again, g)
+
+
+def test_screening_scores_a_cell_that_explains_everything(tmp_path, text):
+    """A recipe that differs from the baseline in one cell only: switching that cell removes
+    the whole gradient error (score 1), every other cell next to nothing."""
+    cfg = _cfg(text)
+    layer = "blocks.0.mlp.up"
+    base = get_recipe("bf16")
+    # bf16 everywhere except one layer's dgrad grad_output in unscaled E4M3
+    from fp8lab.qtensor import QuantSpec
+    from fp8lab.recipe import LayerRule
+
+    hp = {
+        "fprop": {"high_precision_roles": {"input": "bf16", "weight": "bf16"}},
+        "dgrad": {"high_precision_roles": {"weight": "bf16"}},
+        "wgrad": {"high_precision_roles": {"grad_output": "bf16", "input": "bf16"}},
+    }
+    rule = LayerRule(match=layer, base="te-current", changes={
+        **hp, "grad_output": QuantSpec(format="e4m3", scaling=1.0).to_dict()})  # fmt: skip
+    rec = base.with_layers(rule).replace(name="one-cell")
+    run_probe(ProbeSpec("r", rec.to_dict(), snapshots=(4,)), cfg.to_dict(), str(tmp_path / "r"))
+    s = screen_snapshot(rec.to_dict(), base.to_dict(), cfg.to_dict(),
+                        str(snapshot_path(tmp_path / "r", 4)), [layer], "bf16")  # fmt: skip
+    assert s["err_r"] > 0
+    rows = pool_scores([s])
+    assert (rows[0]["layer"], rows[0]["gemm"], rows[0]["role"]) == (layer, "dgrad", "grad_output")
+    assert rows[0]["score"] == pytest.approx(1.0)
+    json.dumps(rows)  # plain data
