@@ -2,7 +2,8 @@
 
 One run: ``python benchmarks/bench_guard.py [--recipe te-delayed] [--steps 100] [--threads 1]``.
 Two copies of the lab's default GPT (same initial weights) train side by side in one process,
-step by step in alternation (so a change of machine load hits both alike): one unguarded, one
+step by step in alternation, ABBA order (so a change of machine load, and whichever copy runs
+second, hits both alike): one unguarded, one
 under ``AnomalyGuard(policy="rollback")`` with its defaults (per-step checks, per-operand
 percentages every 10 steps, an in-memory snapshot every 50 steps). Each step's wall time covers
 everything the loop does for it (the guard's check, its bookkeeping after the step, snapshots).
@@ -61,7 +62,9 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in runs}
     losses: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.steps + 1):
-        for name, (model, opt, scaler, inj, params, st, grun) in runs.items():
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]  # ABBA: no position bias
+        for name in order:
+            model, opt, scaler, inj, params, st, grun = runs[name]
             t0 = time.perf_counter()
             rec, _ = _train_step(model, opt, scaler, inj, params, corpus, cfg, recipe, st, tokens,
                                  None, grun)  # fmt: skip
