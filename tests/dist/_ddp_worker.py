@@ -183,6 +183,9 @@ def fully_shard_gather(rank: int, world: int) -> dict[str, object]:
             )  # fmt: skip
             result[f"fs:{preset}:{name}"] = torch.tensor(same[-1])
         result[f"fs:{preset}:count"] = torch.tensor(len(same))
+        for m in model.modules():  # FSDP frees the all-gather outputs (storage resized to 0):
+            if isinstance(m, FSDPModule):  # the hooks must leave them resizable
+                m.reshard()
     return result
 
 

@@ -266,8 +266,10 @@ class ShardedWeight(torch.Tensor):
             dense = outputs[0][:full_rows]
             q = None
         else:
-            values = decode(outputs[0][:full_rows], get_format(local.format))
-            scales = metadata[3] if metadata[3] is not None else outputs[1]
+            # decode a copy: its kernel reads through .numpy(), which would make the storage of
+            # FSDP's all-gather output non-resizable (FSDP frees it by resizing to 0)
+            values = decode(outputs[0][:full_rows].clone(), get_format(local.format))
+            scales = metadata[3] if metadata[3] is not None else outputs[1].clone()
             q = QTensor(values=values, scales=scales, spec=local)
             dense = q.dequantize()
         module._fp8lab_gathered = None if q is None else (self.spec, q)
