@@ -178,3 +178,25 @@ def test_demo_recipes_guarded_are_bit_identical(corpus, name):
     guarded = train_run(resolve_recipe(name), cfg, corpus, guard=g)
     assert guarded.summary["guard_events"] == []
     assert _losses(guarded) == _losses(plain) and _same_model(guarded.model, plain.model)
+
+
+def test_report_draws_guard_events_on_the_loss_timeline(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from fp8lab.report.training import plot_loss
+
+    ev = {"action": "rollback", "step": 3, "detector": "headroom", "tensor": "a:grad_output"}
+    recs = [{"step": s, "train_loss": 3.0 - 0.1 * s, "guard_events": [ev] if s == 3 else []}
+            for s in range(1, 8)]  # fmt: skip
+    texts, lines = [], []
+    annotate, axvline = matplotlib.axes.Axes.annotate, matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "annotate",
+        lambda ax, t, *a, **k: texts.append(t) or annotate(ax, t, *a, **k),
+    )
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda ax, x, *a, **k: lines.append(x) or axvline(ax, x, *a, **k))  # fmt: skip
+    fig = plot_loss({"te-delayed": recs}, "te-delayed", set(), tmp_path / "loss.png")
+    assert fig.stat().st_size > 0
+    assert texts == ["rollback (headroom)"] and lines == [4]  # drawn at its record step
