@@ -5,7 +5,7 @@ FP8LAB  := .venv/bin/fp8lab
 # demo-long has no time budget: it adds te-current to the default recipes
 LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e4m3-unscaled-grads
 
-.PHONY: demo demo-long test lint format bench clean
+.PHONY: demo demo-long demo-debug test lint format bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -21,6 +21,12 @@ demo: $(STAMP)
 demo-long: $(STAMP)
 	$(FP8LAB) compare --jobs 2 --threads 1 --steps 1000 --recipes $(LONG_RECIPES) --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
 	$(PY) scripts/check_report.py runs/demo-long/report.html
+
+# fp8lab debug on a planted fault (outlier channels in one layer under te-delayed): the verdict
+# names the layer and role, runs/demo-debug/fix.toml is the tested fix
+demo-debug: $(STAMP)
+	$(FP8LAB) debug --scenario outlier-channels --jobs 2 --threads 1 --out runs/demo-debug
+	$(PY) scripts/check_report.py runs/demo-debug/report.html
 
 test: $(STAMP)
 	$(PY) -m pytest

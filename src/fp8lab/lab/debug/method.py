@@ -36,7 +36,7 @@ import torch
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.debug import attribution, remedies, search, variants
 from fp8lab.lab.debug.result import DebugResult, Probe, _rel
-from fp8lab.lab.debug.runner import ProbeSpec, run_probe, run_tasks, snapshot_path
+from fp8lab.lab.debug.runner import ProbeSpec, TaskPool, run_probe, snapshot_path
 from fp8lab.lab.debug.verdict import decide
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 
@@ -95,6 +95,7 @@ class _Ctx:
     gap_ref: float | None = None
     noise: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    pool: Any = None  # the TaskPool running probes
 
     # ------------------------------------------------------------------ probes
     def run(self, specs: Sequence[ProbeSpec], extra: Sequence[tuple] = ()) -> list[Any]:
@@ -109,7 +110,7 @@ class _Ctx:
             for s in todo
         ]
         tasks += list(extra)
-        results = run_tasks(tasks, self.jobs, self.threads, self.emit)
+        results = self.pool.run(tasks, self.emit)
         for s in todo:
             p = self._record(s)
             if self.base_final is not None:
@@ -208,6 +209,15 @@ def run_debug(
                variants.layer_dims(model, all_layers), variants.hp_precision(base), close)  # fmt: skip
     del model
     steps = cfg.train.steps
+    with TaskPool(jobs, threads) as pool:
+        ctx.pool = pool
+        return _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit,
+                       t_start, scenario, chosen, all_layers, jobs)  # fmt: skip
+
+
+def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t_start,
+            scenario, chosen, all_layers, jobs):  # fmt: skip
+    """Stages 1-7 of :func:`run_debug` (probes run in ``ctx.pool``)."""
 
     # 1. gap and noise -------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -278,7 +288,7 @@ def run_debug(
         screens = ctx.run(rec_specs, screen_tasks)
         ctx.timings["screen_s"] = None  # overlapped with the probes
     else:
-        screens = run_tasks(screen_tasks, 1, threads, emit)
+        screens = ctx.pool.run(screen_tasks, emit)
         ctx.timings["screen_s"] = time.perf_counter() - t_screen
         ctx.run(rec_specs)
     scores = attribution.pool_scores(screens)

@@ -185,51 +185,83 @@ def _init_worker(threads: int) -> None:
     set_threads(threads)
 
 
+class TaskPool:
+    """Runs module-level functions ``fn(**kwargs, events=queue)``, ``jobs`` at a time in spawned
+    processes kept for the pool's life (one start-up, not one per stage), or here, one after
+    another, for ``jobs`` 1. Use as a context manager."""
+
+    def __init__(self, jobs: int = 1, threads: int = 0) -> None:
+        self.jobs, self.threads = jobs, threads
+        self._pool: Any = None
+        self._manager: Any = None
+        self._events: Any = None
+
+    def __enter__(self) -> TaskPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._manager is not None:
+            self._manager.shutdown()
+            self._manager = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._manager = ctx.Manager()
+        self._events = self._manager.Queue()
+        self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx,
+                                         initializer=_init_worker, initargs=(self.threads,))  # fmt: skip
+
+    def run(
+        self,
+        tasks: Sequence[tuple[Callable[..., Any], dict[str, Any]]],
+        callback: Callback | None = None,
+    ) -> list[Any]:
+        """Results in task order; events go to ``callback``; the first error is raised."""
+        emit = callback or (lambda e: None)
+        if self.jobs <= 1 or (len(tasks) <= 1 and self._pool is None):
+            _init_worker(self.threads)
+
+            class _Direct:
+                def put(self, ev: dict[str, Any]) -> None:
+                    emit(ev)
+
+            return [fn(**kw, events=_Direct()) for fn, kw in tasks]
+        if self._pool is None:
+            self._start()
+        events = self._events
+        results: list[Any] = [None] * len(tasks)
+        futures = {self._pool.submit(fn, **kw, events=events): i
+                   for i, (fn, kw) in enumerate(tasks)}  # fmt: skip
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(events, emit)
+                for fut in done:
+                    results[futures[fut]] = fut.result()  # raises the task's error
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        _drain(events, emit)
+        return results
+
+
 def run_tasks(
     tasks: Sequence[tuple[Callable[..., Any], dict[str, Any]]],
     jobs: int = 1,
     threads: int = 0,
     callback: Callback | None = None,
 ) -> list[Any]:
-    """Call ``fn(**kwargs, events=queue)`` for every task, ``jobs`` at a time in spawned
-    processes (``jobs`` 1: here, one after another); return the results in task order.
-    Events a task puts on its queue go to ``callback``. The first error is raised again."""
-    emit = callback or (lambda e: None)
-    if jobs <= 1 or len(tasks) <= 1:
-        _init_worker(threads)
-
-        class _Direct:
-            def put(self, ev: dict[str, Any]) -> None:
-                emit(ev)
-
-        return [fn(**kw, events=_Direct()) for fn, kw in tasks]
-    ctx = mp.get_context("spawn")
-    manager = ctx.Manager()
-    try:
-        events = manager.Queue()
-        results: list[Any] = [None] * len(tasks)
-        with ProcessPoolExecutor(
-            max_workers=min(jobs, len(tasks)),
-            mp_context=ctx,
-            initializer=_init_worker,
-            initargs=(threads,),
-        ) as pool:
-            futures = {pool.submit(fn, **kw, events=events): i for i, (fn, kw) in enumerate(tasks)}
-            pending = set(futures)
-            try:
-                while pending:
-                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                    _drain(events, emit)
-                    for fut in done:
-                        results[futures[fut]] = fut.result()  # raises the task's error
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
-            _drain(events, emit)
-        return results
-    finally:
-        manager.shutdown()
+    """:class:`TaskPool` for one batch of tasks."""
+    with TaskPool(jobs, threads) as pool:
+        return pool.run(tasks, callback)
 
 
 def _drain(events: Any, emit: Callback) -> None:
