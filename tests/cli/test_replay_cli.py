@@ -42,8 +42,9 @@ def guarded(tmp_path_factory) -> Path:
     r = runner.invoke(app, ["compare", "--config", str(d / "cfg.toml"), "--recipes",
                             "te-delayed", "--baseline", "te-delayed", "--out", str(out),
                             "--guard", "rollback", "--guard-config", str(d / "guard.toml"),
-                            "--inject-nan-step", "6", "--json", "--quiet"])  # fmt: skip
+                            "--inject-nan-step", "6", "--json"])  # fmt: skip
     assert r.exit_code == 0, r.output
+    assert "te-delayed: guard rollback at step 6 (nonfinite loss) -> back to step 4" in r.stderr
     summary = json.loads(r.stdout)
     (ev,) = summary["recipes"]["te-delayed"]["guard_events"]
     assert ev["action"] == "rollback" and ev["step"] == 6 and ev["to_step"] == 4

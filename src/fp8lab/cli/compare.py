@@ -102,6 +102,10 @@ def _line_progress(every_frac: int = 10):
         name = ev["recipe"]
         if ev["event"] == "start":
             typer.echo(f"{name}: start at step {ev['step']}/{ev['steps']}", err=True)
+        elif ev["event"] == "guard":  # an anomaly guard action (fp8lab.guard)
+            back = f" -> back to step {ev['to_step']}" if "to_step" in ev else ""
+            typer.echo(f"{name}: guard {ev['action']} at step {ev['step']} ({ev['detector']} "
+                       f"{ev['tensor'] or ''}){back}", err=True)  # fmt: skip
         elif ev["event"] == "step":
             every = max(1, ev["steps"] // every_frac)
             if ev["step"] % every == 0 or ev["step"] == ev["steps"]:
