@@ -142,7 +142,10 @@ def _work(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
     return out
 
 
-def run_all(jobs: list[dict[str, Any]], out: Path, n_jobs: int, log) -> list[dict[str, Any]]:
+def run_all(
+    jobs: list[dict[str, Any]], out: Path, n_jobs: int, log, train: bool = True
+) -> list[dict[str, Any]]:
+    """Cached results of ``jobs``, training the missing ones (``train``) or leaving them out."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     done, todo = [], []
     for j in jobs:
@@ -150,7 +153,9 @@ def run_all(jobs: list[dict[str, Any]], out: Path, n_jobs: int, log) -> list[dic
         c = _cached(p, j)
         (done if c else todo).append(c if c else (j, str(p)))
     log(f"{len(done)} runs cached, {len(todo)} to train ({n_jobs} processes)")
-    if todo:
+    if todo and not train:
+        log("--analyze-only: left out " + ", ".join(j["name"] for j, _ in todo))
+    elif todo:
         with mp.get_context("spawn").Pool(n_jobs, maxtasksperchild=1) as pool:
             for r in pool.imap_unordered(_work, todo):
                 log(f"  {r['job']['name']}: {len(r['records'])} steps, {r['seconds']:.0f} s")
@@ -255,7 +260,8 @@ def format_table(an: dict[str, Any]) -> str:
         cells = [_cell(row["spike"]["delay"]), _cell(row["outliers"]["delay"])]
         for m in LR_MULTS:
             leads = row[f"lr x{m}"]["lead"]
-            no_div = all(v is None for v in d[f"lr x{m}"])
+            divs = d[f"lr x{m}"]
+            no_div = divs and all(v is None for v in divs)
             cells.append("(no divergence)" if no_div else _cell(leads))
         for key in ("healthy", "negative_control"):
             v = row[key]["per_1000"]
@@ -379,13 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="runs/early-warning")
     p.add_argument("--figure", default=None, help="PNG path (default OUT/early_warning.png)")
+    p.add_argument("--analyze-only", action="store_true", help="use the cached runs only")
     a = p.parse_args(argv)
     if a.steps < 60 or a.seeds < 1 or a.jobs < 1:
         p.error("--steps must be >= 60, --seeds and --jobs >= 1")
     out = Path(a.out)
     seeds = [1337 + i for i in range(a.seeds)]
     t0 = time.time()
-    results = run_all(jobs_for(a.steps, seeds), out, a.jobs, lambda m: print(m, flush=True))
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    results = run_all(jobs_for(a.steps, seeds), out, a.jobs, log, train=not a.analyze_only)
     an = analyze(results)
     table = format_table(an)
     print(table)
