@@ -12,6 +12,9 @@ plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
   records of ``fp8lab.watch`` (``fp8lab.observe.sample``, docs/observe.md), with ``step`` the
   number of steps done.
 - ``checkpoint.pt``: model (incl. scaling state), optimizer, loss scaler, RNG and loop state.
+- with an anomaly guard (``guard=``, `fp8lab.lab.guard_run`, docs/guard.md): ``guard_events`` in
+  every metrics record and the summary, and ``checkpoints/step-NNNNNN.pt``, the last ``keep``
+  checkpoints (for ``fp8lab replay``).
 
 Guarantees: the initial weights depend on ``train.seed`` only (the model is built and
 initialised before the recipe converts it), batch ``i`` is the same for every recipe, and
