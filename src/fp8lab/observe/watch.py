@@ -58,8 +58,9 @@ def sample(model: torch.nn.Module, step: int = 0) -> Iterator[list[dict[str, Any
     """Record one step's operand statistics: ``with sample(model, step) as rows:`` run the
     forward and backward; ``rows`` holds one dict per operand (`fp8lab.observe.FIELDS`).
 
-    What a training loop with its own writer calls on the steps it samples; `watch` records
-    with the same per-step sampler, kept registered across calls instead of one ``with``."""
+    What a training loop with its own writer calls on the steps it samples (the lab's
+    ``stats.jsonl``); `watch` records with the same per-step sampler, kept registered across
+    calls instead of one ``with``."""
     rows: list[dict[str, Any]] = []
     cb = _Sampler(OperandStats(model), int(step), rows)
     COLLECTORS.active.append(cb)
