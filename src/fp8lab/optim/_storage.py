@@ -46,6 +46,12 @@ def round_to(x: torch.Tensor, fmt: str) -> torch.Tensor:
     fmt = canonical_storage(fmt)
     if fmt == "fp32":
         return x.clone()
+    if hasattr(x, "to_local") and hasattr(x, "placements"):  # a DTensor (FSDP2): elementwise
+        from torch.distributed.tensor import DTensor
+
+        local = round_to(x.to_local(), fmt)
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())  # fmt: skip
     return cast(x, fmt, rounding="nearest_even", saturate=True)
 
 
