@@ -63,6 +63,13 @@ class OperandStats:
                         m.name = n
                     self.modules[m.name] = m
         self.plans: dict[str, Any] = {}
+        # this step's measured (QTensor, source) pairs: a backward GEMM reusing the forward's
+        # QTensor as is hands over the same two objects, measured once (held until new_step,
+        # so an id is not reused by another tensor meanwhile)
+        self.seen: dict[tuple[int, int], tuple[QTensor, torch.Tensor, dict[str, Any]]] = {}
+
+    def new_step(self) -> None:
+        self.seen.clear()
 
     def plan(self, layer: str, gemm: str, role: str) -> OperandPlan | None:
         m = self.modules.get(layer)
@@ -98,7 +105,15 @@ class OperandStats:
             spec = q.spec
         else:
             spec = op.spec
-        return operand_row(hp32, used, spec.fmt.name, spec.describe(), q)
+        if q is None:
+            return operand_row(hp32, used, spec.fmt.name, spec.describe(), q)
+        key = (id(q), id(hp))
+        hit = self.seen.get(key)
+        if hit is not None and hit[0] is q and hit[1] is hp:
+            return {**hit[2], "spec": spec.describe()}  # the GEMM's own orientation
+        r = operand_row(hp32, used, spec.fmt.name, spec.describe(), q)
+        self.seen[key] = (q, hp, r)
+        return r
 
 
 def operand_row(

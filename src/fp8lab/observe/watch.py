@@ -38,6 +38,7 @@ class _Sampler:
     def __init__(self, stats: OperandStats, step: int, rows: list[dict[str, Any]]) -> None:
         self.stats, self.step, self.rows = stats, step, rows
         self.calls: dict[tuple[str, str, str], int] = {}
+        stats.new_step()
 
     def __call__(self, layer: str, gemm: str, role: str, hp: torch.Tensor, used: Any) -> None:
         if self.stats.modules and layer not in self.stats.modules:
@@ -162,6 +163,7 @@ class Watch:
         if self._cb is not None:
             COLLECTORS.active.remove(self._cb)
             self._cb = None
+            self._stats.new_step()  # drop the step's operands now, not at the next sampled step
         if on:
             self._cb = _Sampler(self._stats, self.step_index, self._rows)
             COLLECTORS.active.append(self._cb)
