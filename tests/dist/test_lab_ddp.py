@@ -76,6 +76,8 @@ def test_fsdp_fp8_allgather_checkpoint_resumes_on_two_and_one_rank(base: Path) -
     want = _final(full.stdout)
     metrics = [json.loads(x) for x in (base / "f_full" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["sharding"] == "fsdp-fp8" and metrics[0]["ranks"] == 2
+    # 1-byte codes for the Linear weights: less than the fp32 reduce-scatter of all gradients
+    assert 0 < metrics[0]["allgather_bytes"] < metrics[0]["grad_comm_bytes"]
     killed = _run(base / "f_killed", 2, "6", "4", "fsdp8")
     assert killed.returncode != 0
     shutil.copytree(base / "f_killed", base / "f_one")  # the step-3 checkpoint

@@ -74,6 +74,7 @@ class DataParallel:
 
             from fp8lab.dist.fsdp import shard_model
 
+            self.gather_bytes = _allgather_bytes(model, self.world, fp8_allgather)
             self.ddp = shard_model(model, fp8_allgather)
             for m in model.modules():
                 if isinstance(m, FSDPModule):
@@ -144,17 +145,26 @@ class DataParallel:
         """This step's fields for the metrics (call once per step, on every rank: collective
         with ``--amax-group none``): ``ranks``, ``amax_group``, ``grad_comm``, ``sharding``
         (ddp | fsdp | fsdp-fp8), ``grad_numel``, ``grad_comm_bytes`` (what one rank sends for the
-        gradients this step, from the tensor sizes and the wire format); with a simulated
+        gradients this step, from the tensor sizes and the wire format: DDP's ring all-reduce,
+        FSDP's fp32 reduce-scatter), with FSDP ``allgather_bytes`` (what one rank sends to
+        all-gather the weights once: fp32, or 1-byte codes plus float32 scales for the Linear
+        weights with ``--fp8-allgather``); with a simulated
         ``--grad-comm``: ``grad_comm_rel_error`` (relative L2 error of this step's reduced
         gradients against the fp32 all-reduce), ``grad_comm_messages``, ``grad_comm_underflow``
         and ``grad_comm_overflow`` (partial-sum elements rounded onto the wire / lost to zero /
         saturated); with ``--amax-group none``: ``scale_spread_binades`` (the largest per-state
         spread of the scales over the ranks)."""
+        n = self.world
+        grad_bytes = (  # FSDP: a fp32 reduce-scatter, (N-1)/N of the gradient per rank
+            (n - 1) / n * 4 * self.grad_numel if self.fsdp else self.comm_bytes()[self.grad_comm]
+        )
         out: dict[str, Any] = {
             "ranks": self.world, "amax_group": self.amax_group, "grad_comm": self.grad_comm,
             "sharding": self.sharding, "grad_numel": self.grad_numel,
-            "grad_comm_bytes": self.comm_bytes()[self.grad_comm],
+            "grad_comm_bytes": grad_bytes,
         }  # fmt: skip
+        if self.fsdp:  # the weights' all-gather, forward (the backward's re-gather not counted)
+            out["allgather_bytes"] = self.gather_bytes
         c = self.comm
         if c is not None:  # this step's counters, then start the next step's afresh
             out.update(grad_comm_rel_error=c.rel_error(), grad_comm_messages=c.messages,
@@ -170,6 +180,34 @@ class DataParallel:
         return out
 
 
+def _allgather_bytes(model: torch.nn.Module, world: int, fp8: bool) -> float:
+    """Bytes one rank sends to all-gather every parameter once (ring: ``(N-1)/N`` of the
+    padded tensor): float32, or with ``fp8`` 1-byte codes plus one float32 per scale block for
+    the weights of `fp8lab.nn.Linear` layers with an 8-bit fprop weight spec."""
+    from fp8lab.nn import Linear as Fp8Linear
+    from fp8lab.scaling.granularity import normalize_granularity, resolve_block, shape_2d
+
+    fp8_weights: dict[int, Any] = {}
+    if fp8:
+        for m in model.modules():
+            spec = m.recipe.spec("fprop", "weight") if isinstance(m, Fp8Linear) else None
+            if spec is not None:
+                fp8_weights[id(m.weight)] = spec
+    total = 0.0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // world) * world if p.dim() else 1  # FSDP pads to equal shards
+        numel = rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1))
+        spec = fp8_weights.get(id(p))
+        if spec is None:
+            total += 4.0 * numel
+            continue
+        r, c = shape_2d(tuple(p.shape))
+        g = normalize_granularity(spec.granularity)
+        bm, bk = (r, c) if g == (-1, -1) else resolve_block(g, (r, c))
+        total += numel + 4.0 * (-(-r // bm)) * (-(-c // bk))
+    return (world - 1) / world * total
+
+
 def _mean(values: list[Any]) -> float | None:
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(vals) / len(vals) if vals else None
@@ -178,7 +216,8 @@ def _mean(values: list[Any]) -> float | None:
 def comm_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A run's distributed fields from its metrics records (`DataParallel.state`), None for a
     single-process run: ``ranks``, ``amax_group``, ``sharding``, ``grad_comm``,
-    ``grad_bytes_per_step`` (mean bytes one rank sent per step at this precision),
+    ``grad_bytes_per_step`` (mean bytes one rank sent per step at this precision; FSDP: the
+    fp32 reduce-scatter), ``allgather_bytes_per_step`` (FSDP's weight all-gather; None for DDP),
     ``grad_bytes_per_step_by_precision`` (every precision, counted from the gradient's element
     count, the ranks and the wire formats: `fp8lab.dist.comm.bytes_per_rank`, 25 MiB buckets),
     ``grad_comm_rel_error`` (mean over steps; 0 for fp32), ``grad_comm_underflow_pct`` and
@@ -198,6 +237,7 @@ def comm_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "ranks": world, "amax_group": last["amax_group"],
         "sharding": last.get("sharding", "ddp"), "grad_comm": last["grad_comm"],
         "grad_bytes_per_step": _mean([r["grad_comm_bytes"] for r in recs]),
+        "allgather_bytes_per_step": _mean([r.get("allgather_bytes") for r in recs]),
         "grad_bytes_per_step_by_precision": {
             p: bytes_per_rank(n, world, p, 25 * 1024 * 1024 // 4) for p in GRAD_COMMS
         },

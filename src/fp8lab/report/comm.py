@@ -17,6 +17,7 @@ __all__ = ["comm_html", "comm_markdown", "comm_rows"]
 COLUMNS = (
     ("recipe", "recipe"), ("ranks", "ranks"), ("amax_group", "amax group"),
     ("sharding", "sharding"), ("grad_comm", "grad comm"), ("bytes", "MiB/step/rank"),
+    ("gather", "weight all-gather MiB/step/rank"),
     ("bytes_fp32", "fp32"), ("bytes_bf16", "bf16"), ("bytes_fp8", "fp8"),
     ("bytes_fp8-msamp", "fp8-msamp"), ("rel_error", "rel. error vs fp32"),
     ("underflow", "underflow %"), ("overflow", "overflow %"), ("spread", "scale spread (binades)"),
@@ -40,6 +41,8 @@ def comm_rows(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[s
         row = {"recipe": name, "ranks": str(c["ranks"]), "amax_group": c["amax_group"],
                "sharding": c["sharding"], "grad_comm": c["grad_comm"],
                "bytes": f"{c['grad_bytes_per_step'] / 2**20:.3f}"}  # fmt: skip
+        ag = c["allgather_bytes_per_step"]
+        row["gather"] = "-" if ag is None else f"{ag / 2**20:.3f}"
         for p, b in c["grad_bytes_per_step_by_precision"].items():
             row[f"bytes_{p}"] = f"{b / 2**20:.3f}"
         err = c["grad_comm_rel_error"]
@@ -55,10 +58,11 @@ def comm_rows(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[s
 
 _NOTE = (
     "Gradient bytes one rank sends per step (ring all-reduce: 2(N-1)/N of the gradient in the "
-    "wire format, plus fp8 scales / the MS-AMP amax), for this run's precision and for each "
-    "precision; with a simulated --grad-comm the error is against the fp32 all-reduce of the "
-    "same gradients and underflow/overflow count partial-sum elements lost to zero / saturated "
-    "on the wire (docs/distributed.md)."
+    "wire format, plus fp8 scales / the MS-AMP amax; FSDP: the fp32 reduce-scatter, and the "
+    "weights' all-gather apart), for this run's precision and for each DDP precision; with a "
+    "simulated --grad-comm the error is against the fp32 all-reduce of the same gradients and "
+    "underflow/overflow count partial-sum elements lost to zero / saturated on the wire "
+    "(docs/distributed.md)."
 )
 
 
