@@ -46,6 +46,7 @@ SCHEMA_KEYS = {
     "diverged",
     "predicted_step_ms",
     "distributed",  # null on one process (fp8lab.dist.ddp.comm_summary)
+    "guard_events",  # [] without an anomaly guard (fp8lab.guard)
 }
 
 
