@@ -22,10 +22,10 @@ demo-long: $(STAMP)
 	$(FP8LAB) compare --jobs 2 --threads 1 --steps 1000 --recipes $(LONG_RECIPES) --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
 	$(PY) scripts/check_report.py runs/demo-long/report.html
 
-# fp8lab debug on a planted fault (outlier channels in one layer under te-delayed): the verdict
-# names the layer and role, runs/demo-debug/fix.toml is the tested fix
+# fp8lab debug on a planted fault (a gradient spike poisons te-delayed's gradient scales): the verdict
+# names role grad_output and the layers, runs/demo-debug/fix.toml is the tested fix
 demo-debug: $(STAMP)
-	$(FP8LAB) debug --scenario outlier-channels --jobs 2 --threads 1 --out runs/demo-debug
+	$(FP8LAB) debug --scenario gradient-spike --jobs 2 --threads 1 --out runs/demo-debug
 	$(PY) scripts/check_report.py runs/demo-debug/report.html
 
 test: $(STAMP)

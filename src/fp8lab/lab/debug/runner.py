@@ -199,12 +199,17 @@ class TaskPool:
     def __enter__(self) -> TaskPool:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(terminate=exc_type is not None)
 
-    def close(self) -> None:
+    def close(self, terminate: bool = False) -> None:
+        """Shut the workers down; ``terminate``: stop running probes now (an error or an
+        interrupt; their checkpoints stay, a rerun resumes them)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if terminate:
+                for p in list(getattr(self._pool, "_processes", {}).values()):
+                    p.terminate()
+            self._pool.shutdown(wait=not terminate, cancel_futures=True)
             self._pool = None
         if self._manager is not None:
             self._manager.shutdown()

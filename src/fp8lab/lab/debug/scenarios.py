@@ -96,12 +96,12 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario("outlier-channels", "4 input channels of the last mlp.down x1e5 under "
                  "te-delayed (per-tensor delayed scaling)", _outliers,
-                 {"steps": 300, "eval_every": 25}),
+                 {"steps": 200, "eval_every": 20}),
         Scenario("unscaled-gradient", "the last attn.proj gradient operand in E4M3 with a "
                  "fixed scale of 1 (a per-layer recipe rule on te-delayed)", _unscaled,
-                 {"steps": 300, "eval_every": 25}),
+                 {"steps": 200, "eval_every": 20}),
         Scenario("gradient-spike", "a one-step x2^40 gradient spike poisons te-delayed's "
-                 "gradient amax histories", _spike, {"steps": 300, "eval_every": 25}),
+                 "gradient amax histories", _spike, {"steps": 200, "eval_every": 20}),
     )
 }  # fmt: skip
 
