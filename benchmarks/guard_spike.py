@@ -6,6 +6,10 @@ unspiked, unspiked + guard (bit-identical?), spiked without guard (the failure),
 underflow % before the spike and the worst after the restart, final validation losses.
 
     .venv/bin/python benchmarks/guard_spike.py [--steps 400] [--spike 200] [--out runs/guard-spike]
+
+``--nan-step T`` instead: the loss of step T becomes NaN once (``--inject-nan-step``); prints the
+guarded run's events, whether every record and the final weights equal the unspiked run's, and
+the unguarded run's skipped steps and final validation loss.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ def main() -> None:
     ap.add_argument("--spike", type=int, default=200)
     ap.add_argument("--recipe", default="te-delayed")
     ap.add_argument("--out", type=Path, default=Path("runs/guard-spike"))
+    ap.add_argument("--nan-step", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.nan_step is not None:
+        return nan_main(args)
     import fp8lab
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab.data import load_corpus
@@ -77,6 +84,38 @@ def main() -> None:
         "rel_gap_unguarded_pct": 100 * (runs["spiked"].summary["final_val_loss"] - ref) / ref,
     }  # fmt: skip
     (args.out / "result.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+def nan_main(args: argparse.Namespace) -> None:
+    import fp8lab
+    from fp8lab.guard import AnomalyGuard
+    from fp8lab.lab.data import load_corpus
+    from fp8lab.lab.inject import InjectConfig
+    from fp8lab.lab.train import LabConfig, train_run
+
+    base = LabConfig().replace_train(steps=args.steps)
+    nan = LabConfig(model=base.model, data=base.data, train=base.train,
+                    inject=InjectConfig(nan_step=args.nan_step))  # fmt: skip
+    corpus = load_corpus(base.data, base.model.block_size)
+    recipe = fp8lab.get_recipe(args.recipe)
+    clean = train_run(recipe, base, corpus, args.out / "clean")
+    guarded = train_run(recipe, nan, corpus, args.out / "nan_guarded", guard=AnomalyGuard())
+    plain = train_run(recipe, nan, corpus, args.out / "nan")
+    sa, sb = clean.model.state_dict(), guarded.model.state_dict()
+    key = [(r["step"], r["train_loss"], r["grad_norm"]) for r in clean.records]
+    out = {
+        "recipe": args.recipe, "steps": args.steps, "nan_step": args.nan_step,
+        "events": guarded.summary["guard_events"],
+        "records_equal_clean": key == [(r["step"], r["train_loss"], r["grad_norm"])
+                                       for r in guarded.records],
+        "weights_equal_clean": all(torch.equal(sa[k], sb[k]) for k in sa),
+        "val_clean": clean.summary["final_val_loss"],
+        "val_nan_guarded": guarded.summary["final_val_loss"],
+        "val_nan_unguarded": plain.summary["final_val_loss"],
+        "skipped_unguarded": plain.summary["skipped_steps"],
+    }  # fmt: skip
+    (args.out / "result_nan.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
 
 
