@@ -11,8 +11,8 @@
 3. **fake quantization**: R's operand grids with current scaling and fp32 accumulation.
 4. **screening**: one-step attribution at R's checkpoints (:mod:`.attribution`).
 5. **confirmation**: training probes with one operand role in high precision in every layer
-   (the top roles of the screening), the culprit role's GEMMs one at a time, then group testing
-   over the layers (:mod:`.search`).
+   (every quantized role), the culprit role's GEMMs one at a time, then group testing over the
+   layers in the screening's order (:mod:`.search`).
 6. **remedies** for the culprit role on the culprit layers, each a probe (:mod:`.remedies`).
 7. **verdict** (:mod:`.verdict`): the culprit, the best remedy as a per-layer recipe file.
 
@@ -307,7 +307,8 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
     tried_roles: list[str] = []
     gemm_probes: dict[str, Probe] = {}
     while role_rank and culprit is None:
-        batch = role_rank[:2] if not tried_roles else role_rank[:1]
+        # every quantized role at once: the screening orders them, the probes decide
+        batch = list(role_rank)
         role_rank = role_rank[len(batch) :]
         specs = []
         for r in batch:
