@@ -268,14 +268,20 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
           "text": "recovery, fake quantization and one-step attribution"})  # fmt: skip
     r_dir = out / "probes" / "recipe"
     fq = variants.per_layer(rec, all_layers, variants.fake_quant, "fake-quant")
+    # a diverged R stops early: only the checkpoints it reached exist
+    screen_steps = [t for t in screen_steps if snapshot_path(r_dir, t).exists()]
+    state["screen_steps"] = screen_steps
+    reached = [t for t in (rec_step, *reversed(screen_steps)) if snapshot_path(r_dir, t).exists()]
     rec_specs = [
-        ctx.spec("recovery", base, "recovery",
-                 f"R's checkpoint at step {rec_step} continued under {base.name}",
-                 start=str(snapshot_path(r_dir, rec_step)),
-                 start_metrics=str(r_dir)),
         ctx.spec("fake-quant", fq, "fake-quant",
                  "R's grids, current scaling, fp32 accumulation"),
     ]  # fmt: skip
+    if reached:
+        state["recovery_step"] = reached[0]
+        rec_specs.insert(0, ctx.spec(
+            "recovery", base, "recovery",
+            f"R's checkpoint at step {reached[0]} continued under {base.name}",
+            start=str(snapshot_path(r_dir, reached[0])), start_metrics=str(r_dir)))  # fmt: skip
     screen_tasks = [
         (attribution.screen_snapshot, {
             "recipe": rec.to_dict(), "baseline": base.to_dict(), "cfg_dict": cfg.to_dict(),
