@@ -200,3 +200,16 @@ def test_report_draws_guard_events_on_the_loss_timeline(tmp_path, monkeypatch):
     fig = plot_loss({"te-delayed": recs}, "te-delayed", set(), tmp_path / "loss.png")
     assert fig.stat().st_size > 0
     assert texts == ["rollback (headroom)"] and lines == [4]  # drawn at its record step
+
+
+def test_a_persistent_anomaly_does_not_roll_back_forever(corpus):
+    # staleness >= 0 binades fires on every step: rollbacks (the second also skips its batch:
+    # no escalation), then skips once 2 x max_rollbacks rollbacks fell within the window
+    g = AnomalyGuard(detectors={"staleness": {"threshold": 0.0}}, checkpoint_every=5,
+                     max_rollbacks=1, escalate=False)  # fmt: skip
+    cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
+        **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip
+    res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, guard=g)
+    actions = [e["action"] for e in res.summary["guard_events"]]
+    assert actions.count("rollback") == 2 and "skip" in actions
+    assert res.summary["complete"] and [r["step"] for r in res.records] == list(range(1, 13))

@@ -82,14 +82,15 @@ class GuardRun:
                 "value": first.value, "threshold": first.threshold, "batch": batch}  # fmt: skip
         restart = self.guard.on_restart != "keep"
         if self.guard.policy == "skip":
-            reset = self.monitor.reset_scaling(tensors) if restart else []
-            self.monitor.end_step()
-            self._event(st, {"action": "skip", **base, "reset": reset})
-            return "skip"
+            return self._skip(st, base, tensors, restart)
         recent = [e for e in st.guard_events
                   if e["action"] == "rollback" and e["step"] > t - self.guard.window]  # fmt: skip
         skip_batch = self.guard.on_restart == "skip_batch"
         pins: list[list[str]] = []
+        if len(recent) >= 2 * self.guard.max_rollbacks:
+            # escalating and skipping batches did not help: stop rolling back (no endless loop);
+            # from here the offending updates are skipped
+            return self._skip(st, base, tensors, restart)
         if len(recent) >= self.guard.max_rollbacks:
             done = {tuple(p) for p in st.escalations}
             pins = [list(x.rsplit(":", 1)) for x in tensors]
@@ -104,10 +105,7 @@ class GuardRun:
                 self._event(st, {"action": "skip", **base, "reset": []})
         snap = self.snapshots.pick(t, back=len(recent))
         if snap is None:  # nothing to go back to: do not apply the update, as skip does
-            reset = self.monitor.reset_scaling(tensors) if restart else []
-            self.monitor.end_step()
-            self._event(st, {"action": "skip", **base, "reset": reset})
-            return "skip"
+            return self._skip(st, base, tensors, restart)
         to_step, payload = snap
         self.restore(st, payload)
         if pins:
@@ -123,6 +121,13 @@ class GuardRun:
         self._event(st, {"action": "rollback", **base, "to_step": to_step, "reset": reset,
                          "skip_batch": skip_batch})  # fmt: skip
         return "rollback"
+
+    def _skip(self, st: Any, base: dict[str, Any], tensors: list[str], restart: bool) -> str:
+        """The update was not applied; restart the flagged delayed histories."""
+        reset = self.monitor.reset_scaling(tensors) if restart else []
+        self.monitor.end_step()
+        self._event(st, {"action": "skip", **base, "reset": reset})
+        return "skip"
 
     def _event(self, st: Any, event: dict[str, Any]) -> None:
         v = event.get("value")
