@@ -93,7 +93,8 @@ class GuardRun:
             return self._skip(st, base, tensors, restart)
         if len(recent) >= self.guard.max_rollbacks:
             done = {tuple(p) for p in st.escalations}
-            pins = [list(x.rsplit(":", 1)) for x in tensors]
+            delayed = set(self.monitor.tensor_names)  # only delayed scaling can be pinned
+            pins = [list(x.rsplit(":", 1)) for x in tensors if x in delayed]
             pins = [p for p in pins if tuple(p) not in done]
             if self.guard.escalate and pins:
                 for layer, key in pins:
