@@ -111,7 +111,7 @@ def fp8_all_gather(
     parts = [torch.empty_like(codes) for _ in range(world)]
     d.all_gather(parts, codes, group=group)
     values = decode(torch.cat(parts)[: int(full_rows)], fmt)
-    scales = _gather_scales(q, local, shard.shape, rows, world, group)
+    scales = _gather_scales(q, local, shard.shape, rows, world, group, int(full_rows))
     return QTensor(values=values, scales=scales, spec=local).dequantize()
 
 
@@ -140,8 +140,9 @@ def _quantize_shard(
 
 
 def _gather_scales(
-    q: QTensor | None, spec: QuantSpec, shard_shape: Any, rows: int, world: int, group: Any
-) -> torch.Tensor:
+    q: QTensor | None, spec: QuantSpec, shard_shape: Any, rows: int, world: int, group: Any,
+    full_rows: int,
+) -> torch.Tensor:  # fmt: skip
     """Every shard's per-block dequantization scales, stacked along the block rows."""
     d = torch.distributed
     if normalize_granularity(spec.granularity) == (-1, -1):
@@ -154,15 +155,13 @@ def _gather_scales(
     m, k = resolve_block(normalize_granularity(spec.granularity), (r, c))
     nr, nc = -(-r // m), -(-c // k)
     mine = torch.zeros((nr, nc), dtype=torch.float32)
-    counts = torch.zeros(1, dtype=torch.int64)
     if q is not None:
         mine[: q.scales.shape[0]] = q.scales
-        counts[0] = q.scales.shape[0]
     parts = [torch.empty_like(mine) for _ in range(world)]
     d.all_gather(parts, mine, group=group)
-    ns = [torch.empty_like(counts) for _ in range(world)]
-    d.all_gather(ns, counts, group=group)
-    return torch.cat([p[: int(cnt)] for p, cnt in zip(parts, ns, strict=True)])
+    # shard i has min(rows, full_rows - i*rows) rows (torch.chunk), hence its scale-block rows
+    counts = [-(-max(0, min(rows, full_rows - i * rows)) // m) for i in range(world)]
+    return torch.cat([p[:cnt] for p, cnt in zip(parts, counts, strict=True)])
 
 
 # --------------------------------------------------------------------------- FSDP2 extension
