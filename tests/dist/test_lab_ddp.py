@@ -158,3 +158,21 @@ def test_distributed_flags_without_torchrun_exit_2(
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split()), res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_allgather_refuses_delayed_weights_before_training(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from fp8lab.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; refused before joining a group
+    args = ["compare", "--fsdp", "--fp8-allgather", "--recipes", "te-current", "--baseline",
+            "te-delayed", "--out", str(tmp_path / "o")]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert "recipe 'te-delayed' scales its weights with delayed scaling" in " ".join(
+        res.output.split()
+    )
+    assert not (tmp_path / "o").exists()

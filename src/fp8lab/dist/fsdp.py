@@ -53,7 +53,14 @@ from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.granularity import normalize_granularity, resolve_block, shape_2d
 from fp8lab.scaling.rules import get_rule
 
-__all__ = ["ShardedWeight", "check_shardable", "fp8_all_gather", "shard_model", "shard_rows"]
+__all__ = [
+    "ShardedWeight",
+    "check_fp8_allgather_recipe",
+    "check_shardable",
+    "fp8_all_gather",
+    "shard_model",
+    "shard_rows",
+]
 
 
 def shard_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -83,6 +90,25 @@ def check_shardable(spec: QuantSpec, shape: tuple[int, ...], world: int) -> None
             f"at row {rows} of a {r}-row weight over {world} ranks: use per-tensor, 'row' or "
             f"'mx' scaling, or a block height dividing {rows}"
         )
+
+
+def check_fp8_allgather_recipe(recipe: Any) -> None:
+    """ValueError naming the recipe when its weights cannot be all-gathered as FP8 codes (a
+    delayed-scaled, NVFP4 or wider-than-8-bit fprop weight spec); a recipe without a quantized
+    weight (fp32, bf16) is fine: its weights are gathered in fp32. Shapes are checked later
+    (`check_shardable`, per layer)."""
+    spec = None if recipe is None else recipe.spec("fprop", "weight")
+    if spec is None:
+        return
+    name = getattr(recipe, "name", "?")
+    if spec.is_delayed:
+        raise ValueError(f"--fp8-allgather: recipe {name!r} scales its weights with delayed "
+                         "scaling; the FP8 all-gather needs current scaling (e.g. te-current)")  # fmt: skip
+    if isinstance(spec.scaling, str) and spec.scaling.strip().lower() == "nvfp4":
+        raise ValueError(f"--fp8-allgather: recipe {name!r}: NVFP4's two-level scales are not "
+                         "gathered")  # fmt: skip
+    if get_format(spec.format).bits > 8:
+        raise ValueError(f"--fp8-allgather: recipe {name!r} has {spec.format} weights, not 8-bit")
 
 
 def _scale_of(spec: QuantSpec, amax: torch.Tensor) -> torch.Tensor:
