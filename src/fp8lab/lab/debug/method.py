@@ -43,6 +43,8 @@ from fp8lab.lab.train import LabConfig, build_model, read_metrics
 Callback = Callable[[dict[str, Any]], None]
 CONFIG_FILE = "debug.json"
 NOISE_PAIR = ("fp32", "bf16")
+#: share of the gap a layer subset must close in group testing (the verdict asks 70 %)
+LAYER_CLOSE = 0.85
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -381,7 +383,9 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
                                       "layers", f"{culprit} in {ctx.precision} on "
                                       + ", ".join(pre)))  # fmt: skip
             ctx.run(specs)
-            return [ctx.probes[layer_probe_name(len(p))].explains for p in prefixes]
+            # stricter than the verdict's 70 %: the remedies then act on these layers only,
+            # and a prefix that barely explains leaves them no margin
+            return [_strict(ctx, ctx.probes[layer_probe_name(len(p))]) for p in prefixes]
 
         layers_found, tried = search.prefix_search(order, explains, jobs)
         found.update(layers=layers_found, order=order, tried=tried,
@@ -410,6 +414,12 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
             })  # fmt: skip
         ctx.timings["remedies_s"] = time.perf_counter() - t0
     return decide(ctx, state, scores, remedy_rows, t_start, found)
+
+
+def _strict(ctx: _Ctx, p: Probe) -> bool:
+    """Explains the gap with a margin: closes >= LAYER_CLOSE of it, or ends within 2x noise."""
+    within = p.gap_pct is not None and ctx.noise is not None and abs(p.gap_pct) <= 2 * ctx.noise
+    return p.explains and (within or (p.closure or 0.0) >= LAYER_CLOSE)
 
 
 def _remedy_words(name: str, role: str, gemm: str | None, layers: Sequence[str]) -> str:
