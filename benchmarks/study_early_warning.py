@@ -102,9 +102,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    import fp8lab
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab import early_warning as ew
+    from fp8lab.lab.compare import resolve_recipe
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.inject import InjectConfig
     from fp8lab.lab.train import LabConfig, TrainConfig, train_run
@@ -120,7 +120,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     )
     cfg = LabConfig(train=train, inject=InjectConfig(**job["inject"]))
     corpus = load_corpus(cfg.data, block_size=cfg.model.block_size)
-    recipe = None if job["recipe"] == "fp32" else fp8lab.get_recipe(job["recipe"])
+    recipe = resolve_recipe(job["recipe"])  # presets and the lab's negative control
     rec = ew.SignalRecorder()
     t0 = time.perf_counter()
     with ew.recording(rec):
@@ -146,7 +146,10 @@ def _cached(path: Path, job: dict[str, Any]) -> dict[str, Any] | None:
 
 def _work(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
     job, path = args
-    out = run_job(job)
+    try:
+        out = run_job(job)
+    except Exception as exc:  # one bad run must not take the others down
+        return {"job": job, "error": f"{type(exc).__name__}: {exc}"}
     tmp = Path(path + ".tmp")
     from fp8lab.stats import json_safe
 
@@ -172,6 +175,9 @@ def run_all(
     elif todo:
         with mp.get_context("spawn").Pool(n_jobs, maxtasksperchild=1) as pool:
             for r in pool.imap_unordered(_work, todo):
+                if "error" in r:
+                    log(f"  {r['job']['name']}: FAILED, left out ({r['error']})")
+                    continue
                 log(f"  {r['job']['name']}: {len(r['records'])} steps, {r['seconds']:.0f} s")
                 done.append(r)
     return done
