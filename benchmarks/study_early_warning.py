@@ -291,6 +291,39 @@ def format_table(an: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_lr_table(results: list[dict[str, Any]]) -> str:
+    """The lr sweep's losses and its largest attention logits (first seed), markdown."""
+    from fp8lab.lab import early_warning as ew
+
+    by = {}
+    for r in results:
+        j = r["job"]
+        if j["recipe"] == "te-delayed" and j["scenario"] in ("healthy", "lr"):
+            by.setdefault(j["lr_mult"], r)
+    lines = [
+        "| lr | min loss | final loss | divergence step | max attention logit at step 20 "
+        "| at the last step | staleness firings |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in sorted(by):
+        recs = by[m]["records"]
+        losses = [x.get("loss") for x in recs]
+        fin = [v for v in losses if v is not None]
+        div = ew.divergence_step(losses)
+
+        def logit(t: int, recs: list[dict[str, Any]] = recs) -> str:
+            v = recs[t].get("attn_logit_max") if t < len(recs) else None
+            return "—" if v is None else f"{v:.3g}"
+
+        n_stale = len(ew.firing_steps(recs, "staleness"))
+        lines.append(
+            f"| x{m} ({by[m]['job']['lr_mult'] * 1e-3:g}) | {min(fin):.3f} | {fin[-1]:.3f} "
+            f"| {'never' if div is None else div} | {logit(20)} | {logit(len(recs) - 1)} "
+            f"| {n_stale} of {len(recs)} |"
+        )
+    return "\n".join(lines)
+
+
 def _raster(ax, run: dict[str, Any], mark: int | None, mark_label: str, title: str) -> None:
     """Firing steps of every signal of one analyzed run (one row per signal)."""
     from fp8lab.lab import early_warning as ew
@@ -416,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(jobs_for(a.steps, seeds), out, a.jobs, log, train=not a.analyze_only)
     an = analyze(results)
     table = format_table(an)
+    lr_table = format_lr_table(results)
     print(table)
+    print()
+    print(lr_table)
     fig_path = Path(a.figure) if a.figure else out / "early_warning.png"
     figure(results, an, fig_path)
     from fp8lab.lab import early_warning as ew
@@ -437,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "divergence": an["divergence"],
         "runs": [{k: v for k, v in r.items()} for r in an["runs"]],
         "markdown": table,
+        "markdown_lr": lr_table,
         "wall_seconds": time.time() - t0,
     }
     from fp8lab.stats import json_safe
