@@ -135,3 +135,15 @@ def test_fix_file_is_a_per_layer_recipe_that_reads_back(tmp_path, layers):
     back = Recipe.load(path)
     for n in names:
         assert back.for_layer(n).fingerprint() == v.for_layer(n).fingerprint()
+
+
+def test_fix_file_of_a_recipe_that_is_no_preset_is_expanded(tmp_path, layers):
+    from fp8lab.lab.compare import resolve_recipe
+
+    names, _ = layers
+    r = resolve_recipe("e4m3-unscaled-grads")  # the lab's own recipe, not a preset
+    v = variants.per_layer(r, names[:2], variants.e5m2_gradients, "fix")
+    text = write_fix(v, r, tmp_path / "fix.toml", "note").read_text()
+    assert "base =" not in text and "NEGATIVE CONTROL" not in text
+    back = Recipe.load(tmp_path / "fix.toml")
+    assert all(back.for_layer(n).fingerprint() == v.for_layer(n).fingerprint() for n in names)

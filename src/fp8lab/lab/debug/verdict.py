@@ -51,7 +51,7 @@ def fix_text(remedy: Recipe, recipe: Recipe, note: str) -> str:
         if rule_free.fingerprint() != get_recipe(base_name).fingerprint():
             base_name = None
     if base_name is None:
-        return head + remedy.to_toml()
+        return head + _described(remedy, recipe).to_toml()
     d: dict[str, Any] = {"base": base_name, "name": remedy.name,
                          "description": f"{base_name} with the fp8lab debug remedy"}  # fmt: skip
     d["layer"] = [r.to_dict() for r in remedy.layers]
@@ -69,11 +69,20 @@ def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str) -> Path:
         same = same and all(back.for_layer(x).fingerprint() == remedy.for_layer(x).fingerprint()
                             for r in remedy.layers for x in _names(r))  # fmt: skip
         if not same:  # fall back to the fully expanded recipe
-            tmp.write_text("".join(f"# {ln}\n" for ln in note.splitlines()) + remedy.to_toml())
+            tmp.write_text(
+                "".join(f"# {ln}\n" for ln in note.splitlines())
+                + _described(remedy, recipe).to_toml()
+            )
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _described(remedy: Recipe, recipe: Recipe) -> Recipe:
+    """The remedy with its own description (R's prose would describe R, not the fix)."""
+    return remedy.replace(description=f"{recipe.name} with the fp8lab debug remedy",
+                          source="fp8lab debug")  # fmt: skip
 
 
 def _names(rule: Any) -> tuple[str, ...]:
