@@ -252,11 +252,13 @@ def format_table(an: dict[str, Any]) -> str:
     """The README table (markdown)."""
     from fp8lab.lab import early_warning as ew
 
+    some = next(iter(an["table"].values()))["healthy"]
+    n_rec, n_steps = len(some["by_recipe"]), some["steps"]
     cols = [
         "spike: delay",
         "outliers: delay",
         *(f"lr x{m}: lead" for m in LR_MULTS),
-        "false alarms /1000 steps (6 demo recipes)",
+        f"false alarms /1000 steps ({n_rec} demo recipes, {n_steps} steps)",
         "negative control /1000",
     ]
     lines = ["| signal | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
@@ -416,7 +418,8 @@ def figure(results: list[dict[str, Any]], an: dict[str, Any], path: Path) -> Non
     rates = [an["table"][s]["healthy"]["per_1000"] or 0.0 for s in ew.SIGNALS]
     neg = [an["table"][s]["negative_control"]["per_1000"] or 0.0 for s in ew.SIGNALS]
     y = range(len(ew.SIGNALS))
-    ax.barh([i - 0.2 for i in y], rates, height=0.4, label="6 demo recipes")
+    n_rec = len(an["table"][ew.SIGNALS[0]]["healthy"]["by_recipe"])
+    ax.barh([i - 0.2 for i in y], rates, height=0.4, label=f"{n_rec} demo recipes")
     ax.barh([i + 0.2 for i in y], neg, height=0.4, label=DEMO_NEGATIVE)
     ax.set_yticks(list(y), list(ew.SIGNALS), fontsize=8)
     ax.set_ylim(len(ew.SIGNALS) - 0.5, -0.5)
