@@ -127,3 +127,17 @@ def test_operand_percentages_agree_with_the_watch_records():
         assert r["underflow_pct"] == pytest.approx(w["underflow_pct"])
         assert r["saturation_pct"] <= (w["saturation_pct"] or 0.0) + 1e-12
     assert next(r for r in ours if r["role"] == "input")["underflow_pct"] > 0
+
+
+@pytest.mark.parametrize("recipe, acted", [("te-delayed", True), ("te-current", False)])
+def test_percentages_act_on_delayed_operands_only(recipe, acted):
+    import fp8lab
+
+    model = torch.nn.Sequential(fp8lab.nn.Linear(16, 16, recipe=recipe, name="lin"))
+    mon = GuardMonitor(AnomalyGuard(), model)
+    row = {"layer": "lin", "role": "grad_output", "gemm": "dgrad", "saturation_pct": 0.0}
+    mon.check(9, 1.0, 1.0, [{**row, "underflow_pct": 10.0}])
+    mon.accept()
+    found = mon.check(19, 1.0, 1.0, [{**row, "underflow_pct": 100.0}])  # +90 points
+    assert bool([f for f in found if f.detector == "underflow"]) is acted
+    assert mon.signals["underflow_pct"] == 100.0  # reported either way

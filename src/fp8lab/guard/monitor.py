@@ -154,7 +154,11 @@ class GuardMonitor:
                 found += fn(values, p[name])
         if rows is not None:  # each operand once, in its natural layout
             rows = [r for r in rows if "gemm" not in r or (r["gemm"], r["role"]) in NATURAL]
-            found += det.percent_findings(rows, self.last_pct, p)
+            # acted on for delayed-scaled operands only: a stale history is what a restart cures;
+            # a current-, block- or fixed-scaled operand's percentages are reported as signals
+            delayed = set(self.tensor_names)
+            found += [f for f in det.percent_findings(rows, self.last_pct, p)
+                      if f.tensor in delayed]  # fmt: skip
             for key, col in (("saturation", "saturation_pct"), ("underflow", "underflow_pct")):
                 vals = [r[col] for r in rows if r.get(col) is not None]
                 sig[key + "_pct"] = max(vals) if vals else None
