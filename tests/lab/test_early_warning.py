@@ -91,6 +91,15 @@ def test_firings_rebuilt_from_signals():
     assert ew.firing_steps(recs, "underflow") == [3]  # 20 -> 45: +25 points
 
 
+def test_recorder_keeps_one_record_per_step_after_a_replay():
+    rec = ew.SignalRecorder()
+    for t in (0, 1, 2, 1, 2, 3):  # a rollback after step 2 replays steps 1 and 2
+        rec({"event": "guard_signals", "recipe": "r", "step": t, "loss": float(t), "fired": []})
+        rec({"event": "step", "step": t + 1})  # other events are ignored
+    assert [r["step"] for r in rec.records] == [0, 1, 2, 3]
+    assert "event" not in rec.records[0] and "recipe" not in rec.records[0]
+
+
 def test_channel_kurtosis():
     x = torch.zeros(4, 3, 8)
     x[..., 0] = 2.0  # all energy in one of 8 channels
