@@ -139,3 +139,23 @@ def _check_dir(path: Path, what: str) -> None:
         tempfile.TemporaryFile(dir=path).close()
     except OSError as exc:
         raise ValueError(f"{what}: {path} is not writable ({exc.strerror})") from None
+
+
+def with_run_options(
+    cfg: Any, overrides: list[str] | None, model: str | None, steps: int | None, data: Any
+) -> Any:
+    """``cfg`` (a `fp8lab.lab.train.LabConfig`) with the options ``compare`` and ``debug``
+    share applied in their order: ``--set`` assignments, ``--model``, ``--steps``, ``--data``."""
+    from dataclasses import replace
+
+    from fp8lab.lab.models import ModelConfig
+
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
+    if model is not None:
+        cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
+    if steps is not None:
+        cfg = cfg.replace_train(steps=steps)
+    if data:
+        cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
+    return cfg

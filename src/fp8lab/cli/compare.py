@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, table
+from fp8lab.cli._common import clear_errors, console, table, with_run_options
 
 HELP = """Train the same model (a small GPT, or yours: --model) from the same initial weights
 on the same batches under several recipes and report how far each drifts from the baseline (loss
@@ -371,7 +371,6 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         from fp8lab.lab.compare import json_summary
-        from fp8lab.lab.models import ModelConfig
         from fp8lab.lab.train import LabConfig
 
         with clear_errors():
@@ -386,14 +385,7 @@ def register(app: typer.Typer) -> None:
                 names = section.get("recipes", list(DEFAULT_RECIPES))
             base = baseline or section.get("baseline", DEFAULT_BASELINE)
             n_jobs = jobs if jobs is not None else section.get("jobs", 1)
-            if overrides:
-                cfg = cfg.with_overrides(overrides)
-            if model is not None:
-                cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
-            if steps is not None:
-                cfg = cfg.replace_train(steps=steps)
-            if data:
-                cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
+            cfg = with_run_options(cfg, overrides, model, steps, data)
             inject = {
                 k: v
                 for k, v in {

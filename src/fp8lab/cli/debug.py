@@ -11,13 +11,12 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, fail
+from fp8lab.cli._common import clear_errors, fail, with_run_options
 
 HELP = """Find which operand of which GEMM of which layer makes a low-precision run drift from
 its baseline, and test remedies, on a CPU. Seven stages: (1) gap of R to the baseline, and the
@@ -135,7 +134,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from fp8lab.lab.debug import run_debug
         from fp8lab.lab.debug.scenarios import get_scenario, plant
-        from fp8lab.lab.models import ModelConfig
         from fp8lab.lab.train import LabConfig
         from fp8lab.report.debug import write_report
 
@@ -152,14 +150,7 @@ def register(app: typer.Typer) -> None:
                                  "[model] [data] [train] [inject]")  # fmt: skip
             if scenario is not None:
                 cfg = cfg.replace_train(**get_scenario(scenario).train)
-            if overrides:
-                cfg = cfg.with_overrides(overrides)
-            if model is not None:
-                cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
-            if steps is not None:
-                cfg = cfg.replace_train(steps=steps)
-            if data:
-                cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
+            cfg = with_run_options(cfg, overrides, model, steps, data)
             expect = None
             if scenario is not None:
                 rec, cfg, expect = plant(scenario, cfg)
