@@ -141,3 +141,34 @@ def test_percentages_act_on_delayed_operands_only(recipe, acted):
     found = mon.check(19, 1.0, 1.0, [{**row, "underflow_pct": 100.0}])  # +90 points
     assert bool([f for f in found if f.detector == "underflow"]) is acted
     assert mon.signals["underflow_pct"] == 100.0  # reported either way
+
+
+def test_staleness_warns_and_acts_only_when_the_operand_flushed():
+    p = D["staleness"]
+    vals = [("a:input", 17.0), ("b:grad_output", 20.0), ("c:input", 3.0)]
+    act, warn = detectors.staleness_findings(vals, p, {"a:input": 0.8, "b:grad_output": -1.0})
+    assert [f.tensor for f in act] == ["b:grad_output"]  # its largest element rounded to 0
+    assert [f.tensor for f in warn] == ["a:input"]  # stale, but the amax still representable
+    act, warn = detectors.staleness_findings(vals, p)  # no floor known: never acts
+    assert act == [] and len(warn) == 2
+
+
+@pytest.mark.parametrize("binades, acts", [(17, False), (20, True)])
+def test_a_stale_input_warns_unless_its_amax_flushed(binades, acts):
+    # E4M3 spans 17.8 binades from 448 down to 2^-9: after a spike of 2^17 the stale scale
+    # leaves the normal amax 0.8 binades above the smallest subnormal (a warning); after
+    # 2^20, 2.2 binades below it: the whole operand was zero (acts)
+    torch.manual_seed(0)
+    model = _one_layer()
+    mon = GuardMonitor(AnomalyGuard(detectors=["staleness"]), model)
+    x = torch.randn(8, 16)
+    for scale in (1.0, 1.0, 2.0**binades, 1.0):
+        mon.before_step()
+        _step(model, x * scale)
+        found = mon.check(0, 1.0, 1.0)
+        mon.accept()
+    assert mon.signals["staleness_tensor"].endswith(":input")
+    assert mon.signals["staleness"] >= D["staleness"]["threshold"]
+    assert "staleness" in mon.signals["fired"]
+    assert bool(found) is acts and bool(mon.warnings) is not acts
+    assert ("staleness" in mon.signals["warned"]) is not acts

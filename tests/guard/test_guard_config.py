@@ -22,6 +22,11 @@ def test_detectors_forms():
     )
     assert g.detector_params["headroom"]["threshold"] == 2.0
     assert "staleness" not in g.detector_params and "nonfinite" in g.detector_params
+    # a table overrides the defaults: the detectors it does not name keep theirs
+    assert set(g.detector_params) == set(DETECTOR_DEFAULTS) - {"staleness"}
+    assert set(AnomalyGuard(detectors={"headroom": False}).detector_params) == set(
+        DETECTOR_DEFAULTS
+    ) - {"headroom"}
     assert AnomalyGuard.from_dict(g.to_dict()) == g
 
 

@@ -21,6 +21,8 @@ CFG = LabConfig(
     ),
 )  # fmt: skip
 GUARD = AnomalyGuard(checkpoint_every=10)
+#: a detector that fires on every delayed operand on every step after the first
+EVERY_STEP = {"underflow": {"jump_pct": 0.0, "every": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,51 @@ def test_spike_is_caught_rolled_back_and_recovers(corpus, clean, tmp_path):
     assert after and all(max(d.values()) > 99.0 for d in after.values())
 
 
+def test_spike_without_headroom_is_caught_by_staleness_at_t_plus_1(corpus, clean):
+    # staleness alone is a warning, but after a x2^40 gradient spike the stale scale flushes
+    # the next step's whole gradient operand (the amax lands below E5M2's smallest subnormal):
+    # certain, so it acts, one step after the spike
+    spike_at = 23
+    cfg = _with(grad_spike_step=spike_at, grad_spike_scale=1e12)
+    dets = {"headroom": False}
+    res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus,
+                    guard=AnomalyGuard(checkpoint_every=10, detectors=dets))  # fmt: skip
+    (ev,) = res.summary["guard_events"]
+    assert ev["action"] == "rollback" and ev["detector"] == "staleness"
+    assert ev["step"] == spike_at + 1 and ev["tensor"].endswith(":grad_output")
+    final, ref = res.summary["final_val_loss"], clean.summary["final_val_loss"]
+    assert abs(final - ref) / ref < 0.005
+
+
+def test_hot_learning_rate_warns_but_does_not_loop(corpus):
+    # at lr 0.3 (100x the test's) delayed scales go stale on many steps: staleness warns there
+    # (the run with policy off shows it) but never acts alone; the anomalies that do act
+    # (headroom: the amax outgrows its delayed scale by 16x while warmup ends) reproduce on
+    # the replay of the same step, so the guard escalates at once instead of replaying again
+    cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
+        **{**CFG.train.__dict__, "lr": 0.3, "stats_every": 0}))  # fmt: skip
+    recipe = fp8lab.get_recipe("te-delayed")
+    sig = []
+    train_run(recipe, cfg, corpus, guard=AnomalyGuard(policy="off"),
+              callback=lambda e: sig.append(e) if e["event"] == "guard_signals" else None)  # fmt: skip
+    warned = [s["step"] for s in sig if "staleness" in s["warned"]]
+    assert len(warned) >= 10
+    res = train_run(recipe, cfg, corpus, guard=AnomalyGuard(checkpoint_every=5))
+    events = res.summary["guard_events"]
+    assert all(e["detector"] != "staleness" for e in events)
+    # a step is rolled back at most twice: once, and once more right after escalating
+    rollbacks = [e["step"] for e in events if e["action"] == "rollback"]
+    assert rollbacks and all(rollbacks.count(t) <= 2 for t in rollbacks)
+    seen = set()
+    for i, e in enumerate(events):
+        if e["action"] == "rollback":
+            if e["step"] in seen:
+                assert events[i - 1]["action"] == "escalate" and events[i - 1]["step"] == e["step"]
+            seen.add(e["step"])
+    assert len(rollbacks) <= 2 * AnomalyGuard().max_rollbacks
+    assert res.summary["complete"] and [r["step"] for r in res.records] == list(range(1, 41))
+
+
 def test_nan_step_one_rollback_no_step_lost_or_applied_twice(corpus, clean, tmp_path):
     cfg = _with(nan_step=17)
     res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, tmp_path, guard=GUARD)
@@ -145,10 +192,10 @@ def test_rollback_then_resume_is_bit_identical(corpus, tmp_path):
 
 
 def test_escalation_pins_the_tensor_to_current_scaling(corpus):
-    # staleness >= 0 binades fires on every delayed tensor at once: rollbacks repeat until
-    # max_rollbacks, then every flagged tensor is pinned to current scaling
-    g = AnomalyGuard(detectors={"staleness": {"threshold": 0.0}}, checkpoint_every=5,
-                     max_rollbacks=1)  # fmt: skip
+    # an underflow "jump" of >= 0 points, measured every step, fires on every delayed operand
+    # from the second step on: rollbacks repeat until max_rollbacks, then every flagged tensor
+    # is pinned to current scaling
+    g = AnomalyGuard(detectors=EVERY_STEP, checkpoint_every=5, max_rollbacks=1)
     cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
         **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip
     res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, guard=g)
@@ -203,10 +250,9 @@ def test_report_draws_guard_events_on_the_loss_timeline(tmp_path, monkeypatch):
 
 
 def test_a_persistent_anomaly_does_not_roll_back_forever(corpus):
-    # staleness >= 0 binades fires on every step: rollbacks (the second also skips its batch:
-    # no escalation), then skips once 2 x max_rollbacks rollbacks fell within the window
-    g = AnomalyGuard(detectors={"staleness": {"threshold": 0.0}}, checkpoint_every=5,
-                     max_rollbacks=1, escalate=False)  # fmt: skip
+    # a detector firing on every step: rollbacks (the second also skips its batch: no
+    # escalation), then skips once 2 x max_rollbacks rollbacks fell within the window
+    g = AnomalyGuard(detectors=EVERY_STEP, checkpoint_every=5, max_rollbacks=1, escalate=False)
     cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
         **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip
     res = train_run(fp8lab.get_recipe("te-delayed"), cfg, corpus, guard=g)

@@ -69,11 +69,12 @@ def normalize_detectors(spec: Any) -> dict[str, dict[str, float]]:
         return copy.deepcopy(DETECTOR_DEFAULTS)
     if isinstance(spec, str):
         spec = [s.strip() for s in spec.split(",") if s.strip()]
-    if isinstance(spec, Mapping):
+    if isinstance(spec, Mapping):  # overrides of the defaults: unnamed detectors keep theirs
         check_keys(spec, DETECTOR_DEFAULTS, "detector")
-        out = {}
+        out = copy.deepcopy(DETECTOR_DEFAULTS)
         for name, v in spec.items():
             if v is False:
+                del out[name]
                 continue
             params = dict(DETECTOR_DEFAULTS[name])
             if v is not True:
@@ -111,7 +112,8 @@ class AnomalyGuard:
     histories restart with one current-scaling step) or ``"rollback"`` (restore model,
     optimizer, loss scaler, RNG and loop state from the newest in-memory last-good checkpoint,
     taken every ``checkpoint_every`` steps, ``keep`` of them, then restart as ``on_restart``
-    says). After ``max_rollbacks`` rollbacks within ``window`` steps the guard escalates
+    says). After ``max_rollbacks`` rollbacks within ``window`` steps, or at once when the replay
+    runs into the anomaly on the same step again (reproducible, not transient), the guard escalates
     (``escalate``: the flagged tensor's scaling is pinned to current scaling by a per-layer
     recipe rule, recorded in the run's effective recipe) or, without a tensor to pin or with
     ``escalate=False``, skips the offending batch.
@@ -149,9 +151,12 @@ class AnomalyGuard:
         return copy.deepcopy(self._detectors)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data that :meth:`from_dict` reads back (detectors fully expanded)."""
+        """Plain data that :meth:`from_dict` reads back (detectors fully expanded, a switched-off
+        one as ``False``)."""
+        params = self.detector_params
         return {
-            "detectors": self.detector_params,
+            # every detector: a switched-off one as false (a table overrides the defaults)
+            "detectors": {n: params.get(n, False) for n in DETECTOR_DEFAULTS},
             "policy": self.policy,
             "checkpoint_every": self.checkpoint_every,
             "keep": self.keep,

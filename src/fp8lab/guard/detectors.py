@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
+    "FLUSH_BINADES",
     "Finding",
     "headroom_findings",
     "loss_spike",
@@ -28,6 +29,9 @@ __all__ = [
 
 #: smallest spread of a log-signal's window (1 %): a flat window would make any wiggle an alarm
 MIN_SIGMA = 0.01
+#: log2(amax * scale / smallest subnormal) at or below this: the largest element (at most half
+#: the smallest subnormal) rounds to zero, and so does every other element
+FLUSH_BINADES = -1.0
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,27 @@ def headroom_findings(values: Iterable[tuple[str, float]], params: Mapping[str, 
     return [Finding("headroom", v, t, name) for name, v in values if v >= t]
 
 
-def staleness_findings(values: Iterable[tuple[str, float]], params: Mapping[str, float]):
-    """Tensors whose history max is ``threshold`` binades or more above this step's amax."""
+def staleness_findings(
+    values: Iterable[tuple[str, float]],
+    params: Mapping[str, float],
+    floor: Mapping[str, float] | None = None,
+) -> tuple[list[Finding], list[Finding]]:
+    """(acting, warnings): tensors whose history max is ``threshold`` binades or more above this
+    step's amax. Staleness *predicts* underflow; how much of the tensor it flushes depends on
+    the tensor's distribution, which this check does not see. So a stale tensor is a warning,
+    and acts only when the flush is certain: ``floor`` (tensor -> log2(amax * scale / smallest
+    subnormal) of this step) at or below -1, i.e. the step's largest element, and so every
+    element, rounded to zero (the whole operand was flushed). A measured underflow jump is the
+    ``underflow`` detector's to act on."""
     t = params["threshold"]
-    return [Finding("staleness", v, t, name) for name, v in values if v >= t]
+    floor = floor or {}
+    act, warn = [], []
+    for name, v in values:
+        if v >= t:
+            (act if floor.get(name, math.inf) <= FLUSH_BINADES else warn).append(
+                Finding("staleness", v, t, name)
+            )
+    return act, warn
 
 
 def percent_findings(

@@ -38,6 +38,28 @@ def delayed_states(model: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
     return out
 
 
+def _min_subnormals(model: torch.nn.Module, names: list[str]) -> list[float]:
+    """The smallest positive value of the format of each delayed-scaling state ``layer:key``
+    (`delayed_states` order; the format the layer's recipe gives that state's operand)."""
+    from fp8lab.formats import get_format
+    from fp8lab.nn import Linear
+    from fp8lab.nn.state import state_key
+    from fp8lab.recipe import GEMM_OPERANDS, GEMMS
+
+    tiny: dict[str, float] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Linear) or not mod.scaling_states:
+            continue
+        rec = mod.recipe
+        for g in GEMMS:
+            for role, _ in GEMM_OPERANDS[g]:
+                spec = rec.spec(g, role)
+                if spec is not None and spec.is_delayed:
+                    key = f"{mod.name or name}:{state_key(rec, g, role)}"
+                    tiny.setdefault(key, float(get_format(spec.format).min_subnormal))
+    return [tiny.get(n, 0.0) for n in names]
+
+
 class GuardMonitor:
     """Detectors of one run (see the module doc). ``dynamic_scaler``: a dynamic loss scaler
     handles gradient overflows itself."""
@@ -56,6 +78,7 @@ class GuardMonitor:
         self.overflow_run = 0
         self.last_pct: dict[str, list[float | None]] = {}
         self.signals: dict[str, Any] = {}
+        self.warnings: list[det.Finding] = []  # the last check's findings that do not act
         self._pinned: dict[int, Any] = {}  # id(ds) -> (ds, its own config) while restarting
         self.refresh()
 
@@ -71,6 +94,7 @@ class GuardMonitor:
         dss = [ds for _, ds in self.states]  # constants of each state, read once
         self._margin = torch.tensor([float(ds.total_margin) for ds in dss])
         self._interval = torch.tensor([ds.interval for ds in dss], dtype=torch.int64)
+        self._tiny = torch.tensor(_min_subnormals(self.model, self.tensor_names))
 
     @property
     def tensor_names(self) -> list[str]:
@@ -87,10 +111,14 @@ class GuardMonitor:
             torch.stack([s.initialized for s in st]),
         )
 
-    def _scaling_signals(self) -> tuple[list[tuple[str, float]], list[tuple[str, float]], bool]:
-        """(headroom per tensor, staleness per tensor, every amax history finite)."""
+    def _scaling_signals(
+        self,
+    ) -> tuple[list[tuple[str, float]], list[tuple[str, float]], dict[str, float], bool]:
+        """(headroom per tensor, staleness per tensor, floor per tensor, every amax history
+        finite). The floor is log2(amax * scale / smallest subnormal) of this step: binades of
+        the step's largest scaled element above the format's smallest subnormal."""
         if not self.states or self._pre is None:
-            return [], [], True
+            return [], [], {}, True
         scale, step, init = self._pre
         n = len(self.states)
         last = torch.empty(n)
@@ -106,10 +134,12 @@ class GuardMonitor:
         # binades by which amax * scale exceeds the format's max (less the margin): > 0 clamps
         head = torch.log2(last * scale / (fmt_max * torch.exp2(-margin)))
         stale = torch.log2(hmax / last)
+        floor = torch.log2(last * scale / self._tiny)
         names = self.tensor_names
         sel = measured.nonzero().flatten().tolist()
-        h, s = head.tolist(), stale.tolist()
-        return [(names[i], h[i]) for i in sel], [(names[i], s[i]) for i in sel], ok
+        h, s, f = head.tolist(), stale.tolist(), floor.tolist()
+        return ([(names[i], h[i]) for i in sel], [(names[i], s[i]) for i in sel],
+                {names[i]: f[i] for i in sel}, ok)  # fmt: skip
 
     # ------------------------------------------------------------------ detectors
     def wants_rows(self, step: int) -> bool:
@@ -130,7 +160,8 @@ class GuardMonitor:
         step's signals (the largest per-tensor values and the tensor) stay in ``signals``."""
         p = self.params
         found: list[det.Finding] = []
-        head, stale, amax_ok = self._scaling_signals()
+        warned: list[det.Finding] = []
+        head, stale, floor, amax_ok = self._scaling_signals()
         overflow = not math.isfinite(grad_norm)
         run = self.overflow_run + 1 if overflow else 0
         sig: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm}
@@ -146,12 +177,16 @@ class GuardMonitor:
                 z, f = det.zscore(name, x, window[-int(p[name]["window"]) :], p[name], two)
                 sig[name] = z
                 found += f
-        for name, values, fn in (("headroom", head, det.headroom_findings),
-                                 ("staleness", stale, det.staleness_findings)):  # fmt: skip
+        for name, values in (("headroom", head), ("staleness", stale)):
             top = max(values, key=lambda t: t[1], default=(None, None))
             sig[name], sig[name + "_tensor"] = top[1], top[0]
-            if name in p:
-                found += fn(values, p[name])
+        if "headroom" in p:
+            found += det.headroom_findings(head, p["headroom"])
+        if "staleness" in p:  # a warning unless the stale scale flushed the whole operand
+            act, warn = det.staleness_findings(stale, p["staleness"], floor)
+            found += act
+            warned += warn
+        sig["floor"] = min(floor.values(), default=None)
         if rows is not None:  # each operand once, in its natural layout
             rows = [r for r in rows if "gemm" not in r or (r["gemm"], r["role"]) in NATURAL]
             # acted on for delayed-scaled operands only: a stale history is what a restart cures;
@@ -166,8 +201,11 @@ class GuardMonitor:
         else:
             self._rows = None
         self._run = run
-        sig["fired"] = sorted({f.detector for f in found})  # the early-warning study's firings
+        # the early-warning study's firings: acting findings and warnings alike
+        sig["fired"] = sorted({f.detector for f in found + warned})
+        sig["warned"] = sorted({f.detector for f in warned})
         self.signals = sig
+        self.warnings = warned
         return found
 
     def accept(self) -> None:

@@ -6,7 +6,8 @@ update) and `GuardRun.after_step` once the step is counted. A rollback restores 
 and delayed-scaling state), optimizer, loss scaler, torch RNG, the loop's counters and data
 cursor and the detectors' statistics from the newest snapshot at or before the offending step
 (the n-th rollback within ``window`` steps goes n snapshots back), then restarts the flagged
-delayed-scaling histories (``on_restart``). What happened stays in the loop state's *sticky*
+delayed-scaling histories (``on_restart``). An anomaly that comes back on the replay of its own
+step is reproducible: the guard escalates (or skips the batch) at once. What happened stays in the loop state's *sticky*
 fields, which a rollback never rewinds: ``guard_events``, ``injected`` (one-shot faults that
 fired), ``skip_batches`` and ``escalations``.
 """
@@ -91,7 +92,12 @@ class GuardRun:
             # escalating and skipping batches did not help: stop rolling back (no endless loop);
             # from here the offending updates are skipped
             return self._skip(st, base, tensors, restart)
-        if len(recent) >= self.guard.max_rollbacks:
+        # the replay after a rollback ran into the same anomaly on the same step: it is
+        # reproducible, not a transient fault (Megatron-LM re-runs a step to tell the two
+        # apart), and rolling back again would only replay it: escalate (or skip the batch) now
+        last = st.guard_events[-1] if st.guard_events else None
+        reproduced = last is not None and last["action"] == "rollback" and last["step"] == t
+        if len(recent) >= self.guard.max_rollbacks or reproduced:
             done = {tuple(p) for p in st.escalations}
             delayed = set(self.monitor.tensor_names)  # only delayed scaling can be pinned
             pins = [list(x.rsplit(":", 1)) for x in tensors if x in delayed]
