@@ -14,6 +14,13 @@ N = 2, 4, 8, 16.
 
 On a shared machine the wall-clock numbers move with other jobs' load: the rounds are
 interleaved and the best of each setup is kept; rank 0's CPU time per step is printed too.
+
+Memory per rank (rank 0, not timed, so not affected by load): ``peak RSS`` is the process's
+peak resident set (``getrusage``: Python, torch and numba included, so it is dominated by a
+fixed few hundred MiB); ``tensors between steps`` is the sum of the distinct storages of every
+live tensor after the last step (parameters or their shards, optimizer state, anything a step
+left allocated), which is where FSDP's sharding shows: with the gathered weights freed after
+use, only the shards and their optimizer state stay.
 """
 
 from __future__ import annotations
@@ -73,11 +80,35 @@ def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int,
         torch.distributed.barrier()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if rank == 0:
+        import resource
+
         flushes = None if dp is None or dp.amax is None else dp.amax.flushes
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         print(json.dumps({"tokens_per_s": steps * batch * cfg.block_size / dt,
-                          "cpu_ms_per_step": 1000 * cpu / steps, "amax_all_reduces": flushes}))  # fmt: skip
+                          "cpu_ms_per_step": 1000 * cpu / steps, "amax_all_reduces": flushes,
+                          "peak_rss_mib": peak, "live_mib": _live_tensor_bytes() / 2**20}))  # fmt: skip
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live tensor (the inner tensors of wrapper
+    subclasses such as DTensor are live tensors of their own)."""
+    import gc
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        try:
+            st = obj.untyped_storage()
+            ptr, size = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses have no storage
+            continue
+        if ptr and size:
+            seen[ptr] = max(size, seen.get(ptr, 0))
+    return sum(seen.values())
 
 
 def _run(world: int, args: argparse.Namespace, mode: str) -> dict:
@@ -132,15 +163,17 @@ def main() -> None:
             if r["tokens_per_s"] > b["tokens_per_s"]:
                 best[mode] = r
     one = best["one"]["tokens_per_s"]
-    print("| setup | ranks | tokens/s | vs 1 rank | rank-0 CPU ms/step | amax all-reduces/step |")
-    print("|---|---|---|---|---|---|")
+    print("| setup | ranks | tokens/s | vs 1 rank | rank-0 CPU ms/step | amax all-reduces/step "
+          "| peak RSS MiB/rank | tensors between steps MiB/rank |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for mode in ["one", *modes]:
         r = best[mode]
         n = r.get("amax_all_reduces")
         per = "-" if n is None else f"{n / (args.steps + 2):.0f}"
         print(f"| {'1 process' if mode == 'one' else mode} | {1 if mode == 'one' else 2} | "
               f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / one:.2f}x | "
-              f"{r['cpu_ms_per_step']:.0f} | {per} |")  # fmt: skip
+              f"{r['cpu_ms_per_step']:.0f} | {per} | {r['peak_rss_mib']:.0f} | "
+              f"{r['live_mib']:.2f} |")  # fmt: skip
     numel = GPT(GPTConfig()).num_params()
     bucket = DDP_BUCKET_BYTES // 4
     print(f"\ngradient bytes one rank sends per step ({numel:,} parameters, 25 MiB buckets)")

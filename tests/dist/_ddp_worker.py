@@ -62,6 +62,7 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     result: dict[str, object] = {"names": list(delayed_states(model))}
+    seen = _watch_gathered(model) if mode in ("fsdp8", "fsdp32") and world > 1 else None
     for step in range(steps):
         x = torch.randint(0, 256, (4, 16), generator=gen)
         y = torch.randint(0, 256, (4, 16), generator=gen)
@@ -75,6 +76,10 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if seen is not None:  # between steps: what was gathered for this step is gone
+            result[f"gathered{step}"] = torch.tensor(len(seen))
+            result[f"alive{step}"] = torch.tensor(_alive(seen, model))
+            seen.clear()
         if world > 1:
             per_token = gather_token_losses(per_token)
             if mode in ("world", "unbatched"):
@@ -94,6 +99,47 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         result["states_scale_r1"] = torch.stack([v["scale"] for v in states[1].values()])
         result["state"] = torch.tensor(dp.state()["scale_spread_binades"])
     return result
+
+
+def _watch_gathered(model: torch.nn.Module) -> list:
+    """Weak references to the storage of every fp8lab Linear's unsharded weight (float32) and of
+    its gathered codes as the forward sees them (FSDP2: full-size tensors)."""
+    import weakref
+
+    from fp8lab.nn import Linear
+
+    seen: list = []
+
+    def watch(module: torch.nn.Module, args: object) -> None:
+        seen.append(weakref.ref(module.weight.untyped_storage()))
+        gathered = getattr(module, "_fp8lab_gathered", None)
+        if gathered is not None:
+            seen.append(weakref.ref(gathered[1].values.untyped_storage()))
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.register_forward_pre_hook(watch)  # after shard_model's hook: the gathered weight
+    return seen
+
+
+def _alive(seen: list, model: torch.nn.Module) -> int:
+    """How many watched full-size storages are still allocated, plus FSDP unsharded parameters
+    of fp8lab Linears still holding data (both 0 when FSDP freed everything it gathered)."""
+    import gc
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from fp8lab.dist.fsdp import _fsdp_params
+
+    gc.collect()
+    n = sum(1 for r in seen if r() is not None and r().nbytes() > 0)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for fp in _fsdp_params(m):
+                p = getattr(fp, "_unsharded_param", None)
+                n += int(p is not None and p.untyped_storage().nbytes() > 0)
+                n += int(getattr(fp._module_info.module, "_fp8lab_gathered", None) is not None)
+    return n
 
 
 def grad_comm(rank: int) -> dict[str, object]:

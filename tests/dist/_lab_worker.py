@@ -2,7 +2,9 @@
 
 argv: run_dir steps [kill_at [mode]]. With kill_at >= 0, the last rank kills itself (SIGKILL)
 right after that step's event (a checkpoint is written every 3 steps). mode: ddp (te-delayed,
-default) or fsdp8 (te-current, FSDP2 with the FP8 all-gather; on one rank a plain run).
+default), fsdp8 (te-current, FSDP2 with the FP8 all-gather; on one rank a plain run) or
+none-resume (te-delayed, --amax-group none: an uninterrupted run and one stopped at its step-3
+checkpoint and resumed, in one launch).
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def main() -> None:
         if ev["event"] == "step" and ev["step"] == kill_at and rank == last:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if mode == "none-resume":  # amax group none: a run stopped at its step-3 checkpoint and
+        # resumed (every rank's own scaling state restored) vs an uninterrupted run
+        recipe = get_recipe("te-delayed")
+        full = train_run(recipe, cfg, corpus, run_dir + "-full", amax_group="none")
+        train_run(recipe, cfg, corpus, run_dir, amax_group="none", stop_after=3)
+        res = train_run(recipe, cfg, corpus, run_dir, amax_group="none")
+        if rank == 0:
+            print(json.dumps({"final": res.records[-1]["train_loss"], "steps": len(res.records),
+                              "want": full.records[-1]["train_loss"],
+                              "spread": full.records[-1]["scale_spread_binades"]}))  # fmt: skip
+        return
     fsdp = mode == "fsdp8"
     recipe = get_recipe("te-current" if fsdp else "te-delayed")
     res = train_run(recipe, cfg, corpus, run_dir, callback=on_event, fsdp=fsdp, fp8_allgather=fsdp)

@@ -90,3 +90,13 @@ def test_fsdp_training_equals_ddp_bit_for_bit(ranks: list[dict]) -> None:
         for mode in ("fsdp8", "fsdp32"):
             assert torch.equal(_bits(r0[f"{mode}:tokens{step}"]), want), (mode, step)
             assert float(r0[f"{mode}:loss{step}"]) == float(r1[f"{mode}:loss{step}"])
+
+
+def test_fsdp_frees_gathered_weights_between_steps(ranks: list[dict]) -> None:
+    # as FSDP2: after each training step no full-size weight gathered for it (float32 or its
+    # FP8 codes) is still allocated, and no unsharded Parameter or gathered QTensor holds data
+    for res in ranks:
+        for mode in ("fsdp8", "fsdp32"):
+            for step in range(3):
+                assert int(res[f"{mode}:gathered{step}"]) >= 4, (mode, step)  # every Linear
+                assert int(res[f"{mode}:alive{step}"]) == 0, (mode, step)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).with_name("_lab_worker.py")
 TEXT = "Now is the winter of our discontent made glorious summer by this sun. " * 40
@@ -90,6 +91,21 @@ def test_fsdp_fp8_allgather_checkpoint_resumes_on_two_and_one_rank(base: Path) -
     assert got["steps"] == 6
     # one rank scales activations with the global batch's amax, not each half's: close only
     assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
+
+
+def test_amax_group_none_checkpoint_keeps_every_rank_scaling_state(base: Path) -> None:
+    # with local amaxes the ranks' scales differ; the consolidated checkpoint carries each
+    # rank's scaling state, so a resumed run continues bit for bit (with rank 0's state on
+    # every rank it would not)
+    res = _run(base / "none", 2, "6", "-1", "none-resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = _final(res.stdout)
+    assert got["spread"] > 0  # the ranks' scales do differ
+    assert got["steps"] == 6 and got["final"] == got["want"]
+    state = torch.load(base / "none" / "checkpoint.pt", weights_only=True)
+    assert len(state["rank_scaling"]) == 2 and state["rank_scaling"][0].keys() == (
+        state["rank_scaling"][1].keys()
+    )
 
 
 def test_torchrun_compare_writes_on_rank_0(base: Path) -> None:

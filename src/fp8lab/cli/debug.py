@@ -125,7 +125,13 @@ def register(app: typer.Typer) -> None:
             3, "--checkpoints", min=1, max=20, help="Checkpoints of R screened by replay."
         ),
         out: Path = typer.Option(Path("runs/debug"), "--out", help="Output directory."),
-        jobs: int = typer.Option(1, "--jobs", min=1, help="Probes trained at once (processes)."),
+        jobs: int = typer.Option(
+            1,
+            "--jobs",
+            min=1,
+            help="Probes trained at once (processes); 1 under torchrun, where every rank "
+            "trains each probe in turn (torchrun --nproc-per-node N -m fp8lab debug ...).",
+        ),
         threads: int = typer.Option(
             0, "--threads", min=0, help="torch and numba threads per process (0 = defaults)."
         ),
@@ -159,14 +165,23 @@ def register(app: typer.Typer) -> None:
             globs = [g.strip() for g in layers.split(",") if g.strip()] if layers else None
             if layers is not None and not globs:
                 raise ValueError("--layers: no glob given")
+            from fp8lab.dist.runtime import check_jobs, init_from_env, leave_group
+
+            check_jobs(jobs, "probes")  # under torchrun every rank runs each probe in turn
+            rank_ctx = init_from_env()
+        main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         t0 = time.perf_counter()
         with clear_errors("interrupted; rerun the same command to resume"):
             result = run_debug(rec, cfg, out, baseline=baseline, jobs=jobs, threads=threads,
                                layers=globs, checkpoints=checkpoints,
-                               callback=_progress(quiet),
+                               callback=_progress(quiet or not main),
                                scenario=scenario)  # fmt: skip
+            if rank_ctx is not None:
+                leave_group()  # the ranks' shared work is done
+            if not main:
+                return
             write_report(out, result, command=command, expect=expect)
         if json_out:
             typer.echo(json.dumps(result.to_json(), allow_nan=False))

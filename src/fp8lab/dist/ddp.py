@@ -132,6 +132,32 @@ class DataParallel:
             return self.module, opt
         return _FullState(self.module, save), _FullState(opt, save, self.module)
 
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the ranks beyond the consolidated model (which holds rank
+        0's scaling state): ``rank_scaling``, every rank's delayed-scaling state by state name,
+        in rank order (plain tensors; they differ with ``--amax-group none``). Collective."""
+        from fp8lab.dist.runtime import gather_scaling_states
+
+        return {"rank_scaling": gather_scaling_states(self.module)}
+
+    def load_checkpoint_extra(self, path: Any) -> bool:
+        """After a checkpoint's model state loaded (rank 0's scaling state on every rank): this
+        rank's own delayed-scaling state from the checkpoint's ``rank_scaling``. A checkpoint
+        written on fewer ranks (or by one process) has no entry for the extra ranks: they keep
+        rank 0's. Returns whether this rank's entry was loaded."""
+        from fp8lab.dist.amax import delayed_states
+
+        saved = torch.load(path, map_location="cpu", weights_only=True).get("rank_scaling")
+        if not saved or self.rank >= len(saved):
+            return False
+        mine = saved[self.rank]
+        states = delayed_states(self.module)
+        if set(mine) != set(states):  # another recipe's states: the model state check refuses
+            return False  # such a checkpoint before this point; nothing to restore
+        for name, ds in states.items():
+            ds.load_state_dict(mine[name])
+        return True
+
     def comm_bytes(self) -> dict[str, float]:
         """Bytes one rank sends per step for the gradients, by precision (ring all-reduce of
         DDP's 25 MiB buckets, `fp8lab.dist.comm.bytes_per_rank`), counted from the parameter

@@ -35,10 +35,17 @@ tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 * ``fp8_allgather=False``: float32 shards are gathered (exact); the Linear quantizes the
   gathered weight as without FSDP.
 
-Either way the gathered tensor lives in a buffer owned here, not in FSDP's all-gather output:
-fp8lab's numba kernels read tensors through ``.numpy()``, which makes a storage non-resizable,
-and FSDP frees an unsharded parameter by resizing its storage to 0. So the simulation keeps
-every unsharded weight allocated between steps (numerics exact, memory not that of FSDP).
+Memory: the unsharded weight is freed when FSDP reshards (after the forward for every block,
+after the backward for all; the backward re-gathers), as in FSDP2. FSDP frees an unsharded
+parameter by resizing its storage to 0, which fails for a storage fp8lab's numba kernels have
+read through ``.numpy()`` (that makes a storage non-resizable). So the gathered tensor is a
+fresh tensor per all-gather, never FSDP's all-gather output, and FSDP's free of each
+`ShardedWeight` parameter also drops it (`_free_with_fsdp`: the unsharded Parameter's data
+becomes an empty tensor, its gathered QTensor is dropped; the next all-gather points the same
+Parameter at the new tensor). Between steps no full-size weight (float32 or its codes) stays
+alive (tested). What autograd keeps for the backward (the forward's QTensor of the weight, or
+the weight itself for a backward GEMM that re-quantizes it) lives until the backward, as the
+saved FP8 weight does with Transformer Engine.
 """
 
 from __future__ import annotations
@@ -298,14 +305,47 @@ class ShardedWeight(torch.Tensor):
             q = QTensor(values=values, scales=scales, spec=local)
             dense = q.dequantize()
         module._fp8lab_gathered = None if q is None else (self.spec, q)
-        if out is not None:  # later all-gathers refill the same buffer
-            with torch.no_grad():
-                out.copy_(dense.reshape(out.shape))
+        # a tensor of its own, never FSDP's all-gather output (FSDP frees that by resizing it)
+        dense = dense.clone() if q is None else dense
+        if out is not None:  # later all-gathers: the same Parameter, pointed at the new tensor
+            out.data = dense  # (its data was dropped when FSDP freed it: `_free_with_fsdp`)
             return None
-        # a buffer FSDP does not free (module doc); padded rows never reach the model
-        buf = torch.zeros((outputs[0].shape[0], *outputs[0].shape[1:]), dtype=torch.float32)
-        buf[:full_rows] = dense
-        return buf, ()
+        return dense, ()
+
+
+def _free_with_fsdp(fsdp_param: Any) -> None:
+    """Make FSDP's free of a `ShardedWeight` parameter's unsharded data (its reshard) also drop
+    the unsharded tensor fp8lab gathered into (module doc): the unsharded Parameter's data
+    becomes an empty tensor (the tensor dies with its last reference) and the Linear's gathered
+    QTensor is dropped. Wraps ``FSDPParam.free_unsharded_param`` of this parameter."""
+    orig = fsdp_param.free_unsharded_param
+    module = fsdp_param._module_info.module
+
+    def free_unsharded_param() -> None:
+        orig()  # FSDP's all-gather outputs
+        p = getattr(fsdp_param, "_unsharded_param", None)
+        if p is not None:
+            p.fp8lab_gathered = None
+            if p.numel():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        module._fp8lab_gathered = None
+
+    fsdp_param.free_unsharded_param = free_unsharded_param
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """The ``FSDPParam`` objects ``fully_shard(module)`` made (FSDP2's internals: checked)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older layouts: one group
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    out = [fp for g in groups for fp in g.fsdp_params]
+    for fp in out:
+        if not (hasattr(fp, "free_unsharded_param") and hasattr(fp, "_module_info")):
+            raise RuntimeError("this torch's FSDP2 has no FSDPParam.free_unsharded_param: "
+                               "fp8lab cannot free gathered weights with it")  # fmt: skip
+    return out
 
 
 def _attach_gathered(module: torch.nn.Module, args: Any) -> None:
@@ -323,7 +363,7 @@ def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any =
     ValueError naming the layer before anything is sharded. Collective: call on every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from fp8lab.nn import Linear as Fp8Linear
 
@@ -357,6 +397,14 @@ def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any =
             for block in sub:
                 fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    for sub in model.modules():  # FSDP's reshard also frees what fp8lab gathered into
+        if isinstance(sub, FSDPModule):
+            for fp in _fsdp_params(sub):
+                if (
+                    isinstance(fp._module_info.module, Fp8Linear)
+                    and fp._module_info.param_name == "weight"
+                ):
+                    _free_with_fsdp(fp)
     return model
 
 

@@ -50,12 +50,13 @@ def under_torchrun() -> bool:
         return False
 
 
-def check_jobs(jobs: int) -> None:
-    """``--jobs > 1`` under torchrun is an error: the ranks already are the parallelism."""
+def check_jobs(jobs: int, what: str = "recipes") -> None:
+    """``--jobs > 1`` under torchrun is an error: the ranks already are the parallelism
+    (``what``: the units that run one after another there, for the message)."""
     if jobs > 1 and under_torchrun():
         raise ValueError(
             f"--jobs {jobs} cannot be combined with torchrun (WORLD_SIZE="
-            f"{os.environ.get('WORLD_SIZE')}): recipes run one after another; use --jobs 1"
+            f"{os.environ.get('WORLD_SIZE')}): {what} run one after another; use --jobs 1"
         )
 
 

@@ -515,6 +515,8 @@ def train_run(
             ck_model, ck_opt = (model, opt) if dp is None else dp.for_checkpoint(opt, save=False)
             st = _load_checkpoint(run_path / CHECKPOINT, ckpt_cfg, ck_model, ck_opt, scaler, name,
                                   prepare=grun.prepare_load if grun else None)  # fmt: skip
+            if dp is not None:  # each rank's own scaling state (they differ with amax none)
+                dp.load_checkpoint_extra(run_path / CHECKPOINT)
             if writer:
                 _truncate_jsonl(run_path / METRICS, st.step)
                 _truncate_jsonl(run_path / STATS, st.step)
@@ -572,11 +574,14 @@ def train_run(
             if run_path and (done % tc.checkpoint_every == 0 or last):
                 # FSDP: every rank gathers the full tensors for rank 0's consolidated checkpoint
                 ck_model, ck_opt = (model, opt) if dp is None else dp.for_checkpoint(opt)
+                # every rank's scaling state too (collective: gathered on every rank)
+                ck_extra = {**(grun.checkpoint_extra() if grun else {}),
+                            **(dp.checkpoint_extra() if dp is not None else {})}  # fmt: skip
                 if writer:
                     metrics_f.flush()
                     stats_f.flush()
                     _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, ck_model, ck_opt, scaler,
-                                     st, grun.checkpoint_extra() if grun else None)  # fmt: skip
+                                     st, ck_extra or None)  # fmt: skip
                     if grun is not None:
                         _keep_checkpoint(run_path, st.step, grun.guard.keep)
                 if dp is not None:

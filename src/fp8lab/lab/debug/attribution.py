@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fp8lab.lab.data import Corpus, get_batch, load_corpus
-from fp8lab.lab.debug.runner import load_state, load_weights
+from fp8lab.lab.debug.runner import load_state, load_weights, rebatch, replay_parallel
 from fp8lab.lab.debug.variants import CELLS, with_cells_hp
 from fp8lab.lab.inject import Injector
 from fp8lab.lab.train import LabConfig, build_model, make_optimizer
@@ -50,6 +50,7 @@ class StepReplay:
         self.recipe, self.cfg, self.state = recipe, cfg, state
         tc = cfg.train
         self.model = build_model(cfg.model, recipe, tc.seed)
+        self.dp = replay_parallel(self.model)  # torchrun: replay the step as the ranks ran it
         self.opt = make_optimizer(self.model, recipe, tc)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.injector = Injector(self.model, cfg.inject)
@@ -81,14 +82,18 @@ class StepReplay:
         self.injector.set_step(self.step)
         mult = self.injector.grad_multiplier(self.step)
         loss_scale = scaler.get_scale() if scaler is not None else 1.0
-        _, loss = self.model(x, y)
+        if self.dp is None:
+            _, loss = self.model(x, y)
+            loss_v = float(loss.detach())
+        else:  # this rank's shard of the global batch; gradients summed over the ranks
+            loss, loss_v, _ = self.dp.loss(*self.dp.shard(x, y))
         (loss * (loss_scale * mult)).backward()
         if mult != 1.0:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(mult)
         found_inf = scaler.unscale_(self.opt) if scaler is not None else False
-        return float(loss.detach()), bool(found_inf)
+        return loss_v, bool(found_inf)
 
     def gradient(self, switched: dict[str, Any] | None = None) -> tuple[float, torch.Tensor]:
         """(loss, flat gradient of every parameter) of the replayed step. ``switched``: layer ->
@@ -99,6 +104,7 @@ class StepReplay:
             mod = self.model.get_submodule(layer)
             mods.append((mod, mod.recipe))
             mod.set_recipe(rec, keep_state=True)
+            rebatch(self.dp, mod)
         try:
             loss, _ = self._backward(scaler)
             flat = torch.cat([
@@ -108,6 +114,7 @@ class StepReplay:
         finally:
             for mod, rec in mods:
                 mod.set_recipe(rec)
+                rebatch(self.dp, mod)
         return loss, flat
 
     def full_step(self) -> dict[str, Any]:

@@ -36,7 +36,15 @@ import torch
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.debug import attribution, remedies, search, variants
 from fp8lab.lab.debug.result import DebugResult, Probe, _rel
-from fp8lab.lab.debug.runner import ProbeSpec, TaskPool, run_probe, snapshot_path
+from fp8lab.lab.debug.runner import (
+    ProbeSpec,
+    TaskPool,
+    check_distributed,
+    on_rank0,
+    rank0_writes,
+    run_probe,
+    snapshot_path,
+)
 from fp8lab.lab.debug.verdict import decide
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 
@@ -196,6 +204,7 @@ def run_debug(
     if not 0 < recovery_from < 1:
         raise ValueError(f"recovery_from must be in (0, 1), got {recovery_from!r}")
     cfg.check()
+    check_distributed(jobs, cfg.train.batch_size)  # torchrun: --jobs 1, a divisible batch
     if cfg.train.steps < 4:
         raise ValueError(f"train.steps must be >= 4 for the debugger, got {cfg.train.steps}")
     with torch.random.fork_rng(devices=[]):
@@ -206,7 +215,7 @@ def run_debug(
     chosen = select_layers(all_layers, layers)
     load_corpus(cfg.data, cfg.model.block_size)  # a missing data path fails here
     out = Path(out_dir)
-    _prepare_out(out, cfg, rec, base, chosen)
+    on_rank0(_prepare_out, out, cfg, rec, base, chosen)  # torchrun: rank 0 writes files
     ctx = _Ctx(rec, base, cfg, out, jobs, threads, emit, chosen, all_layers,
                variants.layer_dims(model, all_layers), variants.hp_precision(base), close)  # fmt: skip
     del model
@@ -262,7 +271,7 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
     # R better than the baseline beyond the noise: nothing to debug either
     state["r_better"] = not no_problem and ctx.gap_ref is not None and ctx.gap_ref < 0
     if base_diverged or no_problem or state["r_better"]:
-        return decide(ctx, state, [], [], t_start)
+        return rank0_writes(decide, ctx, state, [], [], t_start)
 
     # 2-4. recovery, fake quantization, screening -----------------------------------------
     t0 = time.perf_counter()
@@ -413,7 +422,7 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
                 "label": _remedy_words(n, culprit, gemm, layers_found),
             })  # fmt: skip
         ctx.timings["remedies_s"] = time.perf_counter() - t0
-    return decide(ctx, state, scores, remedy_rows, t_start, found)
+    return rank0_writes(decide, ctx, state, scores, remedy_rows, t_start, found)
 
 
 def _strict(ctx: _Ctx, p: Probe) -> bool:

@@ -14,6 +14,14 @@ other probe. Two additions, both built on the runner's own resume:
 
 :func:`run_tasks` runs module-level functions ``jobs`` at a time in spawned processes (or in this
 process for ``jobs=1``), forwarding their progress events.
+
+Under torchrun (``torch.distributed`` initialized with more than one rank) there is no pool: every
+rank runs the same tasks in the same order in its own process (``jobs`` > 1 is refused), each
+probe trains through the lab's distributed path (`fp8lab.lab.train.train_run` with
+`fp8lab.dist.ddp.DataParallel`: the global batch split across ranks, gradients summed), rank 0
+alone writes files (:func:`is_writer`; the converted start checkpoint, copied metrics and
+snapshots here, every file of the runs in ``train_run``), and every rank waits for the others
+after each task (:func:`barrier`), so a file rank 0 wrote is there when the others read it.
 """
 
 from __future__ import annotations
@@ -45,6 +53,110 @@ Callback = Callable[[dict[str, Any]], None]
 SNAPSHOTS = "snapshots"
 
 
+# ----------------------------------------------------------------------------- torchrun
+def dist_world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) unless torch.distributed is initialized with
+    more than one rank (torchrun)."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def is_writer() -> bool:
+    """Whether this process writes the debugger's files: rank 0 (or a single process)."""
+    return dist_world()[0] == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op on one process)."""
+    if dist_world()[1] > 1:
+        torch.distributed.barrier()
+
+
+def check_distributed(jobs: int, batch_size: int) -> None:
+    """Under torchrun: ValueError for ``jobs`` > 1 (the ranks are the parallelism; probes run one
+    after another) and for a global batch size not divisible by the world size."""
+    world = dist_world()[1]
+    if world == 1:
+        return
+    if jobs > 1:
+        raise ValueError(
+            f"--jobs {jobs} cannot be combined with torchrun ({world} ranks): probes run one "
+            "after another, each on every rank; use --jobs 1"
+        )
+    if batch_size % world:
+        raise ValueError(
+            f"train.batch_size={batch_size} (the global batch) is not divisible by the world "
+            f"size {world}: use a multiple of {world}"
+        )
+
+
+def on_rank0(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on rank 0 alone (the others wait); a ValueError or OSError it raises is
+    raised on every rank with the same message, so every rank stops the same way. Returns
+    ``fn``'s result on rank 0, None elsewhere. On one process: ``fn(*args)``."""
+    rank, world = dist_world()
+    if world == 1:
+        return fn(*args)
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn(*args)
+        except (ValueError, OSError) as exc:
+            error = str(exc)
+    box = [error]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    return result
+
+
+def rank0_writes(fn: Callable[..., Any], ctx: Any, *args: Any) -> Any:
+    """``fn(ctx, *args)`` where ``fn`` writes into ``ctx.out`` (the verdict: ``fix.toml`` and the
+    result JSON): on rank 0 as is; on the other ranks into a private temporary directory
+    (deleted after), the result's ``fix`` then naming rank 0's file. Every rank thus decides the
+    same verdict and only rank 0 writes it."""
+    import tempfile
+
+    if is_writer():
+        return fn(ctx, *args)
+    out = ctx.out
+    with tempfile.TemporaryDirectory(prefix="fp8lab-debug-rank") as tmp:
+        ctx.out = Path(tmp)
+        try:
+            result = fn(ctx, *args)
+        finally:
+            ctx.out = out
+    if getattr(result, "fix", None):
+        result.fix = str(out / Path(result.fix).name)
+    return result
+
+
+def replay_parallel(model: torch.nn.Module) -> Any:
+    """`fp8lab.dist.ddp.DataParallel` of a replay's model under torchrun, None on one process:
+    the replayed step then runs as the training step ran on the ranks (this rank's shard of the
+    global batch, the loss over the global token count, gradients summed over the ranks, the
+    delayed-scaling amaxes all-reduced in one batch at the end of the backward). Collective."""
+    if dist_world()[1] == 1:
+        return None
+    from fp8lab.dist.ddp import DataParallel
+
+    return DataParallel(model)
+
+
+def rebatch(dp: Any, module: torch.nn.Module) -> None:
+    """After ``module.set_recipe`` (fresh delayed-scaling state objects): route their updates
+    through ``dp``'s batched amax all-reduce again, as the model's other states."""
+    if dp is None or dp.amax is None:
+        return
+    from fp8lab.dist.amax import delayed_states
+
+    for ds in delayed_states(module).values():
+        ds.group = dp.amax
+
+
+# ----------------------------------------------------------------------------- checkpoints
 def load_state(path: str | Path) -> dict[str, Any]:
     """A run checkpoint as saved by the lab (``weights_only``: plain tensors and data)."""
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -155,7 +267,7 @@ def run_probe(
         run = json.loads(done.read_text())
         if run["summary"].get("complete") or run["summary"].get("diverged"):
             return run["summary"]
-    if spec.start and not (out / CHECKPOINT).exists():
+    if spec.start and not (out / CHECKPOINT).exists() and is_writer():
         convert_checkpoint(spec.start, out / CHECKPOINT, recipe, cfg, corpus)
         start_step = int(load_state(out / CHECKPOINT)["loop"]["step"])
         recs = read_metrics(Path(spec.start_metrics)) if spec.start_metrics else []
@@ -163,13 +275,14 @@ def run_probe(
             for r in recs:
                 if r["step"] <= start_step:
                     f.write(json.dumps(r) + "\n")
+    barrier()  # torchrun: the other ranks resume from rank 0's converted checkpoint
     result = None
     for stop in [*sorted(s for s in spec.snapshots if 0 < s < cfg.train.steps), None]:
         snap = None if stop is None else snapshot_path(out, stop)
         if snap is not None and snap.exists():
             continue
         result = train_run(recipe, cfg, corpus, out, callback=emit, stop_after=stop)
-        if snap is not None:
+        if snap is not None and is_writer():
             snap.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(out / CHECKPOINT, snap)
         if result.summary.get("diverged"):
@@ -191,6 +304,8 @@ class TaskPool:
     another, for ``jobs`` 1. Use as a context manager."""
 
     def __init__(self, jobs: int = 1, threads: int = 0) -> None:
+        if jobs > 1 and dist_world()[1] > 1:
+            raise ValueError(f"jobs={jobs}: under torchrun tasks run one after another (jobs 1)")
         self.jobs, self.threads = jobs, threads
         self._pool: Any = None
         self._manager: Any = None
@@ -236,7 +351,11 @@ class TaskPool:
                 def put(self, ev: dict[str, Any]) -> None:
                     emit(ev)
 
-            return [fn(**kw, events=_Direct()) for fn, kw in tasks]
+            out = []
+            for fn, kw in tasks:
+                out.append(fn(**kw, events=_Direct()))
+                barrier()  # torchrun: rank 0's files of this task are written
+            return out
         if self._pool is None:
             self._start()
         events = self._events
