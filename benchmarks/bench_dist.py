@@ -95,12 +95,14 @@ def _live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every live tensor (the inner tensors of wrapper
     subclasses such as DTensor are live tensors of their own)."""
     import gc
+    import warnings
 
     gc.collect()
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
-            continue
+    with warnings.catch_warnings():  # isinstance on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objs:
         try:
             st = obj.untyped_storage()
             ptr, size = st.data_ptr(), st.nbytes()
