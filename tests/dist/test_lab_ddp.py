@@ -150,6 +150,24 @@ def test_jobs_under_torchrun_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["compare", "debug"])
+def test_batch_not_divisible_by_the_ranks_exits_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from fp8lab.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; refused before joining a group
+    args = [command, "--set", "train.batch_size=5", "--out", str(tmp_path / "o")]
+    args += ["--recipe", "te-current"] if command == "debug" else ["--recipes", "te-current"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert "train.batch_size=5 (the global batch, split across the ranks) is not divisible by " \
+        "the world size 2" in " ".join(res.output.split())  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

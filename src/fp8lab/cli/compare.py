@@ -417,9 +417,10 @@ def register(app: typer.Typer) -> None:
                 from fp8lab.cost import get_device
 
                 get_device(device)
-            from fp8lab.dist.runtime import check_jobs, init_from_env
+            from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
 
             check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
+            check_global_batch(cfg.train.batch_size)  # ... and split the global batch
             dist = _dist_options(amax_group, grad_comm, fsdp, fp8_allgather)
             if fp8_allgather:  # refuse a delayed-scaled weight before any recipe trains
                 from fp8lab.dist.fsdp import check_fp8_allgather_recipe

@@ -165,9 +165,15 @@ def register(app: typer.Typer) -> None:
             globs = [g.strip() for g in layers.split(",") if g.strip()] if layers else None
             if layers is not None and not globs:
                 raise ValueError("--layers: no glob given")
-            from fp8lab.dist.runtime import check_jobs, init_from_env, leave_group
+            from fp8lab.dist.runtime import (
+                check_global_batch,
+                check_jobs,
+                init_from_env,
+                leave_group,
+            )
 
             check_jobs(jobs, "probes")  # under torchrun every rank runs each probe in turn
+            check_global_batch(cfg.train.batch_size)
             rank_ctx = init_from_env()
         main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -22,6 +22,7 @@ from fp8lab.dist.amax import delayed_states
 __all__ = [
     "DistContext",
     "agree_any",
+    "check_global_batch",
     "check_jobs",
     "gather_scaling_states",
     "init_from_env",
@@ -57,6 +58,19 @@ def check_jobs(jobs: int, what: str = "recipes") -> None:
         raise ValueError(
             f"--jobs {jobs} cannot be combined with torchrun (WORLD_SIZE="
             f"{os.environ.get('WORLD_SIZE')}): {what} run one after another; use --jobs 1"
+        )
+
+
+def check_global_batch(batch_size: int) -> None:
+    """Under torchrun: ValueError when the global batch (``train.batch_size``) does not split
+    evenly over the ranks (``WORLD_SIZE``), before any process group or training starts."""
+    if not under_torchrun():
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    if batch_size % world:
+        raise ValueError(
+            f"train.batch_size={batch_size} (the global batch, split across the ranks) is not "
+            f"divisible by the world size {world}: use a multiple of {world}"
         )
 
 
