@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from fp8lab.guard import AnomalyGuard, GuardMonitor, Snapshots, current_scaling_rule
+from fp8lab.guard import AnomalyGuard, Finding, GuardMonitor, Snapshots, current_scaling_rule
 
-__all__ = ["STICKY", "GuardRun"]
+__all__ = ["STICKY", "GuardRun", "agree"]
 
 #: loop-state fields a rollback keeps (everything else is restored from the snapshot)
 STICKY = ("injected", "guard_events", "skip_batches", "escalations")
@@ -30,6 +30,32 @@ STICKY = ("injected", "guard_events", "skip_batches", "escalations")
 
 def _loop_fields(st: Any) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in vars(st).items() if k not in STICKY}
+
+
+def agree(findings: list[Finding]) -> list[Finding]:
+    """The findings every rank acts on: the union of all ranks' findings (rank order, then each
+    rank's order; one per detector and tensor), the same list on every rank. The loss, the
+    gradient norm and (with ``--amax-group world``) the amaxes are global, but per-rank
+    signals (local amaxes with ``--amax-group none``, a rank's own operand percentages) can
+    differ, and ranks that decided apart would roll back to different states. One all-reduce
+    of a flag per step; the findings themselves are gathered only when a rank has one.
+    Without torch.distributed (or on one rank): ``findings``."""
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+        return findings
+    from fp8lab.dist.runtime import agree_any
+
+    if not agree_any(bool(findings)):
+        return []
+    everyone: list[Any] = [None] * d.get_world_size()
+    d.all_gather_object(everyone, [f.to_dict() for f in findings])
+    out, seen = [], set()
+    for rank_findings in everyone:
+        for f in rank_findings:
+            if (f["detector"], f["tensor"]) not in seen:
+                seen.add((f["detector"], f["tensor"]))
+                out.append(Finding(**f))
+    return out
 
 
 class GuardRun:
@@ -59,8 +85,11 @@ class GuardRun:
         self.monitor.before_step()
 
     def check(self, step: int, loss: float, grad_norm: float, rows: Any = None) -> bool:
-        """Run the detectors on step ``step``; True when the update must not be applied."""
+        """Run the detectors on step ``step``; True when the update must not be applied. Under
+        torch.distributed every rank acts on the same findings (`agree`)."""
         self.findings = self.monitor.check(step, loss, grad_norm, rows)
+        if self.acts:
+            self.findings = agree(self.findings)
         return bool(self.findings) and self.acts
 
     def take_events(self) -> list[dict[str, Any]]:
