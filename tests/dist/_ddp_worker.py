@@ -73,6 +73,8 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         else:
             loss, total, per_token = dp.loss(xs, ys)
             result[f"loss{step}"] = torch.tensor(total)
+        if seen is not None:  # after the forward, before the backward: resharded (FSDP2)
+            result[f"fwd_unsharded{step}"] = torch.tensor(_unsharded(model))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,6 +122,23 @@ def _watch_gathered(model: torch.nn.Module) -> list:
         if isinstance(m, Linear):
             m.register_forward_pre_hook(watch)  # after shard_model's hook: the gathered weight
     return seen
+
+
+def _unsharded(model: torch.nn.Module) -> int:
+    """How many fp8lab Linear weights FSDP holds unsharded (their gathered data allocated)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fp8lab.dist.fsdp import _fsdp_params
+    from fp8lab.nn import Linear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for fp in _fsdp_params(m):
+                p = getattr(fp, "_unsharded_param", None)
+                mine = isinstance(fp._module_info.module, Linear)
+                n += int(mine and p is not None and p.untyped_storage().nbytes() > 0)
+    return n
 
 
 def _alive(seen: list, model: torch.nn.Module) -> int:

@@ -94,9 +94,12 @@ def test_fsdp_training_equals_ddp_bit_for_bit(ranks: list[dict]) -> None:
 
 def test_fsdp_frees_gathered_weights_between_steps(ranks: list[dict]) -> None:
     # as FSDP2: after each training step no full-size weight gathered for it (float32 or its
-    # FP8 codes) is still allocated, and no unsharded Parameter or gathered QTensor holds data
+    # FP8 codes) is still allocated, and no unsharded Parameter or gathered QTensor holds data;
+    # between the forward and the backward the blocks' unsharded weights are freed too
     for res in ranks:
         for mode in ("fsdp8", "fsdp32"):
             for step in range(3):
                 assert int(res[f"{mode}:gathered{step}"]) >= 4, (mode, step)  # every Linear
                 assert int(res[f"{mode}:alive{step}"]) == 0, (mode, step)
+                # reshard after forward: the blocks' weights are re-gathered for the backward
+                assert int(res[f"{mode}:fwd_unsharded{step}"]) == 0, (mode, step)
