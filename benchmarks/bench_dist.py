@@ -5,12 +5,15 @@ Throughput: the default lab GPT (``GPTConfig()``) under a recipe, trained with
 global batch split across the ranks (`fp8lab.dist.data`: global-token-count loss, summed
 gradients, ``--amax-group world``, the amax all-reduces batched into one per step, or one per
 state and update with the ``unbatched`` setup), one thread per rank, timed after warm-up
-steps; tokens/s counts the global batch. Bytes: what one rank sends per step to all-reduce the model's gradients at each
+steps; tokens/s counts the global batch. ``amax all-reduces/step`` counts the MAX all-reduces
+rank 0 issues (delayed-scaling amaxes; with the FP8 all-gather also one per gathered weight).
+Bytes: what one rank sends per step to all-reduce the model's gradients at each
 ``--grad-comm`` precision (`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets), for
 N = 2, 4, 8, 16.
 
     .venv/bin/python benchmarks/bench_dist.py [--recipe te-delayed] [--steps 6] [--batch 8]
         [--modes ddp,unbatched,fsdp,fsdp-fp8] [--repeat 3]
+    .venv/bin/python benchmarks/bench_dist.py --readme     # every row of the README table
 
 On a shared machine the wall-clock numbers move with other jobs' load: the rounds are
 interleaved and the best of each setup is kept; rank 0's CPU time per step is printed too.
@@ -54,7 +57,16 @@ def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int,
     if recipe != "fp32":
         convert(model, recipe)
     dp = None
+    max_reduces = [0]  # all-reduces with op MAX (amaxes), counted as they are issued
     if world > 1:
+        d = torch.distributed
+        plain = d.all_reduce
+
+        def counted(tensor, op=d.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
+            max_reduces[0] += int(op == d.ReduceOp.MAX)
+            return plain(tensor, op=op, group=group, async_op=async_op)
+
+        d.all_reduce = counted
         dp = DataParallel(model, "world", fsdp="fsdp" in mode, fp8_allgather="fp8" in mode,
                           batch_amax="unbatched" not in mode)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -82,7 +94,7 @@ def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int,
     if rank == 0:
         import resource
 
-        flushes = None if dp is None or dp.amax is None else dp.amax.flushes
+        flushes = None if dp is None else max_reduces[0]
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         print(json.dumps({"tokens_per_s": steps * batch * cfg.block_size / dt,
                           "cpu_ms_per_step": 1000 * cpu / steps, "amax_all_reduces": flushes,
@@ -113,13 +125,13 @@ def _live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def _run(world: int, args: argparse.Namespace, mode: str) -> dict:
+def _run(world: int, args: argparse.Namespace, mode: str, recipe: str | None = None) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--_rank"]
-    tail = [str(world), port, args.recipe, str(args.steps), str(args.batch), mode]
+    tail = [str(world), port, recipe or args.recipe, str(args.steps), str(args.batch), mode]
     procs = [
         subprocess.Popen([*cmd, str(r), *tail], env=env, stdout=subprocess.PIPE, text=True)
         for r in range(world)
@@ -131,6 +143,37 @@ def _run(world: int, args: argparse.Namespace, mode: str) -> dict:
 
 
 MODES = ("ddp", "unbatched", "fsdp", "fsdp-fp8")
+#: the README table: its recipes and their 2-rank setups (`--readme`)
+README_ROWS = (("te-delayed", ("ddp", "unbatched")), ("te-current", ("ddp", "fsdp", "fsdp-fp8")),
+               ("fp32", ("ddp", "fsdp")))  # fmt: skip
+SETUP_NAMES = {"one": "1 process", "ddp": "DDP", "unbatched": "DDP, one all-reduce per state",
+               "fsdp": "FSDP2", "fsdp-fp8": "FSDP2 + FP8 all-gather"}  # fmt: skip
+
+
+def measure(args: argparse.Namespace, recipe: str, modes: list[str]) -> dict[str, dict]:
+    """Best run of each setup ("one" = 1 process, then ``modes`` on 2 ranks) over
+    ``args.repeat`` interleaved rounds (load from other jobs hits every setup alike)."""
+    best: dict[str, dict] = {}
+    for _ in range(args.repeat):
+        for mode in ["one", *modes]:
+            r = _run(1, args, "ddp", recipe) if mode == "one" else _run(2, args, mode, recipe)
+            b = best.setdefault(mode, r)
+            if r["tokens_per_s"] > b["tokens_per_s"]:
+                best[mode] = r
+    return best
+
+
+def _row(best: dict[str, dict], mode: str, steps: int) -> list[str]:
+    r, one = best[mode], best["one"]["tokens_per_s"]
+    n = r.get("amax_all_reduces")
+    per = "-" if n is None else f"{n / (steps + 2):.0f}"
+    return [f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / one:.2f}x",
+            f"{r['cpu_ms_per_step']:.0f}", per, f"{r['peak_rss_mib']:.0f}",
+            f"{r['live_mib']:.2f}"]  # fmt: skip
+
+
+COLUMNS = ("tokens/s | vs 1 process | rank-0 CPU ms/step | amax all-reduces/step | "
+           "peak RSS MiB/rank | tensors between steps MiB/rank")  # fmt: skip
 
 
 def main() -> None:
@@ -148,6 +191,11 @@ def main() -> None:
         "one all-reduce per state), fsdp (FSDP2), fsdp-fp8 (FSDP2 + FP8 all-gather)",
     )  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds; best is kept")
+    ap.add_argument(
+        "--readme", action="store_true",
+        help="every row of the README table (te-delayed: ddp, unbatched; te-current: ddp, fsdp, "
+        "fsdp-fp8; fp32: ddp, fsdp), printed as that table (--recipe and --modes ignored)",
+    )  # fmt: skip
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(modes) <= set(MODES):
@@ -155,31 +203,23 @@ def main() -> None:
     from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
     from fp8lab.lab.gpt import GPT, GPTConfig
 
-    print(f"recipe {args.recipe}, global batch {args.batch} x 128 tokens, 1 thread per rank, "
-          f"{args.steps} timed steps, best of {args.repeat} interleaved rounds")  # fmt: skip
-    best: dict[str, dict] = {}
-    for _ in range(args.repeat):  # interleaved: load from other jobs hits every setup alike
-        for mode in ["one", *modes]:
-            r = _run(1, args, "ddp") if mode == "one" else _run(2, args, mode)
-            b = best.setdefault(mode, r)
-            if r["tokens_per_s"] > b["tokens_per_s"]:
-                best[mode] = r
-    one = best["one"]["tokens_per_s"]
-    print("| setup | ranks | tokens/s | vs 1 rank | rank-0 CPU ms/step | amax all-reduces/step "
-          "| peak RSS MiB/rank | tensors between steps MiB/rank |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for mode in ["one", *modes]:
-        r = best[mode]
-        n = r.get("amax_all_reduces")
-        per = "-" if n is None else f"{n / (args.steps + 2):.0f}"
-        print(f"| {'1 process' if mode == 'one' else mode} | {1 if mode == 'one' else 2} | "
-              f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / one:.2f}x | "
-              f"{r['cpu_ms_per_step']:.0f} | {per} | {r['peak_rss_mib']:.0f} | "
-              f"{r['live_mib']:.2f} |")  # fmt: skip
+    rows = README_ROWS if args.readme else ((args.recipe, tuple(modes)),)
+    print(f"recipes {', '.join(r for r, _ in rows)}; global batch {args.batch} x 128 tokens, "
+          f"1 thread per rank, {args.steps} timed steps, best of {args.repeat} interleaved "
+          "rounds per recipe")  # fmt: skip
+    print(f"| recipe | setup | {COLUMNS} |")
+    print("|---|---|" + "---|" * len(COLUMNS.split("|")))
+    for recipe, setups in rows:
+        best = measure(args, recipe, list(setups))
+        for mode in ["one", *setups]:
+            name = SETUP_NAMES[mode]
+            if mode == "ddp" and recipe == "te-delayed":
+                name = "DDP, amax all-reduces batched"
+            print(f"| {recipe} | {name} | " + " | ".join(_row(best, mode, args.steps)) + " |")
     numel = GPT(GPTConfig()).num_params()
     bucket = DDP_BUCKET_BYTES // 4
-    print(f"\ngradient bytes one rank sends per step ({numel:,} parameters, 25 MiB buckets)")
-    print("| grad-comm | " + " | ".join(f"N={n}" for n in (2, 4, 8, 16)) + " |")
+    print(f"\n| gradient bytes one rank sends per step ({numel:,} parameters) | "
+          + " | ".join(f"N={n}" for n in (2, 4, 8, 16)) + " |")  # fmt: skip
     print("|---|" + "---|" * 4)
     for p in GRAD_COMMS:
         cells = [f"{bytes_per_rank(numel, n, p, bucket) / 2**20:.2f} MiB" for n in (2, 4, 8, 16)]
