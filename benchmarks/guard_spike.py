@@ -6,10 +6,15 @@ unspiked, unspiked + guard (bit-identical?), spiked without guard (the failure),
 underflow % before the spike and the worst after the restart, final validation losses.
 
     .venv/bin/python benchmarks/guard_spike.py [--steps 400] [--spike 200] [--out runs/guard-spike]
+    .venv/bin/python benchmarks/guard_spike.py --hot-lr 64 --steps 200
 
 ``--nan-step T`` instead: the loss of step T becomes NaN once (``--inject-nan-step``); prints the
 guarded run's events, whether every record and the final weights equal the unspiked run's, and
 the unguarded run's skipped steps and final validation loss.
+
+``--hot-lr M`` instead: no fault, the peak learning rate x M (a hot run, where delayed scales go
+stale on many steps), with ``AnomalyGuard()``: prints on how many steps each detector fired or
+warned, the guard's events and the final losses (``--steps`` as given, e.g. 200).
 """
 
 from __future__ import annotations
@@ -38,10 +43,13 @@ def main() -> None:
     ap.add_argument("--recipe", default="te-delayed")
     ap.add_argument("--out", type=Path, default=Path("runs/guard-spike"))
     ap.add_argument("--nan-step", type=int, default=None)
+    ap.add_argument("--hot-lr", type=float, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.nan_step is not None:
         return nan_main(args)
+    if args.hot_lr is not None:
+        return hot_main(args)
     import fp8lab
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab.data import load_corpus
@@ -116,6 +124,43 @@ def nan_main(args: argparse.Namespace) -> None:
         "skipped_unguarded": plain.summary["skipped_steps"],
     }  # fmt: skip
     (args.out / "result_nan.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+def hot_main(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    import fp8lab
+    from fp8lab.guard import AnomalyGuard
+    from fp8lab.lab.data import load_corpus
+    from fp8lab.lab.train import LabConfig, TrainConfig, train_run
+
+    base = LabConfig()
+    cfg = base.replace_train(steps=args.steps, lr=TrainConfig().lr * args.hot_lr)
+    corpus = load_corpus(base.data, base.model.block_size)
+    fired: Counter[str] = Counter()
+    warned: Counter[str] = Counter()
+
+    def count(ev: dict) -> None:
+        if ev["event"] == "guard_signals":
+            fired.update(ev["fired"])
+            warned.update(ev["warned"])
+
+    t0 = time.time()
+    res = train_run(fp8lab.get_recipe(args.recipe), cfg, corpus, None, count, guard=AnomalyGuard())
+    events = res.summary["guard_events"]
+    out = {
+        "recipe": args.recipe, "steps": args.steps, "lr": cfg.train.lr,
+        "steps_fired": dict(fired), "steps_warned": dict(warned),
+        "events": [{k: e.get(k) for k in ("action", "step", "detector", "tensor", "value")}
+                   for e in events],
+        "actions": dict(Counter(e["action"] for e in events)),
+        "final_train_loss": res.summary["final_train_loss"],
+        "final_val_loss": res.summary["final_val_loss"],
+        "seconds": round(time.time() - t0),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"result_hot_x{args.hot_lr:g}.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
 
 

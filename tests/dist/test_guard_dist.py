@@ -1,6 +1,6 @@
-"""The anomaly guard under torchrun (2 gloo ranks, tests/dist/_guard_worker.py): every rank
-takes the same decision, an injected NaN costs one rollback on both ranks and the run ends
-equal to the clean 2-rank run; an anomaly only one rank sees rolls back both."""
+"""The anomaly guard under torchrun (2 gloo ranks, tests/dist/_guard_worker.py), DDP and FSDP2:
+every rank takes the same decision, an injected NaN costs one rollback on both ranks and the run
+ends equal to the clean 2-rank run; an anomaly only one rank sees rolls back both."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _run(out: Path, *args: str, timeout: float = 150.0) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("mode", ["ddp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_guard_decisions_are_agreed_by_all_ranks(tmp_path: Path, mode: str) -> None:
     r0, r1 = _run(tmp_path / mode, *(["fsdp"] if mode == "fsdp" else []))
     assert r0 == r1  # the same events, losses and steps on both ranks
@@ -41,3 +41,9 @@ def test_guard_decisions_are_agreed_by_all_ranks(tmp_path: Path, mode: str) -> N
     # ranks' models would have parted), and the replay is the clean run again
     assert split["events"] == [["rollback", 5, "loss_zscore", 3]]
     assert split["steps"] == clean["steps"] and split["losses"] == clean["losses"]
+    # the checkpoint written right after the rollback (its loop state has the event) holds the
+    # full tensors, also under FSDP, where every rank gathers its shard for rank 0 to write
+    ck = torch.load(tmp_path / mode / "nan" / "checkpoints" / "step-000003.pt",
+                    weights_only=True)  # fmt: skip
+    assert [e["action"] for e in ck["loop"]["guard_events"]] == ["rollback"]
+    assert tuple(ck["model"]["blocks.0.mlp.up.weight"].shape) == (64, 32)

@@ -499,7 +499,7 @@ def train_run(
     emit = callback or (lambda event: None)
     model = build_model(cfg.model, recipe, tc.seed)
     # before the optimizer: FSDP's fully_shard replaces the parameters
-    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather, guard)
+    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
     opt = make_optimizer(model, recipe, tc)
     scaler = None if recipe is None else LossScaler.from_recipe(recipe)
     injector = Injector(model, cfg.inject)
@@ -551,10 +551,16 @@ def train_run(
                     _truncate_jsonl(run_path / STATS, st.step)
                     metrics_f = open(run_path / METRICS, "a")  # noqa: SIM115
                     stats_f = open(run_path / STATS, "a")  # noqa: SIM115
-                if run_path and writer:
-                    _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, model, opt, scaler, st,
-                                     grun.checkpoint_extra())  # fmt: skip
-                    _keep_checkpoint(run_path, st.step, grun.guard.keep, rollback=True)
+                if run_path:  # the restored state at once (FSDP: every rank gathers it)
+                    ck_model, ck_opt = (model, opt) if dp is None else dp.for_checkpoint(opt)
+                    ck_extra = {**grun.checkpoint_extra(),
+                                **(dp.checkpoint_extra() if dp is not None else {})}  # fmt: skip
+                    if writer:
+                        _save_checkpoint(run_path / CHECKPOINT, ckpt_cfg, ck_model, ck_opt,
+                                         scaler, st, ck_extra)  # fmt: skip
+                        _keep_checkpoint(run_path, st.step, grun.guard.keep, rollback=True)
+                    if dp is not None:
+                        dp.barrier()
                 emit({"event": "guard", "recipe": name, **st.guard_events[-1]})
                 continue
             if grun is not None:
@@ -608,7 +614,7 @@ def train_run(
 
 def _data_parallel(
     model: torch.nn.Module, amax_group: str, grad_comm: str, fsdp: bool = False,
-    fp8_allgather: bool = False, guard: Any = None,
+    fp8_allgather: bool = False,
 ) -> Any:  # fmt: skip
     """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
     checked either way: a bad value is an error even on one rank)."""
@@ -618,9 +624,6 @@ def _data_parallel(
     d = torch.distributed
     if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
         return None
-    if fsdp and guard is not None:
-        raise ValueError("--fsdp cannot be combined with a guard (its rollback snapshots the "
-                         "replicated model); use DDP (no --fsdp)")  # fmt: skip
     return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
 
 
