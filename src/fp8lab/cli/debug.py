@@ -24,7 +24,7 @@ noise (fp32 vs bf16, two runs differing only in rounding; a gap within 2x the no
 problem found"); (2) recovery: R's checkpoint continued under the baseline; (3) fake
 quantization: R's grids with current scaling; (4) screening: one training step replayed bit for
 bit from R's checkpoints with one (layer, GEMM, role) cell at a time in high precision, scored by
-the share of the gradient error it removes; (5) confirmation probes per role and GEMM, then group
+the share of the error of the AdamW update it removes; (5) confirmation probes per role and GEMM, then group
 testing over layers; (6) remedies for the culprit (current scaling, finer blocks, E5M2 for
 gradients, high precision for the culprit cells), each trained, with its gap and relative_cost;
 (7) verdict: OUT/report.html, report.md and OUT/fix.toml (a per-layer recipe file that

@@ -8,7 +8,16 @@ billions of tokens (Fishman et al. 2024), so the lab injects them:
   are multiplied by ``outlier_scale`` inside the forward pass. Every recipe gets the same
   injection, so the baseline sees the same function; what differs is how each recipe's scaling
   copes: one per-tensor scale is set by the outlier channels and the other channels lose
-  precision, while 1x128 tiles / MX blocks isolate them.
+  precision, while 1x128 tiles / MX blocks isolate them. ``outlier_weights`` says what the
+  layer does with those channels: ``"train"`` (default) trains the weights that read them like
+  any other, so the layer's output and its weight gradient are dominated by the outliers (and
+  at large scales even bf16 training turns noisy: Adam moves those weights by about its step
+  size, times ``outlier_scale`` in the output); ``"zero"`` holds those weights at zero (zeroed
+  when the injector is installed, their gradient masked), so the channels carry range but no
+  signal, like the massive activations that act as fixed biases or "no-op" features (Sun et
+  al. 2024, arXiv 2402.17762; Bondarenko et al. 2023, arXiv 2306.12929): the model's function
+  no longer depends on ``outlier_scale`` and only a quantizer that shares one scale with the
+  outliers sees them.
 - **gradient spike**: at step ``grad_spike_step`` the loss is multiplied by ``grad_spike_scale``
   (rounded to a power of two) before backward and the parameter gradients are divided by it
   again afterwards. In exact fp32 arithmetic the update is unchanged, but every quantized
@@ -32,6 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+#: what a layer does with its outlier channels (InjectConfig.outlier_weights)
+OUTLIER_WEIGHTS = ("train", "zero")
+
 
 @dataclass(frozen=True)
 class InjectConfig:
@@ -41,6 +53,7 @@ class InjectConfig:
     outlier_scale: float = 100.0
     outlier_layers: str = "blocks.*.mlp.down"  # glob over module names of Linear layers
     outlier_from_step: int = 0
+    outlier_weights: str = "train"  # "train" or "zero": the weights reading the outlier channels
     grad_spike_step: int = -1  # step index of the one-step gradient spike (-1 = off)
     grad_spike_scale: float = 1024.0
     nan_step: int = -1  # step index whose loss becomes NaN, once (-1 = off)
@@ -55,6 +68,11 @@ class InjectConfig:
         if not (isinstance(self.outlier_from_step, int) and self.outlier_from_step >= 0):
             raise ValueError(
                 f"outlier_from_step must be an int >= 0, got {self.outlier_from_step!r}"
+            )
+        if self.outlier_weights not in OUTLIER_WEIGHTS:
+            raise ValueError(
+                f"outlier_weights must be one of {', '.join(OUTLIER_WEIGHTS)}, got "
+                f"{self.outlier_weights!r}"
             )
         if not (isinstance(self.grad_spike_step, int) and self.grad_spike_step >= -1):
             raise ValueError(f"grad_spike_step must be an int >= -1, got {self.grad_spike_step!r}")
@@ -79,6 +97,23 @@ def outlier_channel_index(in_features: int, n: int, layer_name: str) -> torch.Te
     return (torch.arange(n) * (in_features // n) + offset) % in_features
 
 
+def _zero_columns(mod: nn.Module, idx: torch.Tensor) -> torch.utils.hooks.RemovableHandle:
+    """Zero the weights of ``mod`` that read input channels ``idx`` and mask their gradient, so
+    they stay zero under any optimizer (AdamW's update of a zero moment is zero, weight decay
+    keeps zero). Returns the gradient hook's handle."""
+    w = mod.weight
+    # fp8lab's Linear may keep a transformers Conv1D's [in, out] layout
+    in_out = getattr(mod, "weight_layout", "out_in") == "in_out"
+    keep = torch.ones(w.shape, dtype=w.dtype, device=w.device)
+    if in_out:
+        keep[idx, :] = 0
+    else:
+        keep[:, idx] = 0
+    with torch.no_grad():
+        w.mul_(keep)
+    return w.register_hook(lambda g: g * keep)
+
+
 class Injector:
     """Installs the injection of ``cfg`` on ``model``; call :meth:`set_step` before each forward."""
 
@@ -96,9 +131,12 @@ class Injector:
             if in_features is None:
                 raise ValueError(f"outlier_layers matches {name!r}, which is not a Linear layer")
             gain = torch.ones(in_features)
-            gain[outlier_channel_index(in_features, cfg.outlier_channels, name)] = cfg.outlier_scale
+            idx = outlier_channel_index(in_features, cfg.outlier_channels, name)
+            gain[idx] = cfg.outlier_scale
             self.layers[name] = gain
             self._handles.append(mod.register_forward_pre_hook(self._hook(gain)))
+            if cfg.outlier_weights == "zero":
+                self._handles.append(_zero_columns(mod, idx))
         if not self.layers:
             raise ValueError(f"outlier_layers={cfg.outlier_layers!r} matches no layer of the model")
 

@@ -139,6 +139,8 @@ class LabConfig:
         d["data"]["paths"] = list(self.data.paths)
         if d["inject"]["nan_step"] == -1:  # off: configs written before the key existed match
             del d["inject"]["nan_step"]
+        if d["inject"]["outlier_weights"] == "train":  # the default: older configs match
+            del d["inject"]["outlier_weights"]
         return d
 
     @classmethod

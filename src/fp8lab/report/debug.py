@@ -186,8 +186,9 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
         lines += [f"## {title}", "", f"![{title}]({f})", ""]
     if result.attribution:
         lines += ["## Attribution (one-step replay, top 20 cells)", "",
-                  "score = share of the gradient-error norm |g_R - g_baseline| removed by "
-                  "running only that cell in high precision, pooled over the screened "
+                  "score = share of the update error |u(g_R) - u(g_baseline)| removed by "
+                  "running only that cell in high precision (u: the AdamW update the "
+                  "checkpoint's optimizer state makes of a gradient), pooled over the screened "
                   f"checkpoints (steps {result.details['state'].get('screen_steps')}).", ""]  # fmt: skip
         lines += _md_table(["layer", "GEMM", "role", "score"],
                            [[a["layer"], a["gemm"], a["role"], _fmt(a["score"], ".3f")]
@@ -240,7 +241,9 @@ def render_html(result: Any, figs: dict[str, str], command: str | None,
     for title, f in figs.items():
         parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')
     if result.attribution:
-        parts.append("<h2>Attribution (one-step replay, top 20 cells)</h2>")
+        parts.append("<h2>Attribution (one-step replay, top 20 cells)</h2><p>score = share "
+                     "of the AdamW update error against the baseline removed by running only "
+                     "that cell in high precision.</p>")  # fmt: skip
         parts.append(_html_table(["layer", "GEMM", "role", "score"],
                                  [[a["layer"], a["gemm"], a["role"], _fmt(a["score"], ".3f")]
                                   for a in result.attribution[:20]]))  # fmt: skip

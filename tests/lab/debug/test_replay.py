@@ -95,3 +95,62 @@ def test_screening_scores_a_cell_that_explains_everything(tmp_path, text):
     assert (rows[0]["layer"], rows[0]["gemm"], rows[0]["role"]) == (layer, "dgrad", "grad_output")
     assert rows[0]["score"] == pytest.approx(1.0)
     json.dumps(rows)  # plain data
+
+
+def test_adam_update_is_the_step_the_optimizer_takes(tmp_path, text):
+    """The screening's error space: AdamUpdate of the replayed gradient, times the learning
+    rate, is the weight change of the recorded step (after weight decay)."""
+    from fp8lab.lab.debug.attribution import AdamUpdate
+
+    cfg = _cfg(text)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    rec = get_recipe("te-delayed")
+    run_probe(ProbeSpec("r", rec.to_dict(), snapshots=(3, 4)), cfg.to_dict(), str(tmp_path / "r"))
+    state = load_state(snapshot_path(tmp_path / "r", 3))
+    after = load_state(snapshot_path(tmp_path / "r", 4))["model"]
+    replay = StepReplay(rec, cfg, corpus, state)
+    _, g = replay.gradient()
+    u = AdamUpdate(state["optimizer"], replay.params, cfg.train.grad_clip)(g)
+    lr = cfg.train.lr_at(replay.step)
+    names = {id(p): n for n, p in replay.model.named_parameters()}
+    before = state["model"]
+    wd = {id(p): grp["weight_decay"] for grp in replay.opt.param_groups for p in grp["params"]}
+    i = 0
+    for p in replay.params:
+        n = names[id(p)]
+        k = p.numel()
+        want = (after[n].double() - before[n].double() * (1 - lr * wd[id(p)])).reshape(-1)
+        step = -lr * u[i : i + k]
+        # the weights are float32: the recorded change carries their rounding
+        tol = 4 * torch.finfo(torch.float32).eps * float(after[n].abs().max())
+        assert torch.allclose(step, want, rtol=1e-4, atol=tol), n
+        i += k
+    assert i == u.numel() and float(u.abs().max()) > 0.1  # Adam steps are O(1) in u
+
+
+def test_outliers_with_zero_weights_change_only_the_quantized_run(tmp_path, text):
+    """outlier_weights="zero": the weights reading the outlier channels stay zero, so the
+    unquantized model does not depend on outlier_scale (bit for bit), while a per-tensor FP8
+    recipe, whose one input scale the outliers set, does."""
+    layer = "blocks.0.mlp.down"
+
+    def run(recipe, scale):
+        cfg = _cfg(text, outlier_channels=2, outlier_layers=layer, outlier_scale=scale,
+                   outlier_weights="zero")  # fmt: skip
+        d = tmp_path / f"{recipe}-{scale:g}"
+        run_probe(ProbeSpec("r", get_recipe(recipe).to_dict()), cfg.to_dict(), str(d))
+        w = load_state(d / "checkpoint.pt")["model"][f"{layer}.weight"]
+        return [r["train_loss"] for r in read_metrics(d) if "train_loss" in r], w
+
+    from fp8lab.lab.inject import outlier_channel_index
+
+    idx = outlier_channel_index(TINY.model.d_ff, 2, layer)
+    l_lo, w = run("fp32", 10.0)
+    l_hi, _ = run("fp32", 1e5)
+    assert l_lo == l_hi
+    assert bool((w[:, idx] == 0).all()) and bool((w.abs().sum(0) > 0).sum() >= w.shape[1] - 2)
+    d_lo, _ = run("te-delayed", 10.0)
+    d_hi, _ = run("te-delayed", 1e5)
+    assert d_lo != d_hi
+    with pytest.raises(ValueError, match="outlier_weights"):
+        _cfg(text, outlier_weights="frozen")

@@ -10,10 +10,16 @@ bit for bit, and applying the optimizer gives the next checkpoint's weights). Sc
 - under the baseline at the same weights: ``g_B``;
 - once per cell (layer, GEMM, role) with only that operand in high precision: ``g_c``;
 
-and scores each cell by the share of the gradient-error norm the switch removes,
-``(|g_R - g_B| - |g_c - g_B|) / |g_R - g_B|`` (norms over every parameter's gradient). Over several
-checkpoints the scores are pooled weighted by ``|g_R - g_B|`` (:func:`pool_scores`): a checkpoint
-where R's gradient is far off counts more.
+and scores each cell by the share of the error it removes, ``(e_R - e_c) / e_R``, where the error
+``e_x = |u(g_x) - u(g_B)|`` is measured in the space training applies: ``u`` is the AdamW update
+the checkpoint's optimizer would make from that gradient (:class:`AdamUpdate`: the saved first
+and second moments and step count, gradient clipping as the run clips). A raw gradient-norm
+error is dominated by whichever entries have the largest gradients (e.g. the weight columns that
+meet outlier activations), which Adam divides by their equally large second moments; the update
+error weighs every parameter as the optimizer does. The raw gradient-norm errors are kept
+too (``err_raw``; :func:`pool_scores` with ``key="err_raw"``). Over several checkpoints the
+scores are pooled weighted by ``e_R`` (:func:`pool_scores`): a checkpoint where R's update is
+far off counts more.
 """
 
 from __future__ import annotations
@@ -148,6 +154,60 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return v if math.isfinite(v) else math.inf
 
 
+class AdamUpdate:
+    """The AdamW update of one step at a checkpoint, as a function of the flat gradient.
+
+    ``u(g) = m'/(1 - b1^t) / (sqrt(v'/(1 - b2^t)) + eps)`` with ``m' = b1 m + (1 - b1) g`` and
+    ``v' = b2 v + (1 - b2) g^2`` per element (``m``, ``v``, ``t - 1`` from the checkpoint's
+    optimizer state; a parameter without state starts from zero moments), after the run's
+    global-norm gradient clipping. The learning rate (one for every parameter) and the weight
+    decay (the same at the same weights) are left out: they do not change shares of an error.
+    A non-finite gradient gives a non-finite update (the step would be skipped)."""
+
+    def __init__(self, optimizer_state: dict[str, Any], params: Sequence[torch.Tensor],
+                 grad_clip: float = 0.0) -> None:  # fmt: skip
+        saved = optimizer_state.get("state", {})
+        # per parameter: (numel, m, v, t after this step, beta1, beta2, eps)
+        self.parts: list[tuple[int, torch.Tensor | None, torch.Tensor | None, float, float,
+                               float, float]] = []  # fmt: skip
+        ids = [idx for group in optimizer_state["param_groups"] for idx in group["params"]]
+        if len(ids) != len(params):
+            raise ValueError(
+                f"optimizer state covers {len(ids)} parameters, the model has {len(params)}"
+            )
+        i = 0
+        for group in optimizer_state["param_groups"]:
+            b1, b2 = group["betas"]
+            for idx in group["params"]:
+                st = saved.get(idx, saved.get(str(idx), {}))
+                if "exp_avg" in st:
+                    m = st["exp_avg"].reshape(-1).double()
+                    v = st["exp_avg_sq"].reshape(-1).double()
+                    t = float(st["step"]) + 1
+                else:
+                    m = v = None
+                    t = 1.0
+                self.parts.append((params[i].numel(), m, v, t, b1, b2, group["eps"]))
+                i += 1
+        self.grad_clip = grad_clip
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        g = g.double()
+        if self.grad_clip > 0:
+            norm = float(torch.linalg.vector_norm(g))
+            coef = self.grad_clip / (norm + 1e-6)
+            if math.isfinite(norm) and coef < 1.0:
+                g = g * coef
+        out = []
+        for gi, (_, m0, v0, t, b1, b2, eps) in zip(
+            torch.split(g, [p[0] for p in self.parts]), self.parts, strict=True
+        ):
+            m = (1 - b1) * gi if m0 is None else b1 * m0 + (1 - b1) * gi
+            v = (1 - b2) * gi * gi if v0 is None else b2 * v0 + (1 - b2) * gi * gi
+            out.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
+        return torch.cat(out)
+
+
 def screen_snapshot(
     recipe: dict[str, Any],
     baseline: dict[str, Any],
@@ -159,7 +219,8 @@ def screen_snapshot(
     events: Any = None,
 ) -> dict[str, Any]:
     """Screen every (layer, cell) at one checkpoint (see the module doc). Returns ``{"step",
-    "loss", "err_r", "rows": [{layer, gemm, role, err}]}`` (``err``: |g_c - g_B|)."""
+    "loss", "err_r", "err_r_raw", "rows": [{layer, gemm, role, err, err_raw}]}`` (``err``:
+    |u(g_c) - u(g_B)|, the AdamW update error; ``err_raw``: |g_c - g_B|)."""
     import time
 
     from fp8lab.recipe import Recipe
@@ -174,7 +235,9 @@ def screen_snapshot(
     b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
     loss_r, g_r = r.gradient()
     _, g_b = b.gradient()
-    err_r = _err(g_r, g_b)
+    update = AdamUpdate(state["optimizer"], r.params, cfg.train.grad_clip)
+    u_b = update(g_b)
+    err_r, err_r_raw = _err(update(g_r), u_b), _err(g_r, g_b)
     todo = [(layer, g, ro) for layer in layers for g, ro in cells
             if rec.for_layer(layer).spec(g, ro) is not None
             and rec.for_layer(layer).gemm(g).high_precision is None]  # fmt: skip
@@ -183,31 +246,33 @@ def screen_snapshot(
     for i, (layer, g, ro) in enumerate(todo):
         switched = {layer: with_cells_hp(rec.for_layer(layer), [(g, ro)], precision)}
         _, g_c = r.gradient(switched)
-        rows.append({"layer": layer, "gemm": g, "role": ro, "err": _err(g_c, g_b)})
+        rows.append({"layer": layer, "gemm": g, "role": ro, "err": _err(update(g_c), u_b),
+                     "err_raw": _err(g_c, g_b)})  # fmt: skip
         if events is not None:
             events.put({"event": "replay", "recipe": name, "probe": name, "done": i + 1,
                         "total": len(todo)})  # fmt: skip
-    return {"step": r.step, "loss": loss_r, "err_r": err_r, "rows": rows,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {"step": r.step, "loss": loss_r, "err_r": err_r, "err_r_raw": err_r_raw,
+            "rows": rows, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
-def pool_scores(screens: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell, the share of the gradient-error norm its switch removes, pooled over the
-    screened checkpoints: ``sum_t (e_R,t - e_c,t) / sum_t e_R,t``. A checkpoint where R's
-    gradient is not finite counts a cell as fully explaining it when its switch makes the
-    gradient finite. Sorted by score, highest first."""
+def pool_scores(screens: Iterable[dict[str, Any]], key: str = "err") -> list[dict[str, Any]]:
+    """Per cell, the share of the error its switch removes, pooled over the screened
+    checkpoints: ``sum_t (e_R,t - e_c,t) / sum_t e_R,t``, with the AdamW update error
+    (``key="err"``) or the raw gradient error (``"err_raw"``). A checkpoint where R's error is
+    not finite counts a cell as fully explaining it when its switch makes the error finite.
+    Sorted by score, highest first."""
     num: dict[tuple[str, str, str], float] = {}
     den: dict[tuple[str, str, str], float] = {}
     for s in screens:
-        e_r = s["err_r"]
+        e_r = s[{"err": "err_r", "err_raw": "err_r_raw"}[key]]
         for row in s["rows"]:
-            key = (row["layer"], row["gemm"], row["role"])
+            cell = (row["layer"], row["gemm"], row["role"])
             if math.isinf(e_r):
-                n, d = (1.0 if math.isfinite(row["err"]) else 0.0), 1.0
+                n, d = (1.0 if math.isfinite(row[key]) else 0.0), 1.0
             else:
-                n, d = e_r - min(row["err"], 1e300), e_r
-            num[key] = num.get(key, 0.0) + n
-            den[key] = den.get(key, 0.0) + d
+                n, d = e_r - min(row[key], 1e300), e_r
+            num[cell] = num.get(cell, 0.0) + n
+            den[cell] = den.get(cell, 0.0) + d
     rows = [
         {"layer": k[0], "gemm": k[1], "role": k[2],
          "score": (num[k] / den[k]) if den[k] > 0 else 0.0}

@@ -309,6 +309,11 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
         ctx.timings["screen_s"] = time.perf_counter() - t_screen
         ctx.run(rec_specs)
     scores = attribution.pool_scores(screens)
+    # the raw gradient-norm scores, for comparison in the result's details (not used)
+    state["attribution_raw"] = [
+        {k: r[k] for k in ("layer", "gemm", "role", "score")}
+        for r in attribution.pool_scores(screens, "err_raw")
+    ]
     ctx.timings["stage2_4_s"] = time.perf_counter() - t0
     if ctx.timings["screen_s"] is None:
         ctx.timings["screen_s"] = sum(s.get("seconds", 0.0) for s in screens)
