@@ -119,3 +119,64 @@ def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
     r2 = runner.invoke(app, args)
     assert r2.exit_code == 0
     assert json.loads(r2.stdout.strip().splitlines()[-1]) == d
+
+
+USER_MODEL = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.fc(self.emb(idx))))
+
+
+def tiny():
+    return Tiny()
+"""
+
+# te-delayed, but the hidden layer's input cast to E4M3 with a fixed scale of 2^-14: the
+# embeddings (about N(0, 1)) all fall below E4M3's smallest subnormal, the layer sees zeros
+FAULT = """base = "te-delayed"
+name = "te-delayed-flushed-fc-input"
+[[layer]]
+match = "*fc"
+[layer.input]
+scaling = 6.103515625e-05
+"""
+
+
+def test_user_model_file_end_to_end(tmp_path, config):
+    """``--model FILE.py:fn`` through the whole debugger: a fault planted on the user's hidden
+    layer is named (role input, that layer), the JSON has the issue's fields, and the fix file
+    names the user's module."""
+    src = tmp_path / "mymodel.py"
+    src.write_text(USER_MODEL)
+    fault = tmp_path / "fault.toml"
+    fault.write_text(FAULT)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["debug", "--config", str(config), "--model", f"{src}:tiny",
+                            "--recipe", str(fault), "--steps", "30", "--set", "train.lr=1e-2",
+                            "--set", "train.eval_every=5", "--checkpoints", "1", "--out",
+                            str(out), "--json", "--quiet", "--threads", "1"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
+                       "recovers", "culprit", "attribution", "remedies", "fix", "probes"]  # fmt: skip
+    full = json.loads((out / "debug_result.json").read_text())
+    layers = full["details"]["layers"]
+    fc = [n for n in layers if n.endswith("fc")]
+    assert fc == layers, layers  # the output head stays unconverted
+    assert d["gap_pct"] > 2 * d["noise_pct"], full["verdict"]
+    assert d["culprit"] is not None, full["verdict"]
+    assert d["culprit"]["role"] == "input" and d["culprit"]["layers"] == fc
+    assert d["culprit"]["gemm"] in ("fprop", "wgrad")
+    top = d["attribution"][0]
+    assert (top["layer"], top["role"]) == (fc[0], "input"), d["attribution"]
+    assert d["fix"] is not None and fc[0] in Path(d["fix"]).read_text()
