@@ -8,24 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
-
-TINY = """[model]
-block_size = 16
-n_layer = 1
-n_head = 2
-d_model = 128
-d_ff = 256
-[data]
-paths = [{path}]
-split_chunk = 256
-[train]
-steps = 3
-batch_size = 2
-warmup_steps = 1
-eval_every = 3
-eval_batches = 1
-stats_every = 0
-"""
+from tiny_lab import tiny_lab_toml
 
 
 @pytest.fixture
@@ -37,7 +20,8 @@ def text(tmp_path):
 
 def _tiny_run(tmp_path, text, *args):
     conf = tmp_path / "c.toml"
-    conf.write_text(TINY.format(path=json.dumps(str(text))))
+    conf.write_text(tiny_lab_toml(text, {"d_model": 128, "d_ff": 256}, steps=3, batch_size=2,
+                                  eval_every=3))  # fmt: skip
     out = tmp_path / "out"
     cmd = ["compare", "--config", str(conf), "--out", str(out), "--quiet", *args]
     return CliRunner().invoke(app, cmd), out

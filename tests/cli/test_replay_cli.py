@@ -9,34 +9,17 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
+from tiny_lab import tiny_lab_toml
 
 runner = CliRunner()
-
-TINY = """[model]
-block_size = 16
-n_layer = 1
-n_head = 2
-d_model = 32
-d_ff = 64
-[data]
-paths = [{paths}]
-split_chunk = 256
-[train]
-steps = 12
-batch_size = 2
-warmup_steps = 1
-eval_every = 6
-eval_batches = 1
-stats_every = 0
-checkpoint_every = 4
-"""
 
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("run")
     (d / "t.txt").write_text("Now is the winter of our discontent made glorious summer. " * 60)
-    (d / "cfg.toml").write_text(TINY.format(paths=json.dumps(str(d / "t.txt"))))
+    (d / "cfg.toml").write_text(tiny_lab_toml(d / "t.txt", steps=12, batch_size=2, eval_every=6,
+                                              checkpoint_every=4))  # fmt: skip
     (d / "guard.toml").write_text("checkpoint_every = 4\nkeep = 2\n")
     out = d / "out"
     r = runner.invoke(app, ["compare", "--config", str(d / "cfg.toml"), "--recipes",

@@ -13,29 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tiny_lab import tiny_lab_toml
+
 TEXT = "All the world's a stage, and all the men and women merely players. " * 40
 WORKER = Path(__file__).with_name("_debug_worker.py")
 # a tiny GPT; R is bf16 except the gradient operand of every layer in unscaled E4M3 (the
 # lab's e4m3-unscaled-grads): most gradients underflow, a gap far beyond the noise
-CONFIG = """[model]
-block_size = 16
-n_layer = 1
-n_head = 2
-d_model = 32
-d_ff = 64
-[data]
-paths = [{paths}]
-split_chunk = 256
-[train]
-steps = 8
-batch_size = 4
-lr = 3e-3
-warmup_steps = 2
-eval_every = 4
-eval_batches = 1
-stats_every = 0
-checkpoint_every = 100
-"""
 RECIPE = "e4m3-unscaled-grads"
 
 
@@ -52,7 +35,9 @@ def _torchrun(*args: str) -> list[str]:
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("debug")
     (d / "t.txt").write_text(TEXT)
-    (d / "tiny.toml").write_text(CONFIG.format(paths=json.dumps(str(d / "t.txt"))))
+    (d / "tiny.toml").write_text(tiny_lab_toml(d / "t.txt", steps=8, batch_size=4, lr=3e-3,
+                                               warmup_steps=2, eval_every=4,
+                                               checkpoint_every=100))  # fmt: skip
     return d
 
 
