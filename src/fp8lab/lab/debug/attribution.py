@@ -180,9 +180,9 @@ class AdamUpdate:
             b1, b2 = group["betas"]
             for idx in group["params"]:
                 st = saved.get(idx, saved.get(str(idx), {}))
-                if "exp_avg" in st:
-                    m = st["exp_avg"].reshape(-1).double()
-                    v = st["exp_avg_sq"].reshape(-1).double()
+                if "exp_avg" in st:  # kept as saved (float32); float64 per call, per tensor
+                    m = st["exp_avg"].reshape(-1)
+                    v = st["exp_avg_sq"].reshape(-1)
                     t = float(st["step"]) + 1
                 else:
                     m = v = None
@@ -202,8 +202,8 @@ class AdamUpdate:
         for gi, (_, m0, v0, t, b1, b2, eps) in zip(
             torch.split(g, [p[0] for p in self.parts]), self.parts, strict=True
         ):
-            m = (1 - b1) * gi if m0 is None else b1 * m0 + (1 - b1) * gi
-            v = (1 - b2) * gi * gi if v0 is None else b2 * v0 + (1 - b2) * gi * gi
+            m = (1 - b1) * gi if m0 is None else b1 * m0.double() + (1 - b1) * gi
+            v = (1 - b2) * gi * gi if v0 is None else b2 * v0.double() + (1 - b2) * gi * gi
             out.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
         return torch.cat(out)
 
