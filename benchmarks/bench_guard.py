@@ -9,6 +9,11 @@ percentages every 10 steps, an in-memory snapshot every 50 steps). Each step's w
 everything the loop does for it (the guard's check, its bookkeeping after the step, snapshots).
 Prints the mean step time of each, the ratio and the overhead in %. The guarded copy must
 record no event (the two runs are then bit-identical, checked).
+
+``--percentages N``: the cost of one sampled step's per-operand percentages instead. N forward
+and backward passes of one model, three variants alternating (no collector; the guard's
+collector, `fp8lab.guard.percent`; the same operands measured with the watch's full
+`fp8lab.stats.error_stats`); prints the medians and the ratios to no collector.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ def main() -> None:
     ap.add_argument("--recipe", default="te-delayed")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--percentages", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    if args.percentages:
+        return percentages_ab(args)
 
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab.compare import resolve_recipe, set_threads
@@ -89,6 +97,60 @@ def main() -> None:
     )
     print(f"ratio {mg / mp:.4f}  overhead {100 * (mg / mp - 1):+.2f} %  (target <= 3 %)")
     torch.set_num_threads(torch.get_num_threads())
+
+
+def percentages_ab(args: argparse.Namespace) -> None:
+    import contextlib
+
+    from fp8lab.guard.percent import operand_percentages
+    from fp8lab.lab.compare import resolve_recipe, set_threads
+    from fp8lab.lab.data import get_batch, load_corpus
+    from fp8lab.lab.train import LabConfig, build_model
+    from fp8lab.nn.operand import COLLECTORS
+    from fp8lab.observe.records import NATURAL_OPERANDS
+    from fp8lab.qtensor import QTensor
+    from fp8lab.stats import error_stats
+
+    set_threads(args.threads)
+    recipe = resolve_recipe(args.recipe)
+    cfg = LabConfig()
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    model = build_model(cfg.model, recipe, cfg.train.seed)
+    x, y = get_batch(corpus.train, cfg.train.batch_size, cfg.model.block_size, cfg.train.seed, 0)
+
+    @contextlib.contextmanager
+    def full_stats():
+        rows = []
+
+        def cb(layer, gemm, role, hp, used):
+            if (gemm, role) in NATURAL_OPERANDS and isinstance(used, QTensor):
+                dq = used.dequantize()
+                rows.append(error_stats(hp.detach().float(), dq, used.spec.fmt,
+                                        used.values.reshape(dq.shape)))  # fmt: skip
+
+        COLLECTORS.active.append(cb)
+        try:
+            yield rows
+        finally:
+            COLLECTORS.active.remove(cb)
+
+    variants = {"none": lambda: contextlib.nullcontext([]), "guard": operand_percentages,
+                "error_stats": full_stats}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(args.percentages + 1):
+        order = list(variants) if i % 2 == 0 else list(variants)[::-1]
+        for k in order:
+            t0 = time.perf_counter()
+            with variants[k]():
+                _, loss = model(x, y)
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            if i > 0:
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"sampled step, {args.recipe}, default GPT, {args.percentages} alternating passes each")
+    for k, v in med.items():
+        print(f"{k:12s} {1000 * v:8.1f} ms  ratio {v / med['none']:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,22 @@
-"""Underflow and saturation percentages of the FP8 GEMM operands, cheaply, on the steps the
-guard samples (its ``saturation`` / ``underflow`` detectors, every ``every`` steps).
+"""Underflow and saturation percentages of the FP8 GEMM operands, on the steps the guard samples
+(its ``saturation`` / ``underflow`` detectors, every ``every`` steps).
 
-Only quantized operands (a `QTensor`: high-precision roundings such as bf16 are left out), in
-their natural layout (fprop input and weight, dgrad grad_output), and only what the detectors
-read:
+One definition with `fp8lab.watch`: the two counts of `fp8lab.stats.error_stats` (which the
+watch's `fp8lab.observe.records.operand_row` runs), on the same three arrays -- the
+high-precision operand, the QTensor the GEMM consumed (dequantized) and its scaled values --
+with the same tolerance, so the numbers are equal (tested):
 
-- ``underflow_pct``: % of the nonzero elements of the high-precision operand whose quantized
-  value is 0;
-- ``saturation_pct``: % of the elements whose scaled value sits at the format's max while the
-  scaled high-precision value exceeds it (clamped). Exact for per-tensor scaling (one fused
-  numba pass over the operand and its scaled values, no dequantization); for block scaling the
-  clamps are counted against the dequantized operand's top value (a lower bound).
+- ``underflow_pct``: % of the nonzero elements of the high-precision operand that are 0 in the
+  dequantized operand;
+- ``saturation_pct``: % of all elements whose scaled value sits at the format's max while the
+  high-precision magnitude exceeds the dequantized one (clamped), or whose scaled value
+  overflowed to Inf/NaN from a finite input. Exact for per-tensor and block scales alike.
+
+The pass is lean (`_counts`: two integer counts in float32, one numba loop) where the watch's
+`error_stats` also accumulates float64 sums for SQNR, cosine and the dynamic range: the guard
+samples every 10 steps and has a 3 % overhead budget (README, "Anomaly guard"). Only quantized
+operands (a `QTensor`: high-precision roundings such as bf16 are left out) in their natural
+layout (fprop input and weight, dgrad grad_output) are measured.
 """
 
 from __future__ import annotations
@@ -26,27 +32,32 @@ from numba import njit
 from fp8lab.nn.operand import COLLECTORS
 from fp8lab.observe.records import NATURAL_OPERANDS
 from fp8lab.qtensor import QTensor
+from fp8lab.stats import _SAT_TOL  # the watch's clamp tolerance (error_stats)
 
 __all__ = ["operand_percentages", "percentages"]
 
 
 @njit(cache=True)
-def _counts(hp: np.ndarray, values: np.ndarray, scale: float, fmax: float) -> tuple:
-    """(nonzero, underflowed, clamped) over flat float32 arrays in one pass; ``scale`` 0: no
-    clamp count."""
-    nz = 0
-    under = 0
-    sat = 0
-    for i in range(hp.size):
-        a = hp[i]
-        v = values[i]
-        if a != 0.0:
-            nz += 1
-            if v == 0.0:
-                under += 1
-        if scale > 0.0 and abs(v) == fmax and abs(a) * scale > fmax:
-            sat += 1
-    return nz, under, sat
+def _counts(x: np.ndarray, xq: np.ndarray, v: np.ndarray, fmax: float, tol: float) -> tuple:
+    """(nonzero, underflowed, saturated) over flat arrays: `fp8lab.stats.error_stats`'s
+    ``nnz``, ``nuf`` and ``nsat`` (same comparisons, in the same float64)."""
+    nnz = 0
+    nuf = 0
+    nsat = 0
+    for i in range(x.size):
+        a = np.float64(x[i])
+        b = np.float64(xq[i])
+        if a != 0.0:  # NaN counts as nonzero, as in error_stats
+            nnz += 1
+            if b == 0.0:
+                nuf += 1
+        vv = np.float64(v[i])
+        if np.isfinite(vv):
+            if abs(vv) == fmax and abs(a) > abs(b) * (1.0 + tol):
+                nsat += 1
+        elif np.isfinite(a):
+            nsat += 1
+    return nnz, nuf, nsat
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -58,19 +69,11 @@ def _flat(t: torch.Tensor) -> np.ndarray:
 
 def percentages(hp: torch.Tensor, q: QTensor) -> tuple[float, float]:
     """(underflow %, saturation %) of one quantized operand (see the module doc)."""
-    fmax = float(q.spec.fmt.max)
-    per_tensor = q.scale_multipliers is not None and q.scale_multipliers.numel() == 1
-    scale = float(q.scale_multipliers.reshape(())) if per_tensor else 0.0
-    nz, under, sat = _counts(_flat(hp), _flat(q.values), scale, fmax)
-    n = max(1, hp.numel())
-    if not per_tensor:  # block scales: clamps at the dequantized top value (lower bound)
-        with torch.no_grad():
-            b = q.dequantize().abs()
-            top = b.max()
-            if top > 0:
-                clamped = (b == top) & (hp.detach().float().abs() > top * 1.125)
-                sat = int(clamped.sum())
-    return 100.0 * under / max(1, nz), 100.0 * sat / n
+    used = q.dequantize()
+    nnz, nuf, nsat = _counts(_flat(hp), _flat(used), _flat(q.values), float(q.spec.fmt.max),
+                             _SAT_TOL)  # fmt: skip
+    n = hp.numel()
+    return (100.0 * nuf / nnz if nnz else 0.0), (100.0 * nsat / n if n else 0.0)
 
 
 class _Percentages:
