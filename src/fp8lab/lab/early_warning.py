@@ -11,7 +11,8 @@ Definitions (docs/early_warning.md gives the reasoning and the sources):
   ``attn_logit_max``, ``log_z``).
 - **divergence step** (`divergence_step`): the first step whose loss is non-finite or above
   ``factor`` (1.5) x the minimum of the earlier losses.
-- **firing**: a guard detector fires as the guard fires it (default thresholds); an optional
+- **firing**: a guard detector fires as the guard fires it (default thresholds; a warning
+  counts, e.g. ``staleness``, which warns without acting unless the operand flushed); an optional
   indicator fires when the robust z-score of its (log) value against the previous ``window``
   (100) steps reaches ``threshold`` (10, the guard's z-score threshold) -- `zscore_firings`.
 - **lead time** (`lead_time`): divergence step minus the first firing in the ``lookback`` (100)
