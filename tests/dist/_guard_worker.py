@@ -34,7 +34,9 @@ def main() -> None:
     train = TrainConfig(steps=8, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4,
                         eval_batches=1, stats_every=0, checkpoint_every=3)  # fmt: skip
     recipe = get_recipe("te-current" if fsdp else "te-delayed")
-    guard = AnomalyGuard(checkpoint_every=3)
+    # the per-operand percentages every 2 steps: per-rank numbers, agreed like the rest
+    guard = AnomalyGuard(checkpoint_every=3, detectors={"underflow": {"every": 2},
+                                                        "saturation": {"every": 2}})  # fmt: skip
 
     orig = guard_monitor.GuardMonitor.check
     fired: list[int] = []
@@ -51,7 +53,13 @@ def main() -> None:
     for mode, inject in (("clean", {}), ("nan", {"nan_step": 4}), ("split", {})):
         split = mode == "split"
         cfg = LabConfig(model=model, train=train, inject=InjectConfig(**inject))
-        res = train_run(recipe, cfg, corpus, os.path.join(out_dir, mode), guard=guard,
+        measured: list[bool] = []
+
+        def on_event(ev: dict, measured: list[bool] = measured) -> None:
+            if ev["event"] == "guard_signals":
+                measured.append(ev.get("underflow_pct") is not None)
+
+        res = train_run(recipe, cfg, corpus, os.path.join(out_dir, mode), on_event, guard=guard,
                         fsdp=fsdp, fp8_allgather=fsdp)  # fmt: skip
         out[mode] = {
             "events": [
@@ -60,6 +68,7 @@ def main() -> None:
             ],
             "losses": [r["train_loss"] for r in res.records],
             "steps": [r["step"] for r in res.records],
+            "percentages_measured": sum(measured),
         }
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 

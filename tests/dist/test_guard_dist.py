@@ -33,6 +33,7 @@ def test_guard_decisions_are_agreed_by_all_ranks(tmp_path: Path, mode: str) -> N
     assert r0 == r1  # the same events, losses and steps on both ranks
     clean, nan, split = r0["clean"], r0["nan"], r0["split"]
     assert clean["events"] == [] and clean["steps"] == list(range(1, 9))
+    assert clean["percentages_measured"] >= 3  # each rank measured its own operands
     # the NaN step: one rollback (to the snapshot at step 3), then a replay equal to the
     # clean run: no step lost or applied twice
     assert nan["events"] == [["rollback", 4, "nonfinite", 3]]

@@ -657,9 +657,9 @@ def _train_step(
     x, y = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, st.cursor)
     st.cursor += 1
     collect = tc.stats_every > 0 and (step + 1) % tc.stats_every == 0 and recipe is not None
-    # per-operand percentages are per-rank numbers: under DDP they could split the ranks'
-    # decisions, so the guard then acts on the global signals only
-    guard_rows = grun is not None and recipe is not None and dp is None and grun.wants_rows(step)
+    # per-operand percentages are per-rank numbers (each rank measures its own shard): under
+    # torchrun the ranks agree on the findings before acting (fp8lab.lab.guard_run.agree)
+    guard_rows = grun is not None and recipe is not None and grun.wants_rows(step)
     t0 = time.perf_counter()
     injector.set_step(step)
     mult, nan_loss = injector.fire(step, st.injected)
