@@ -11,27 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
+from tiny_lab import tiny_lab_toml
 
 runner = CliRunner()
-
-TINY = """[model]
-block_size = 16
-n_layer = 1
-n_head = 2
-d_model = 32
-d_ff = 64
-[data]
-paths = [{paths}]
-split_chunk = 256
-[train]
-steps = 8
-batch_size = 4
-warmup_steps = 2
-eval_every = 4
-eval_batches = 1
-stats_every = 0
-checkpoint_every = 100
-"""
 
 
 @pytest.fixture
@@ -39,7 +21,8 @@ def config(tmp_path) -> Path:
     text = tmp_path / "text.txt"
     text.write_text("All the world's a stage, and all the men and women merely players. " * 40)
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY.format(paths=json.dumps(str(text))))
+    cfg.write_text(tiny_lab_toml(text, steps=8, batch_size=4, warmup_steps=2, eval_every=4,
+                                 checkpoint_every=100))  # fmt: skip
     return cfg
 
 
