@@ -5,10 +5,16 @@ what was planted (it only gets the recipe and the config, as for any user run), 
 scenario says what it should find (``expect``). A scenario picks its target layer among the
 model's converted layers, so it also works with other sizes (``--set model.n_layer=4``).
 
-- ``outlier-channels``: a few input channels of one layer (the last SwiGLU down projection,
-  where Fishman et al. 2024 find outliers) carry activations ``outlier_scale`` times larger,
-  under te-delayed (per-tensor delayed scaling): one scale for the whole tensor is set by the
-  outliers (x1e5) and most other values fall below E4M3's smallest subnormal. Expect: that layer, role ``input``.
+- ``outlier-channels``: 4 input channels of one layer (the first attention QKV projection: the
+  normalized hidden state, where Dettmers et al. 2022, LLM.int8(), find outlier features) are
+  x1e5 larger, under te-delayed (per-tensor delayed scaling): one scale for the whole tensor is
+  set by the outliers and the other channels fall below E4M3's smallest subnormal, so that
+  layer's attention gets (almost) nothing in fprop and its weights no gradient in wgrad. The
+  weights reading the outlier channels are held at zero (``outlier_weights="zero"``): the
+  channels carry range without signal, so the high-precision baselines do not depend on the
+  scale (bit for bit in fp32) and the gap is FP8's alone. With trained weights instead, Adam
+  moves them by about its step size, x1e5 in the output, and even fp32 and bf16 drift apart.
+  Expect: that layer, role ``input``.
 - ``unscaled-gradient``: one layer's gradient operand (the last attention output projection)
   cast to E4M3 with a fixed scale of 1 (no scaling), via a per-layer recipe rule on te-delayed:
   gradients below E4M3's smallest subnormal (2^-9) flush to zero in that layer. Expect: that layer, role ``grad_output``.
@@ -50,10 +56,10 @@ def _pick(layers: Sequence[str], suffix: str, last: bool = True) -> str:
 def _outliers(cfg: LabConfig, layers: Sequence[str]):
     from fp8lab.recipe import get_recipe
 
-    target = _pick(layers, "mlp.down")
+    target = _pick(layers, "attn.qkv", last=False)
     inject = cfg.inject
     if inject.outlier_channels == 0:  # the user may have set their own
-        inject = replace(inject, outlier_channels=4, outlier_scale=1e5)
+        inject = replace(inject, outlier_channels=4, outlier_scale=1e5, outlier_weights="zero")
     inject = replace(inject, outlier_layers=target)
     recipe = get_recipe("te-delayed")
     return recipe, replace(cfg, inject=inject), {"role": "input", "layers": [target]}
@@ -94,8 +100,8 @@ def _spike(cfg: LabConfig, layers: Sequence[str]):
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("outlier-channels", "4 input channels of the last mlp.down x1e5 under "
-                 "te-delayed (per-tensor delayed scaling)", _outliers,
+        Scenario("outlier-channels", "4 input channels of the first attn.qkv x1e5 (their "
+                 "weights held at zero) under te-delayed (per-tensor delayed scaling)", _outliers,
                  {"steps": 200, "eval_every": 20}),
         Scenario("unscaled-gradient", "the last attn.proj gradient operand in E4M3 with a "
                  "fixed scale of 1 (a per-layer recipe rule on te-delayed)", _unscaled,
