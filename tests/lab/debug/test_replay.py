@@ -154,3 +154,24 @@ def test_outliers_with_zero_weights_change_only_the_quantized_run(tmp_path, text
     assert d_lo != d_hi
     with pytest.raises(ValueError, match="outlier_weights"):
         _cfg(text, outlier_weights="frozen")
+
+
+def test_outlier_channels_screening_puts_the_planted_cell_first(tmp_path, text):
+    """The CI-sized part of the outlier-channels scenario (a full debug run needs the default
+    model, README): planted on the tiny GPT, the one-step screening at a checkpoint of R ranks
+    the planted layer's input first, far above every other cell."""
+    from fp8lab.lab.debug.scenarios import plant
+    from fp8lab.lab.debug.variants import converted_layers
+    from fp8lab.lab.train import build_model
+
+    rec, cfg, expect = plant("outlier-channels", _cfg(text))
+    (layer,) = expect["layers"]
+    assert layer == "blocks.0.attn.qkv" and cfg.inject.outlier_weights == "zero"
+    layers = converted_layers(build_model(cfg.model, rec, cfg.train.seed))
+    run_probe(ProbeSpec("r", rec.to_dict(), snapshots=(6,)), cfg.to_dict(), str(tmp_path / "r"))
+    s = screen_snapshot(rec.to_dict(), get_recipe("bf16").to_dict(), cfg.to_dict(),
+                        str(snapshot_path(tmp_path / "r", 6)), layers, "bf16")  # fmt: skip
+    rows = pool_scores([s])
+    assert (rows[0]["layer"], rows[0]["role"]) == (layer, "input"), rows[:3]
+    others = [r["score"] for r in rows if (r["layer"], r["role"]) != (layer, "input")]
+    assert rows[0]["score"] > 5 * max(others), rows[:4]

@@ -4,7 +4,8 @@ fix file. (A small GPT, 2 layers of width 48, 150 steps: the faults show within 
 The outlier-channels scenario is not among them: its fault (the first attention input's bulk
 flushed by x1e5 outlier channels) is found on the default model (README, 3 seeds), but this
 small model, still near the unigram loss at 150 steps, barely uses that layer, so the gap stays
-within the scatter (docs/debug.md, limits); a default-model debug run takes minutes."""
+within the scatter (docs/debug.md, limits); a default-model debug run takes minutes. Its
+screening stage is tested on a tiny model in test_replay.py."""
 
 from __future__ import annotations
 
