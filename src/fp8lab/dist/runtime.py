@@ -51,23 +51,28 @@ def under_torchrun() -> bool:
         return False
 
 
-def check_jobs(jobs: int, what: str = "recipes") -> None:
+def _world_from_env() -> int:
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
+def check_jobs(jobs: int, what: str = "recipes", world: int | None = None) -> None:
     """``--jobs > 1`` under torchrun is an error: the ranks already are the parallelism
-    (``what``: the units that run one after another there, for the message)."""
-    if jobs > 1 and under_torchrun():
+    (``what``: the units that run one after another there, for the message). ``world``: the
+    world size (default: torchrun's ``WORLD_SIZE``, read before any process group exists)."""
+    world = _world_from_env() if world is None else world
+    if jobs > 1 and world > 1:
         raise ValueError(
-            f"--jobs {jobs} cannot be combined with torchrun (WORLD_SIZE="
-            f"{os.environ.get('WORLD_SIZE')}): {what} run one after another; use --jobs 1"
+            f"--jobs {jobs} cannot be combined with torchrun (WORLD_SIZE={world}): {what} run "
+            "one after another; use --jobs 1"
         )
 
 
-def check_global_batch(batch_size: int) -> None:
+def check_global_batch(batch_size: int, world: int | None = None) -> None:
     """Under torchrun: ValueError when the global batch (``train.batch_size``) does not split
-    evenly over the ranks (``WORLD_SIZE``), before any process group or training starts."""
-    if not under_torchrun():
-        return
-    world = int(os.environ["WORLD_SIZE"])
-    if batch_size % world:
+    evenly over the ranks (``world``, default torchrun's ``WORLD_SIZE``), before any process
+    group or training starts."""
+    world = _world_from_env() if world is None else world
+    if world > 1 and batch_size % world:
         raise ValueError(
             f"train.batch_size={batch_size} (the global batch, split across the ranks) is not "
             f"divisible by the world size {world}: use a multiple of {world}"

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.dist.runtime import check_global_batch, check_jobs
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.train import (
     CHECKPOINT,
@@ -75,21 +76,12 @@ def barrier() -> None:
 
 
 def check_distributed(jobs: int, batch_size: int) -> None:
-    """Under torchrun: ValueError for ``jobs`` > 1 (the ranks are the parallelism; probes run one
-    after another) and for a global batch size not divisible by the world size."""
+    """Under torchrun (an initialized group of more than one rank): ValueError for ``jobs`` > 1
+    (the ranks are the parallelism) and for a global batch size not divisible by the world
+    size (`fp8lab.dist.runtime.check_jobs`, `check_global_batch`)."""
     world = dist_world()[1]
-    if world == 1:
-        return
-    if jobs > 1:
-        raise ValueError(
-            f"--jobs {jobs} cannot be combined with torchrun ({world} ranks): probes run one "
-            "after another, each on every rank; use --jobs 1"
-        )
-    if batch_size % world:
-        raise ValueError(
-            f"train.batch_size={batch_size} (the global batch) is not divisible by the world "
-            f"size {world}: use a multiple of {world}"
-        )
+    check_jobs(jobs, "probes (each on every rank)", world)
+    check_global_batch(batch_size, world)
 
 
 def on_rank0(fn: Callable[..., Any], *args: Any) -> Any:
