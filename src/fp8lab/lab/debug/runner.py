@@ -296,8 +296,7 @@ class TaskPool:
     another, for ``jobs`` 1. Use as a context manager."""
 
     def __init__(self, jobs: int = 1, threads: int = 0) -> None:
-        if jobs > 1 and dist_world()[1] > 1:
-            raise ValueError(f"jobs={jobs}: under torchrun tasks run one after another (jobs 1)")
+        check_jobs(jobs, "tasks", dist_world()[1])
         self.jobs, self.threads = jobs, threads
         self._pool: Any = None
         self._manager: Any = None
