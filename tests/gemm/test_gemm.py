@@ -192,20 +192,52 @@ def test_deepseek_k4096_measurement():
     assert frob_none / frob_pro >= 10  # promotion every 128 cuts the error by >= 10x
 
 
+def _exact(q) -> np.ndarray:
+    """A QTensor's represented values (element x per-tensor scale), exact in float64."""
+    return q.values.double().numpy() * float(q.scales.reshape(()))
+
+
+def _fp32_dot_bound(qa, qb, roundings: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact product of two per-tensor QTensors (float64) and the largest error of any FP32
+    evaluation of it that rounds at most ``roundings`` times per result, in any summation order
+    (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5: |fl(x.y) - x.y|
+    <= gamma_n |x|.|y|, gamma_n = n u / (1 - n u), u = 2^-24), plus the float64 reference's own
+    rounding. BLAS kernels differ by CPU (AVX2, AVX-512, AMX) and by threading in their order."""
+    a, b = _exact(qa), _exact(qb)
+    k = a.shape[1]
+    mag = np.abs(a) @ np.abs(b)
+
+    def gamma(n: int, u: float) -> float:
+        return n * u / (1 - n * u)
+
+    return a @ b, (gamma(roundings, 2.0**-24) + gamma(k + 1, 2.0**-53)) * mag
+
+
 def test_native_scaled_mm_vs_emulation():
+    # torch's CPU _scaled_mm and the emulation's torch.mm are BLAS GEMMs: each sums K exact
+    # FP8 x FP8 products in FP32 in an order its kernel picks (it differs between CPUs and thread
+    # counts), so they are compared with the exact product within the FP32 bound, not bit for bit
     a, b = torch.randn(64, 256, generator=gen(11)), torch.randn(256, 48, generator=gen(12))
+    k = a.shape[1]
     for fa, fb in (("e4m3", "e4m3"), ("e5m2", "e4m3")):
-        # power-of-two scales: bit for bit equal
-        qa, qb = quantize(a, fa, scaling="pow2_down"), quantize(b, fb, scaling="pow2_down")
-        assert torch.equal(qmatmul(qa, qb, native=True), qmatmul(qa, qb))
-        # arbitrary scales: torch's CPU kernel multiplies the dequantized operands, the emulation
-        # (like cuBLAS) applies scale_a * scale_b to the FP32 accumulator; each differs only by
-        # that placement of the scale roundings
-        qa, qb = quantize(a, fa), quantize(b, fb)
-        nat = qmatmul(qa, qb, native=True)
-        assert torch.equal(nat, qa.dequantize() @ qb.dequantize())
-        emu = qmatmul(qa, qb)
-        assert torch.allclose(nat, emu, rtol=2e-6, atol=1e-6 * emu.abs().max().item())
+        for scaling in ("pow2_down", None):
+            qa, qb = quantize(a, fa, scaling=scaling), quantize(b, fb, scaling=scaling)
+            # K roundings of the sum, + 2: the dequantized operands (native on CPU multiplies
+            # them) or sa * sb and the output scaling (the emulation, like cuBLAS); exact for
+            # power-of-two scales
+            exact, bound = _fp32_dot_bound(qa, qb, k + 2)
+            nat, emu = qmatmul(qa, qb, native=True), qmatmul(qa, qb)
+            deq = qa.dequantize() @ qb.dequantize()
+            # another legitimate order, computed without BLAS: K rounded products summed from
+            # the last K index down (numpy's elementwise float32 ops are IEEE, not contracted)
+            da, db = qa.dequantize().numpy(), qb.dequantize().numpy()
+            rev = np.zeros((a.shape[0], b.shape[1]), F32)
+            for i in reversed(range(k)):
+                rev += da[:, i, None] * db[None, i, :]
+            for name, out in (("native", nat), ("emulation", emu), ("dequantized", deq),
+                              ("reversed", torch.from_numpy(rev))):  # fmt: skip
+                err = np.abs(out.double().numpy() - exact)
+                assert (err <= bound).all(), (fa, fb, scaling, name, float((err - bound).max()))
 
 
 def test_out_format_rounding():
