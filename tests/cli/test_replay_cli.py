@@ -88,3 +88,18 @@ def test_guard_config_errors_are_exit_code_2(tmp_path):
     r = runner.invoke(app, ["compare", "--guard", "maybe", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--guard" in r.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("which", ["checkpoint.pt", "checkpoints/step-000008.pt"])
+def test_replay_truncated_checkpoint_names_file_and_fix(guarded, tmp_path, which):
+    import shutil
+
+    run = tmp_path / "te-delayed"
+    shutil.copytree(guarded / "runs" / "te-delayed", run)
+    bad = run / which
+    bad.write_bytes(bad.read_bytes()[:1000])
+    r = runner.invoke(app, ["replay", str(run), "--step", "9"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert str(bad.name) in text and "truncated" in text and "Invalid argument" not in text
+    assert "delete" in text  # the fix, as compare says it

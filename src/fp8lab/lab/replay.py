@@ -43,7 +43,20 @@ __all__ = ["replay_step"]
 
 
 def _load(path: Path) -> dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint's contents; ValueError naming the file and the fix when it cannot be read
+    (truncated, corrupt, or not fp8lab's), as `fp8lab compare` says on resume."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # zip errors, EOFError, UnpicklingError, OSError, ...
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
+        if path.parent.name == CHECKPOINTS:  # a kept older checkpoint: replay can do without
+            fix = (f"delete {path} (replay then starts from an earlier checkpoint or the "
+                   "initial weights)")  # fmt: skip
+        else:
+            fix = (f"restore it, or delete the run folder {path.parent} and rerun the same "
+                   "`fp8lab compare` command to train the run again")  # fmt: skip
+        raise ValueError(f"{path}: corrupt or truncated checkpoint ({reason}); {fix}") from None
     if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
         raise ValueError(f"{path}: not an fp8lab run checkpoint")
     return state
@@ -97,7 +110,7 @@ def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
         raise ValueError(f"{run}: cannot replay here: {why}")
     start = None
     for p in paths:
-        done = int(torch.load(p, map_location="cpu", weights_only=True)["loop"]["step"])
+        done = int(_load(p)["loop"]["step"])
         if done <= step and (start is None or done > start[1]):
             start = (p, done)
     tc = cfg.train
