@@ -299,6 +299,12 @@ def tiny():
 def narrow():
     return Tiny(vocab=100)
 
+def no_linear():  # logits straight from an embedding: nothing for a recipe to quantize
+    return nn.Embedding(256, 256)
+
+def head_only():  # its only Linear is the output head, which convert leaves high precision
+    return nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
+
 VALUE = 1
 """
 
@@ -337,7 +343,9 @@ def test_model_from_file_and_transformers_config(tmp_path, text):
     ("model", "words"),
     [
         ("no_such_pkg_123:make", ["cannot import module 'no_such_pkg_123'"]),
-        ("{src}:missing", ["has no attribute 'missing'"]),
+        ("{src}:missing", ["has no attribute 'missing'", "mymodel.py"]),
+        ("{src}:no_linear", ["no Linear layer to quantize"]),
+        ("{src}:head_only", ["no Linear layer to quantize"]),
         ("{src}:VALUE", ["'VALUE' is not callable"]),
         ("{src}:narrow", ["V >= 256", "[1, 16, 100]"]),
         ("hf:{bad_json}", ["not valid JSON"]),
@@ -352,6 +360,7 @@ def test_bad_model_is_exit_code_2_and_writes_nothing(tmp_path, text, model, word
     spec = model.format(src=src, bad_json=bad_json, no_file=tmp_path / "none.json")
     res, out = _tiny_run(tmp_path, text, "--recipes", "bf16", "--model", spec)
     _bad(res, *words)
+    assert "_fp8lab_user_model" not in res.output  # the file, not the private module name
     assert not out.exists()
 
 

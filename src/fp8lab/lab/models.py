@@ -111,11 +111,15 @@ def _source_hash(obj: Any) -> str:
         return "unknown"
 
 
-def _attr(module: Any, dotted: str, spec: str) -> Any:
+def _attr(module: Any, dotted: str, spec: str, where: str | None = None) -> Any:
+    """``module.dotted``; ``where``: how the message names the module (a file's path instead of
+    the private name it is imported under)."""
     obj = module
     for part in dotted.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"--model {spec!r}: {module.__name__} has no attribute {dotted!r}")
+            raise ValueError(
+                f"--model {spec!r}: {where or module.__name__} has no attribute {dotted!r}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(
@@ -144,7 +148,7 @@ def _from_file(spec: str, path_text: str, name: str) -> ModelSource:
             del sys.modules[mod_name]
             raise ValueError(f"--model {spec!r}: importing {path} failed: "
                              f"{type(exc).__name__}: {exc}") from None  # fmt: skip
-    fn = _attr(module, name, spec)
+    fn = _attr(module, name, spec, where=str(path))
     return ModelSource(spec, fn, {"factory": spec, "sha256": digest}, {})
 
 
@@ -309,8 +313,32 @@ def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
     raw = raw.float()
     model = CausalLM(raw, source.spec, source.call_kwargs)
     model.vocab_size = probe(model, model_cfg.block_size)
+    require_linears(model, source.spec)
     model.train()
     return model
+
+
+def require_linears(model: nn.Module, spec: str) -> list[str]:
+    """The names of the Linear layers a recipe would quantize in ``model``
+    (`fp8lab.nn.select_linears`: the output head and embedding-tied layers stay high precision);
+    ValueError when there is none: every recipe would train the same model, so a comparison,
+    a debug run or a price of it means nothing. The one rule of every command taking
+    ``--model`` (compare, debug, cost: each builds the model through :func:`build`)."""
+    from fp8lab.nn import select_linears
+
+    names = select_linears(model)
+    if not names:
+        n_all = sum(isinstance(m, nn.Linear) for m in model.modules())
+        kept = ""
+        if n_all:
+            kept = (f" (its {n_all} Linear layer(s): the output head or tied to the embedding, "
+                    "which stay high precision)")  # fmt: skip
+        raise ValueError(
+            f"--model {spec!r}: the model has no Linear layer to quantize{kept}; every recipe "
+            "would train the same model. Give a model whose hidden layers are torch.nn.Linear "
+            "(or transformers' Conv1D)"
+        )
+    return names
 
 
 def probe(model: CausalLM, block_size: int) -> int:
