@@ -225,6 +225,18 @@ def test_healthy_baseline_keeps_gaps(text, tmp_path):
     assert js["recipes"]["fp32"]["rel_gap_pct"] == pytest.approx(10.0)
 
 
+def test_untrained_baseline_is_not_diverged(text, tmp_path):
+    # `compare --steps 2`: bf16 at validation loss 5.5501, just above ln 256 = 5.545 (an
+    # untrained model's near-uniform guess): not diverged, the gaps are reported
+    _fake_run(tmp_path, "bf16", 5.5501)
+    _fake_run(tmp_path, "fp32", 5.5490)
+    _fake_run(tmp_path, "mxfp8", 6.8)  # 1.25 nats worse than a uniform guess: diverged
+    js = json_summary(summarize_comparison(tiny(text), ["bf16", "fp32", "mxfp8"], "bf16", tmp_path))
+    assert js["baseline_diverged"] is False and not js["recipes"]["fp32"]["diverged"]
+    assert js["recipes"]["fp32"]["rel_gap_pct"] == pytest.approx(100 * (5.5490 / 5.5501 - 1))
+    assert js["recipes"]["mxfp8"]["diverged"] and js["recipes"]["mxfp8"]["rel_gap_pct"] is None
+
+
 def test_lab_imports_no_report_module():
     # issue 10: the lab returns results, the CLI writes reports (lab -> report -> cli, one way)
     import subprocess

@@ -34,9 +34,9 @@ grad_comm_rel_error against fp32, partial-sum underflow/overflow %, max scale sp
 binades). predicted_step_ms: the GEMM + quantization time of one step of
 the model's quantized Linears on --device predicted by fp8lab cost's roofline (null when the
 recipe cannot run there, e.g. fp32 or HiF8; the report gives the reason). A run is diverged
-when its loss is not finite or its validation loss exceeds ln(V) for V logits (ln(256) = 5.55:
-worse than a uniform guess); its gaps are null, and every gap is null when the baseline
-diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
+when its loss is not finite or its validation loss exceeds ln(V) + 0.5 for V logits (ln(256) =
+5.55: a uniform guess, where an untrained model starts); its gaps are null, and every gap is
+null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
 (rerun the same command to resume).
 """
 

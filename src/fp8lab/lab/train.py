@@ -417,12 +417,19 @@ def corpus_config(corpus: Corpus) -> dict[str, Any]:
     }
 
 
+#: nats above ln(vocab_size) a final validation loss may sit without counting as diverged: an
+#: untrained model guesses nearly uniformly (the GPT after 2 steps: 5.5501 vs ln 256 = 5.5452),
+#: a diverged one is far above (3449 in issue 11); 0.5 nats = 1.65x less likely than uniform
+DIVERGED_MARGIN_NATS = 0.5
+
+
 def diverged_loss(final_train: float | None, final_val: float | None, vocab_size: int) -> bool:
     """The loss rule of divergence: a non-finite (None) final loss, or a final validation loss
-    above ln(vocab_size) nats (worse than a uniform guess: 5.55 for bytes)."""
+    more than :data:`DIVERGED_MARGIN_NATS` above ln(vocab_size) nats (clearly worse than a
+    uniform guess: 6.05 for bytes)."""
     if final_train is None or final_val is None:
         return True
-    return final_val > math.log(vocab_size)
+    return final_val > math.log(vocab_size) + DIVERGED_MARGIN_NATS
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -314,8 +314,9 @@ NOTES = [
     "sees the same batches in the same order; only the numerics differ.",
     "rel. gap % = 100 * (val_loss - baseline_val_loss) / baseline_val_loss at the end (signed); "
     "max gap % = the largest such gap at any validation step. A run is diverged when its loss "
-    "is not finite or its final validation loss exceeds ln(vocabulary) (5.55 nats for bytes, "
-    "worse than a uniform guess); its gaps are left empty.",
+    "is not finite or its final validation loss exceeds ln(vocabulary) by more than 0.5 nats "
+    "(6.05 for bytes: clearly worse than a uniform guess, which an untrained model makes); its "
+    "gaps are left empty.",
     "final train loss = mean of the last 10 steps' train losses.",
     "spikes = steps whose train loss exceeds the EMA (0.9) of the previous ones by more than "
     "`train.spike_threshold`; skipped steps = steps whose gradients were not finite "
