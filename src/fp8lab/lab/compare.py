@@ -24,8 +24,9 @@ a non-empty OUT that fp8lab did not make is refused (its files are never overwri
 
 A run is diverged when its losses are not finite or its final validation loss exceeds
 ln(vocabulary) by more than ``DIVERGED_MARGIN_NATS`` = 0.5 (clearly worse than a uniform guess;
-an untrained model sits just above ln(vocabulary), `fp8lab.lab.train.diverged_loss`). A diverged baseline makes every relative gap
-meaningless: the summary then says ``"baseline_diverged": true`` and every gap is null.
+an untrained model sits just above ln(vocabulary), `fp8lab.lab.train.diverged_loss`). A
+diverged baseline makes every relative gap meaningless: the summary then says
+``"baseline_diverged": true`` and every gap is null.
 
 The lab defines its own negative control, :data:`NEGATIVE_CONTROL` (E4M3 gradients with a fixed
 scale of 1, i.e. no scaling): small gradients flush to zero, so the quantized layers barely learn
