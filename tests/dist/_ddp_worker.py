@@ -40,7 +40,10 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
 
     modes: world | none | unbatched (world, one all-reduce per state and update) under
     te-delayed (on one rank: the reference); under te-current: fsdp8 (FSDP2 with the FP8
-    all-gather), fsdp32 (FSDP2 gathering fp32) and ddp8 (DDP)."""
+    all-gather), fsdp32 (FSDP2 gathering fp32) and ddp8 (DDP); under te-delayed: fsdp8d and
+    fsdp8du (FSDP2 with the FP8 all-gather, amax all-reduces batched / one per state and update),
+    whose reference is world; under hif8-delayed (first step current-scaled, interval 5):
+    fsdp8h and ddph."""
     from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
     from fp8lab.dist.data import gather_token_losses, global_token_loss, shard_batch
     from fp8lab.dist.ddp import DataParallel
@@ -48,13 +51,16 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
     from fp8lab.nn import convert
 
     recipe = "te-current" if mode in ("fsdp8", "fsdp32", "ddp8") else "te-delayed"
+    recipe = "hif8-delayed" if mode in ("fsdp8h", "ddph") else recipe
+    fsdp_modes = ("fsdp8", "fsdp32", "fsdp8d", "fsdp8du", "fsdp8h")
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, d_ff=128, block_size=16))
     convert(model, recipe)
     dp = None
-    if world > 1 and mode in ("fsdp8", "fsdp32"):
-        dp = DataParallel(model, "world", fsdp=True, fp8_allgather=mode == "fsdp8")
-    elif world > 1 and mode == "ddp8":
+    if world > 1 and mode in fsdp_modes:
+        dp = DataParallel(model, "world", fsdp=True, fp8_allgather=mode != "fsdp32",
+                          batch_amax=mode != "fsdp8du")  # fmt: skip
+    elif world > 1 and mode in ("ddp8", "ddph"):
         dp = DataParallel(model, "world")
     elif world > 1:
         dp = DataParallel(model, "world" if mode == "unbatched" else mode,
@@ -62,7 +68,7 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     result: dict[str, object] = {"names": list(delayed_states(model))}
-    seen = _watch_gathered(model) if mode in ("fsdp8", "fsdp32") and world > 1 else None
+    seen = _watch_gathered(model) if mode in fsdp_modes and world > 1 else None
     for step in range(steps):
         x = torch.randint(0, 256, (4, 16), generator=gen)
         y = torch.randint(0, 256, (4, 16), generator=gen)
@@ -84,12 +90,19 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
             seen.clear()
         if world > 1:
             per_token = gather_token_losses(per_token)
-            if mode in ("world", "unbatched"):
+            if mode in ("world", "unbatched", "fsdp8d", "fsdp8du", "fsdp8h", "ddph"):
                 assert_identical_scales(model)  # raises naming the state otherwise
             result[f"spread{step}"] = torch.tensor(list(scale_spread(model).values()))
         result[f"tokens{step}"] = per_token
         scales = [ds.scale for ds in delayed_states(model).values()]
         result[f"scales{step}"] = torch.stack(scales) if scales else torch.zeros(0)
+        hists = [ds.amax_history for ds in delayed_states(model).values()]
+        result[f"hist{step}"] = torch.stack(hists) if hists else torch.zeros(0)
+    if world > 1:  # the trained weights, whole (FSDP: every rank's rows gathered)
+        from fp8lab.dist.ddp import _full
+
+        full = _full(dict(model.named_parameters()))
+        result["weights"] = torch.cat([full[k].detach().reshape(-1) for k in sorted(full)])
     if dp is not None and dp.amax is not None:
         result["amax_flushes"] = torch.tensor(dp.amax.flushes)
     if world > 1 and mode == "none":
@@ -210,6 +223,38 @@ def fsdp_gather(rank: int, world: int) -> dict[str, object]:
                 same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32))))
                 result[f"{preset}:{name}"] = torch.tensor(same[-1])
         result[f"{preset}:count"] = torch.tensor(len(same))
+    result.update(_delayed_gather(model, rank, world))
+    return result
+
+
+def _delayed_gather(model: torch.nn.Module, rank: int, world: int) -> dict[str, object]:
+    """fp8_all_gather under a bound DelayedScaling (te-delayed with a scale from a history,
+    hif8-delayed's current-scaled first step) vs quantizing the unsharded weight with an equal
+    state: bit for bit; the gather's state observed this rank's shard amax."""
+    from fp8lab.dist.fsdp import fp8_all_gather, shard_rows
+    from fp8lab.qtensor import quantize
+    from fp8lab.recipe import get_recipe
+    from fp8lab.scaling.delayed import DelayedScaling
+
+    result: dict[str, object] = {}
+    for preset in ("te-delayed", "hif8-delayed"):
+        spec = get_recipe(preset).spec("fprop", "weight")
+        same = []
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.detach()
+                mine, ref = (DelayedScaling.bind(spec.scaling, spec.format) for _ in range(2))
+                if preset == "te-delayed":  # a history: scale 448 / 0.37, not 1
+                    state = {**mine.state_dict(), "scale": torch.tensor(448 / 0.37)}
+                    mine.load_state_dict(state)
+                    ref.load_state_dict(state)
+                shard = shard_rows(w, rank, world)
+                got = fp8_all_gather(shard, spec.replace(scaling=mine), w.shape[0])
+                want = quantize(w, spec.replace(scaling=ref)).dequantize()
+                observed = mine.amax_history[0]
+                same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+                            and bool(observed == shard.abs().amax()))  # fmt: skip
+        result[f"{preset}:delayed"] = torch.tensor(all(same) and len(same) >= 9)
     return result
 
 

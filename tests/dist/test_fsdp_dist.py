@@ -10,13 +10,14 @@ from _dist_launch import run_ranks
 from fp8lab.dist.fsdp import check_shardable, shard_rows
 from fp8lab.qtensor import QuantSpec
 
-MODES = "fsdp,fsdp8,fsdp32,ddp8"
+MODES = "fsdp,fsdp8,fsdp32,ddp8,fsdp8d,fsdp8du,world,fsdp8h,ddph"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     # one 2-process launch: the FP8 all-gather as a function and under fully_shard, the
     # --grad-comm hook, and 3 training steps under FSDP2 (FP8 / fp32 all-gather) and DDP
+    # (te-current; te-delayed and hif8-delayed with the FP8 all-gather)
     out = run_ranks(tmp_path_factory.mktemp("fsdp"), 2, MODES)
     return [{k.split(":", 1)[1]: v for k, v in r.items() if k.startswith("fsdp:")} | r
             for r in out]  # fmt: skip
@@ -31,6 +32,9 @@ def test_gathered_weight_equals_unsharded_quantization(ranks: list[dict]) -> Non
             assert len(layers) == int(res[f"{preset}:count"]) >= 9  # every Linear of the GPT
             bad = [k for k, v in layers.items() if not bool(v)]
             assert not bad, bad
+        # delayed scaling: the state's scale on every shard (hif8-delayed's first step: the
+        # global amax's current scale), the shard's amax observed
+        assert bool(res["te-delayed:delayed"]) and bool(res["hif8-delayed:delayed"])
 
 
 def test_grad_comm_hook_equals_simulation(ranks: list[dict]) -> None:
@@ -43,6 +47,46 @@ def test_grad_comm_hook_equals_simulation(ranks: list[dict]) -> None:
         assert float(res["comm:fp32:err"]) == 0.0
         assert 0 < float(res["comm:fp8:err"]) < 0.2
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0] if k.startswith("comm:"))
+
+
+def test_fsdp_fp8_allgather_under_delayed_scaling_equals_ddp_bit_for_bit(
+    ranks: list[dict],
+) -> None:
+    # te-delayed weights gathered as FP8 codes: each rank quantizes its shard with the weight's
+    # delayed scale (the same on every rank) and observes the shard's amax; the step's amax
+    # all-reduce (batched, or one per state and update) makes it the whole weight's. Every step's
+    # per-token losses, scales and amax histories (all states, the weights' included) and the
+    # trained weights equal DDP's bit for bit, and the two ranks' histories are identical.
+    # hif8-delayed: its first step quantizes with current scaling (the global amax all-reduced
+    # before the gather), then interval 5.
+    r0, r1 = ranks
+    for mode, ref in (("fsdp8d", "world"), ("fsdp8du", "world"), ("fsdp8h", "ddph")):
+        assert list(r0[f"{mode}:names"]) == list(r0[f"{ref}:names"])
+        assert any(n.endswith(".weight") for n in r0[f"{mode}:names"]), mode
+        for step in range(3):
+            for key in ("tokens", "scales", "hist"):
+                want = _bits(r0[f"{ref}:{key}{step}"])
+                assert torch.equal(_bits(r0[f"{mode}:{key}{step}"]), want), (mode, key, step)
+                assert torch.equal(_bits(r1[f"{mode}:{key}{step}"]), want), (mode, key, step)
+            assert float(r0[f"{mode}:loss{step}"]) == float(r0[f"{ref}:loss{step}"])
+        for r in ranks:
+            assert torch.equal(_bits(r[f"{mode}:weights"]), _bits(r0[f"{ref}:weights"])), mode
+    # the weight's history holds one amax per step (measured steps), the whole weight's
+    hist = r0["fsdp8d:hist2"]
+    names = list(r0["fsdp8d:names"])
+    w = names.index(next(n for n in names if n.endswith(".weight")))
+    assert int((hist[w] != 0).sum()) == 3
+
+
+def test_delayed_weights_with_per_rank_amaxes_are_refused() -> None:
+    from fp8lab.dist.fsdp import check_fp8_allgather_recipe
+    from fp8lab.recipe import get_recipe
+
+    check_fp8_allgather_recipe(get_recipe("te-delayed"))  # world: gathered
+    with pytest.raises(ValueError, match="recipe 'te-delayed': delayed-scaled weights need "
+                                         "--amax-group world"):  # fmt: skip
+        check_fp8_allgather_recipe(get_recipe("te-delayed"), "none")
+    check_fp8_allgather_recipe(get_recipe("te-current"), "none")  # current scaling: fine
 
 
 def test_straddling_blocks_are_refused() -> None:

@@ -194,19 +194,21 @@ def test_distributed_flags_without_torchrun_exit_2(
     assert not (tmp_path / "o").exists()
 
 
-def test_fp8_allgather_refuses_delayed_weights_before_training(
+def test_fp8_allgather_refuses_per_rank_delayed_weights_before_training(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # delayed-scaled weights are gathered as FP8 with --amax-group world (identical histories);
+    # with none each rank would quantize its shard with its own scale: refused, naming the recipe
     from typer.testing import CliRunner
 
     from fp8lab.cli import app
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; refused before joining a group
-    args = ["compare", "--fsdp", "--fp8-allgather", "--recipes", "te-current", "--baseline",
-            "te-delayed", "--out", str(tmp_path / "o")]  # fmt: skip
+    args = ["compare", "--fsdp", "--fp8-allgather", "--amax-group", "none", "--recipes",
+            "te-current", "--baseline", "te-delayed", "--out", str(tmp_path / "o")]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2, res.output
-    assert "recipe 'te-delayed' scales its weights with delayed scaling" in " ".join(
+    assert "recipe 'te-delayed': delayed-scaled weights need --amax-group world" in " ".join(
         res.output.split()
     )
     assert not (tmp_path / "o").exists()

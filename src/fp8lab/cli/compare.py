@@ -422,12 +422,12 @@ def register(app: typer.Typer) -> None:
             check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
             check_global_batch(cfg.train.batch_size)  # ... and split the global batch
             dist = _dist_options(amax_group, grad_comm, fsdp, fp8_allgather)
-            if fp8_allgather:  # refuse a delayed-scaled weight before any recipe trains
+            if fp8_allgather:  # refuse a weight it cannot gather before any recipe trains
                 from fp8lab.dist.fsdp import check_fp8_allgather_recipe
                 from fp8lab.lab.compare import resolve_recipe
 
                 for n in dict.fromkeys([base, *names]):
-                    check_fp8_allgather_recipe(resolve_recipe(n))
+                    check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
             layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
             rank_ctx = init_from_env()
         if rank_ctx is not None and not rank_ctx.is_main:

@@ -75,7 +75,7 @@ class DataParallel:
             from fp8lab.dist.fsdp import shard_model
 
             self.gather_bytes = _allgather_bytes(model, self.world, fp8_allgather)
-            self.ddp = shard_model(model, fp8_allgather)
+            self.ddp = shard_model(model, fp8_allgather, amax_group=amax_group)
             for m in model.modules():
                 if isinstance(m, FSDPModule):
                     # the loss is already global: sum (a plain SUM: gloo has no PREMUL_SUM)

@@ -16,8 +16,18 @@ Granularities:
   with a ValueError naming the granularity and the shard boundary (padding would change the
   block contents, so it is not done).
 
-Delayed scaling of the weight is not supported here (its scale is state of the module; use a
-current-scaling weight spec).
+Delayed scaling (per-tensor, te-delayed): the scale is the weight's `DelayedScaling` state,
+computed from its amax history, and every rank holds the same history (``--amax-group world``:
+each step's amax is all-reduced MAX before it enters the history), so every shard is quantized
+with the unsharded weight's scale without a collective, bit for bit, as Transformer Engine and
+torchao quantize FP8 weight shards under delayed scaling (float8_experimental PR #312,
+``WeightWithDelayedFloat8CastTensor``). The shard's own amax is what this rank observes; the
+all-reduce MAX of the step's amaxes (after quantization, batched with the others by
+`fp8lab.dist.amax.AmaxBatch`) turns it into the whole weight's amax before it enters the
+history, so the histories stay identical. Two exceptions need the global amax first: the first
+step of ``first_step="current"`` (HiFloat8: current scaling until the first update), which
+all-reduces it before quantizing, and ``--amax-group none`` (per-rank histories, so per-rank
+scales), which is refused with the FP8 all-gather.
 
 FSDP2 itself (`shard_model`): every weight of a `fp8lab.nn.Linear` becomes a `ShardedWeight`, a
 tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
@@ -25,7 +35,9 @@ tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 ``ModuleList`` and the root are wrapped by ``fully_shard``:
 
 * ``fp8_allgather=True``: before the all-gather each rank quantizes its shard under the Linear's
-  fprop weight spec with the global amax (one all-reduce MAX) and hands FSDP uint8 codes (plus
+  fprop weight spec with the global amax (one all-reduce MAX; delayed scaling: with the Linear's
+  own `DelayedScaling` scale, no collective, the shard's amax observed by the Linear's forward
+  pre-hook, once per forward as the unsharded Linear observes it) and hands FSDP uint8 codes (plus
   float32 block scales for row-aligned blocks on evenly sharded weights); after it the codes are
   decoded into the `QTensor` of the whole weight, which the Linear's fprop consumes as is
   (`fp8lab.nn.operand.prepare` takes a weight's ``fp8lab_gathered`` (spec, QTensor) when the
@@ -57,6 +69,7 @@ import torch.utils._pytree as pytree
 
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
+from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import normalize_granularity, resolve_block, shape_2d
 from fp8lab.scaling.rules import get_rule
 
@@ -80,9 +93,8 @@ def shard_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def check_shardable(spec: QuantSpec, shape: tuple[int, ...], world: int) -> None:
     """Raise ValueError if ``spec``'s scale blocks would straddle a dim-0 shard boundary of a
-    weight of ``shape`` sharded over ``world`` ranks, or if its scaling cannot be gathered."""
-    if spec.is_delayed:
-        raise ValueError("FP8 all-gather needs a current-scaling weight spec, not delayed scaling")
+    weight of ``shape`` sharded over ``world`` ranks, or if its scaling cannot be gathered.
+    Delayed scaling is per-tensor: always shardable."""
     if isinstance(spec.scaling, str) and spec.scaling.strip().lower() == "nvfp4":
         raise ValueError("FP8 all-gather does not handle NVFP4's two-level scales")
     r, c = shape_2d(shape)
@@ -99,23 +111,37 @@ def check_shardable(spec: QuantSpec, shape: tuple[int, ...], world: int) -> None
         )
 
 
-def check_fp8_allgather_recipe(recipe: Any) -> None:
-    """ValueError naming the recipe when its weights cannot be all-gathered as FP8 codes (a
-    delayed-scaled, NVFP4 or wider-than-8-bit fprop weight spec); a recipe without a quantized
-    weight (fp32, bf16) is fine: its weights are gathered in fp32. Shapes are checked later
-    (`check_shardable`, per layer)."""
+def check_fp8_allgather_recipe(recipe: Any, amax_group: str = "world") -> None:
+    """ValueError naming the recipe when its weights cannot be all-gathered as FP8 codes (an
+    NVFP4 or wider-than-8-bit fprop weight spec, or a delayed-scaled one whose amax is not
+    reduced over the ranks: ``amax_group="none"`` or ``reduce_amax=False``, so the ranks' scales
+    differ); a recipe without a quantized weight (fp32, bf16) is fine: its weights are gathered
+    in fp32. Shapes are checked later (`check_shardable`, per layer)."""
     spec = None if recipe is None else recipe.spec("fprop", "weight")
     if spec is None:
         return
     name = getattr(recipe, "name", "?")
     if spec.is_delayed:
-        raise ValueError(f"--fp8-allgather: recipe {name!r} scales its weights with delayed "
-                         "scaling; the FP8 all-gather needs current scaling (e.g. te-current)")  # fmt: skip
+        _check_delayed_gather(spec, amax_group, f"recipe {name!r}")
     if isinstance(spec.scaling, str) and spec.scaling.strip().lower() == "nvfp4":
         raise ValueError(f"--fp8-allgather: recipe {name!r}: NVFP4's two-level scales are not "
                          "gathered")  # fmt: skip
     if get_format(spec.format).bits > 8:
         raise ValueError(f"--fp8-allgather: recipe {name!r} has {spec.format} weights, not 8-bit")
+
+
+def _check_delayed_gather(spec: QuantSpec, amax_group: str, what: str) -> None:
+    """ValueError naming ``what`` when a delayed-scaled weight's shards would be quantized with
+    different scales on different ranks (its amax is not reduced over all of them)."""
+    if amax_group != "world":
+        raise ValueError(f"--fp8-allgather: {what}: delayed-scaled weights need --amax-group "
+                         f"world (with {amax_group} every rank keeps its own amax history, so "
+                         "each would quantize its shard with its own scale)")  # fmt: skip
+    cfg = getattr(spec.scaling, "cfg", spec.scaling)
+    if not cfg.reduce_amax:
+        raise ValueError(f"--fp8-allgather: {what}: delayed-scaled weights with "
+                         "reduce_amax=False keep an amax history per rank, so each rank would "
+                         "quantize its shard with its own scale")  # fmt: skip
 
 
 def _scale_of(spec: QuantSpec, amax: torch.Tensor) -> torch.Tensor:
@@ -130,7 +156,10 @@ def fp8_all_gather(
     and return the dequantized full weight ``[full_rows, ...]`` (float32, same on every rank).
 
     Collective over ``group`` (default world); shards follow `shard_rows`. See the module doc
-    for which granularities are exact and which are refused (`check_shardable`).
+    for which granularities are exact and which are refused (`check_shardable`). A delayed
+    ``spec`` bound to a `DelayedScaling` quantizes with its scale and observes this shard's
+    amax (its ``update`` all-reduces MAX over the ranks, as every delayed state's does); every
+    rank's state must be the same (``--amax-group world``).
     """
     d = torch.distributed
     world = d.get_world_size(group)
@@ -140,7 +169,9 @@ def fp8_all_gather(
     if fmt.bits > 8:
         raise ValueError(f"FP8 all-gather moves 8-bit codes; {fmt.name} has {fmt.bits} bits")
     rows = -(-int(full_rows) // world)
-    local, q, codes = _quantize_shard(shard, spec, rows, group)
+    local, q, codes, amax = _quantize_shard(shard, spec, rows, group)
+    if amax is not None and isinstance(spec.scaling, DelayedScaling):
+        spec.scaling.observe(amax)  # this shard's amax; the update's all-reduce makes it global
     parts = [torch.empty_like(codes) for _ in range(world)]
     d.all_gather(parts, codes, group=group)
     values = decode(torch.cat(parts)[: int(full_rows)], fmt)
@@ -150,14 +181,19 @@ def fp8_all_gather(
 
 def _quantize_shard(
     shard: torch.Tensor, spec: QuantSpec, rows: int, group: Any
-) -> tuple[QuantSpec, QTensor | None, torch.Tensor]:
+) -> tuple[QuantSpec, QTensor | None, torch.Tensor, torch.Tensor | None]:
     """Quantize a row shard (per-tensor: with the global amax, one all-reduce MAX over
-    ``group``; collective): (the spec used, the QTensor or None for an empty shard, uint8 codes
-    zero-padded to ``rows`` rows)."""
+    ``group``; collective; delayed scaling: with the state's scale, no collective except on a
+    ``first_step="current"`` state's first step): (the spec used, the QTensor or None for an
+    empty shard, uint8 codes zero-padded to ``rows`` rows, and for delayed scaling the shard's
+    amax for the state to observe -- nothing is observed here -- else None)."""
     d = torch.distributed
     fmt = get_format(spec.format)
     x = shard.detach().float()
-    if normalize_granularity(spec.granularity) == (-1, -1):
+    observed = None
+    if spec.is_delayed:
+        local, observed = _delayed_shard_spec(spec, x, group)
+    elif normalize_granularity(spec.granularity) == (-1, -1):
         amax = x.abs().amax() if x.numel() else torch.zeros(())
         amax = amax.reshape(1).clone()
         d.all_reduce(amax, op=d.ReduceOp.MAX, group=group)
@@ -169,7 +205,31 @@ def _quantize_shard(
     codes = torch.zeros((rows, *shard.shape[1:]), dtype=torch.uint8)  # padded to equal shards
     if q is not None:
         codes[:n] = encode(q.values, fmt)  # exact: values are on the grid
-    return local, q, codes
+    return local, q, codes, observed
+
+
+def _delayed_shard_spec(
+    spec: QuantSpec, x: torch.Tensor, group: Any
+) -> tuple[QuantSpec, torch.Tensor]:
+    """The fixed-scale spec a delayed-scaled shard is quantized with, and the shard's amax.
+
+    The scale is the state's (`DelayedScaling.scale_for`, as an unsharded quantize takes it; a
+    bare `DelayedScalingConfig` is step 0 of a throwaway state), the same on every rank when
+    their states are; only a ``first_step="current"`` state before its first update needs the
+    whole weight's amax (current scaling), all-reduced MAX over ``group`` first (every rank
+    takes that branch together: identical states)."""
+    sc = spec.scaling
+    ds = sc if isinstance(sc, DelayedScaling) else DelayedScaling.bind(sc, spec.format)
+    amax = x.abs().amax() if x.numel() else torch.zeros(())
+    amax = amax.reshape(())
+    full = None
+    if ds.cfg.first_step == "current" and not ds.initialized:
+        d = torch.distributed
+        full = amax.reshape(1).clone()
+        d.all_reduce(full, op=d.ReduceOp.MAX, group=group)
+        full = full.reshape(())
+    scale = ds.scale_for(full, spec.format)
+    return spec.replace(scaling=float(scale)), amax
 
 
 def _gather_scales(
@@ -271,17 +331,21 @@ class ShardedWeight(torch.Tensor):
             pad = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype)
             pad[: x.shape[0]] = x
             return (pad,), (module, None, full_rows)
-        local, q, codes = _quantize_shard(self._tensor, self.spec, rows, group)
+        spec = _bound_weight_spec(module, self.spec)
+        local, q, codes, amax = _quantize_shard(self._tensor, spec, rows, group)
+        # what the Linear's forward pre-hook hands over: the spec the fprop GEMM compares with,
+        # and (delayed scaling) the state and this shard's amax it observes
+        seen = None if amax is None else (spec.scaling, amax)
         if normalize_granularity(local.granularity) == (-1, -1):
             inv = q.scales if q is not None else torch.reciprocal(torch.tensor(local.scaling))
-            return (codes,), (module, local, full_rows, inv.reshape(1, 1).float())
+            return (codes,), (module, local, full_rows, inv.reshape(1, 1).float(), spec, seen)
         if full_rows % world:  # FSDP wants every input of the padded shard size then
             raise ValueError(
                 f"FP8 all-gather of {tuple(outer_size)} over {world} ranks: block scales "
                 f"({local.granularity!r}) need evenly sharded weights (rows % world == 0)"
             )
         assert q is not None
-        return (codes, q.scales.contiguous()), (module, local, full_rows, None)
+        return (codes, q.scales.contiguous()), (module, local, full_rows, None, spec, seen)
 
     def fsdp_post_all_gather(
         self,
@@ -304,7 +368,8 @@ class ShardedWeight(torch.Tensor):
             scales = metadata[3] if metadata[3] is not None else outputs[1].clone()
             q = QTensor(values=values, scales=scales, spec=local)
             dense = q.dequantize()
-        module._fp8lab_gathered = None if q is None else (self.spec, q)
+        module._fp8lab_gathered = None if q is None else (metadata[4], q)
+        module._fp8lab_observe = None if q is None else metadata[5]
         # a tensor of its own, never FSDP's all-gather output (FSDP frees that by resizing it)
         dense = dense.clone() if q is None else dense
         if out is not None:  # later all-gathers: the same Parameter, pointed at the new tensor
@@ -329,6 +394,7 @@ def _free_with_fsdp(fsdp_param: Any) -> None:
             if p.numel():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         module._fp8lab_gathered = None
+        module._fp8lab_observe = None
 
     fsdp_param.free_unsharded_param = free_unsharded_param
 
@@ -348,19 +414,49 @@ def _fsdp_params(module: torch.nn.Module) -> list[Any]:
     return out
 
 
+def _bound_weight_spec(module: Any, spec: QuantSpec) -> QuantSpec:
+    """``spec`` (the recipe's fprop weight spec), for delayed scaling bound to the Linear's own
+    `DelayedScaling` of that operand: the spec its fprop GEMM uses (`fp8lab.nn.plan`), so the
+    gathered QTensor is taken (`fp8lab.nn.operand.prepare` compares the specs)."""
+    if not spec.is_delayed:
+        return spec
+    from fp8lab.nn.state import state_key
+
+    recipe = module.recipe
+    ds = module.scaling_states.get(state_key(recipe, "fprop", "weight"))
+    cur = recipe.spec("fprop", "weight")
+    if ds is None or cur is None or not cur.is_delayed:
+        raise ValueError(
+            f"--fp8-allgather: layer {module.name or '?'} was sharded with a delayed-scaled weight "
+            f"but its recipe {recipe.name!r} now has {cur} (shard the model again)"
+        )
+    return cur.replace(scaling=ds)
+
+
 def _attach_gathered(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of a Linear under FSDP: hand its gathered QTensor to the weight."""
+    """Forward pre-hook of a Linear under FSDP: hand its gathered QTensor to the weight; a
+    delayed-scaled weight's state observes this rank's shard amax (once per forward, as the
+    unsharded Linear observes the weight's amax when it quantizes it; a backward re-gather
+    observes nothing, so an update between the forward and the backward does not see it)."""
     w = module.weight
     w.fp8lab_gathered = getattr(module, "_fp8lab_gathered", None)
+    seen = getattr(module, "_fp8lab_observe", None)
+    if seen is not None:
+        seen[0].observe(seen[1])
 
 
-def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any = None) -> Any:
+def shard_model(
+    model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any = None,
+    amax_group: str = "world",
+) -> Any:  # fmt: skip
     """Shard ``model`` in place with FSDP2's ``fully_shard`` (each block of every ModuleList,
     then the root) over ``mesh`` (default: a 1-D CPU/CUDA mesh of the world); returns it.
 
     ``fp8_allgather``: every `fp8lab.nn.Linear` weight is all-gathered as FP8 codes under its
     fprop weight spec (module doc); a weight whose spec cannot be gathered that way raises
-    ValueError naming the layer before anything is sharded. Collective: call on every rank.
+    ValueError naming the layer before anything is sharded. ``amax_group``: the delayed-scaling
+    amax group the model trains with (`fp8lab.dist.amax`); a delayed-scaled weight needs
+    ``"world"`` (identical histories) to be gathered as FP8. Collective: call on every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -381,6 +477,8 @@ def shard_model(model: torch.nn.Module, fp8_allgather: bool = False, mesh: Any =
         if spec is not None:
             if get_format(spec.format).bits > 8:
                 raise ValueError(f"--fp8-allgather: {name} has a {spec.format} weight, not 8-bit")
+            if spec.is_delayed:
+                _check_delayed_gather(spec, amax_group, f"layer {name}")
             try:
                 check_shardable(spec, tuple(m.weight.shape), world)
             except ValueError as exc:
