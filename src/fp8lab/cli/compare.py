@@ -367,7 +367,8 @@ def register(app: typer.Typer) -> None:
             False,
             "--fp8-allgather",
             help="With --fsdp: all-gather each Linear weight as FP8 codes (uint8) plus scales, "
-            "quantized per shard with the global amax (current-scaled weights only).",
+            "quantized per shard with the global amax (current scaling) or the weight's "
+            "delayed scale (delayed scaling, --amax-group world).",
         ),
     ) -> None:
         from fp8lab.lab.compare import json_summary

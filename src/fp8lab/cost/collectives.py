@@ -32,8 +32,10 @@ same messages as ``fp8lab compare``'s flags):
   backward gathers what dgrad's operand is made from -- the same copy when dgrad transposes or
   re-tiles it (per-tensor, 128x128), its own column-wise copy when it is quantized again from
   high precision (MXFP8: TE moves both layouts; fp8lab gathers the row-wise codes again and
-  re-quantizes locally, the same number of bytes). fp8lab refuses delayed-scaled and NVFP4
-  weights in its FP8 all-gather; they are priced here as TE would move them (codes + scales).
+  re-quantizes locally, the same number of bytes). Delayed-scaled weights travel as codes + one
+  scale with no all-reduce before the gather (every rank holds the same scale; fp8lab gathers
+  them so too). fp8lab refuses NVFP4 weights in its FP8 all-gather; they are priced here as TE
+  would move them (codes + scales).
   Other parameters (embeddings, norms, head) travel in the 16-bit precision.
 
 Not counted: the Linears' biases (add them to ``other``), optimizer-state sharding,
