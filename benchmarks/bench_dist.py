@@ -6,7 +6,8 @@ global batch split across the ranks (`fp8lab.dist.data`: global-token-count loss
 gradients, ``--amax-group world``, the amax all-reduces batched into one per step, or one per
 state and update with the ``unbatched`` setup), one thread per rank, timed after warm-up
 steps; tokens/s counts the global batch. ``amax all-reduces/step`` counts the MAX all-reduces
-rank 0 issues (delayed-scaling amaxes; with the FP8 all-gather also one per gathered weight).
+rank 0 issues (delayed-scaling amaxes; with the FP8 all-gather also one per gathered
+current-scaled weight: a delayed-scaled one needs none).
 Bytes: what one rank sends per step to all-reduce the model's gradients at each
 ``--grad-comm`` precision (`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets), for
 N = 2, 4, 8, 16.
@@ -144,7 +145,8 @@ def _run(world: int, args: argparse.Namespace, mode: str, recipe: str | None = N
 
 MODES = ("ddp", "unbatched", "fsdp", "fsdp-fp8")
 #: the README table: its recipes and their 2-rank setups (`--readme`)
-README_ROWS = (("te-delayed", ("ddp", "unbatched")), ("te-current", ("ddp", "fsdp", "fsdp-fp8")),
+README_ROWS = (("te-delayed", ("ddp", "unbatched", "fsdp-fp8")),
+               ("te-current", ("ddp", "fsdp", "fsdp-fp8")),
                ("fp32", ("ddp", "fsdp")))  # fmt: skip
 SETUP_NAMES = {"one": "1 process", "ddp": "DDP", "unbatched": "DDP, one all-reduce per state",
                "fsdp": "FSDP2", "fsdp-fp8": "FSDP2 + FP8 all-gather"}  # fmt: skip
@@ -193,8 +195,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds; best is kept")
     ap.add_argument(
         "--readme", action="store_true",
-        help="every row of the README table (te-delayed: ddp, unbatched; te-current: ddp, fsdp, "
-        "fsdp-fp8; fp32: ddp, fsdp), printed as that table (--recipe and --modes ignored)",
+        help="every row of the README table (te-delayed: ddp, unbatched, fsdp-fp8; te-current: "
+        "ddp, fsdp, fsdp-fp8; fp32: ddp, fsdp), printed as that table (--recipe and --modes "
+        "ignored)",
     )  # fmt: skip
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
