@@ -4,7 +4,8 @@ argv: run_dir steps [kill_at [mode]]. With kill_at >= 0, the last rank kills its
 right after that step's event (a checkpoint is written every 3 steps). mode: ddp (te-delayed,
 default), fsdp8 (te-current, FSDP2 with the FP8 all-gather; on one rank a plain run) or
 none-resume (te-delayed, --amax-group none: an uninterrupted run and one stopped at its step-3
-checkpoint and resumed, in one launch).
+checkpoint and resumed, in one launch) or fsdp8d-resume (the same with te-delayed under FSDP2 with
+the FP8 all-gather, --amax-group world).
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ def main() -> None:
         if ev["event"] == "step" and ev["step"] == kill_at and rank == last:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    if mode == "none-resume":  # amax group none: a run stopped at its step-3 checkpoint and
+    if mode in ("none-resume", "fsdp8d-resume"):  # a run stopped at its step-3 checkpoint and
         # resumed (every rank's own scaling state restored) vs an uninterrupted run
         recipe = get_recipe("te-delayed")
-        full = train_run(recipe, cfg, corpus, run_dir + "-full", amax_group="none")
-        train_run(recipe, cfg, corpus, run_dir, amax_group="none", stop_after=3)
-        res = train_run(recipe, cfg, corpus, run_dir, amax_group="none")
+        kw = ({"amax_group": "none"} if mode == "none-resume"
+              else {"fsdp": True, "fp8_allgather": True})  # fmt: skip
+        full = train_run(recipe, cfg, corpus, run_dir + "-full", **kw)
+        train_run(recipe, cfg, corpus, run_dir, stop_after=3, **kw)
+        res = train_run(recipe, cfg, corpus, run_dir, **kw)
         if rank == 0:
             print(json.dumps({"final": res.records[-1]["train_loss"], "steps": len(res.records),
                               "want": full.records[-1]["train_loss"],
-                              "spread": full.records[-1]["scale_spread_binades"]}))  # fmt: skip
+                              "spread": full.records[-1].get("scale_spread_binades"),
+                              "sharding": full.records[-1]["sharding"]}))  # fmt: skip
         return
     fsdp = mode == "fsdp8"
     recipe = get_recipe("te-current" if fsdp else "te-delayed")

@@ -93,6 +93,17 @@ def test_fsdp_fp8_allgather_checkpoint_resumes_on_two_and_one_rank(base: Path) -
     assert abs(got["final"] - want["final"]) < 1e-3 * abs(want["final"])
 
 
+def test_fsdp_fp8_allgather_te_delayed_resumes_bit_for_bit(base: Path) -> None:
+    # te-delayed weights gathered as FP8 codes with the delayed scale: a run stopped at its
+    # step-3 checkpoint and resumed (the delayed states restored on every rank, the gathers
+    # taking their scale from them) ends at the uninterrupted run's loss bit for bit
+    res = _run(base / "fsdp8d", 2, "6", "-1", "fsdp8d-resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = _final(res.stdout)
+    assert got["sharding"] == "fsdp-fp8"
+    assert got["steps"] == 6 and got["final"] == got["want"]
+
+
 def test_amax_group_none_checkpoint_keeps_every_rank_scaling_state(base: Path) -> None:
     # with local amaxes the ranks' scales differ; the consolidated checkpoint carries each
     # rank's scaling state, so a resumed run continues bit for bit (with rank 0's state on
