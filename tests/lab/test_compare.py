@@ -67,7 +67,8 @@ def test_compare_end_to_end(text, tmp_path):
     # the lab trains and returns results; the CLI layer writes the report from them
     s = compare_and_report(tiny(text), names, "bf16", out, callback=events.append)
     js = json_summary(s)
-    assert set(js) == {"schema_version", "baseline", "baseline_diverged", "device", "recipes"}
+    assert set(js) == {"schema_version", "baseline", "baseline_diverged", "device", "machine",
+                       "noise", "recipes"}  # fmt: skip
     assert js["schema_version"] == 1 and js["baseline"] == "bf16"
     assert js["baseline_diverged"] is False
     assert list(js["recipes"]) == names
@@ -92,7 +93,8 @@ def test_compare_end_to_end(text, tmp_path):
     events.clear()
     s2 = compare(tiny(text), names, "bf16", out, callback=events.append)
     assert not [e for e in events if e["event"] == "step"]
-    assert json_summary(s2) == js
+    # the machine is where the command runs now (its thread count may differ), not a result
+    assert {**json_summary(s2), "machine": None} == {**js, "machine": None}
 
     # a different configuration in the same --out is refused
     with pytest.raises(ConfigMismatchError, match=r"train\.lr"):
@@ -341,3 +343,102 @@ def test_cli_predicted_step_column_and_bad_device(text, tmp_path):
         assert "predicted step ms on b200" in doc and "n/a" in doc and "fp32 GEMMs" in doc
     res = runner.invoke(app, args)  # the terminal table (finished runs are read back)
     assert res.exit_code == 0 and "b200" in res.stdout
+
+
+# ----------------------------------------------------------------------------- issue 22
+def test_machine_is_recorded_and_a_run_resumes_on_another(text, tmp_path, monkeypatch):
+    from fp8lab.lab import machine as machines
+
+    out, names = tmp_path / "out", ["bf16", "te-delayed"]
+    ref = compare(tiny(text), names, "bf16", tmp_path / "ref")
+    here = machines.machine_info()
+    js = json_summary(ref)
+    assert js["machine"]["cpu"] == here["cpu"] and js["machine"]["torch"] == here["torch"]
+    assert js["machine"]["cpu_capability"] == here["cpu_capability"]
+    assert ref["details"]["bf16"]["machine"]["cpu"] == here["cpu"]
+
+    def stop(ev):  # interrupted after the checkpoint at step 3
+        if ev["event"] == "step" and ev["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compare(tiny(text), names, "bf16", out, callback=stop)
+    other = {**here, "cpu": "Another CPU", "cpu_capability": "AVX2", "torch_threads": 7}
+    monkeypatch.setattr(machines, "machine_info", lambda: dict(other))
+    events = []
+    s = compare(tiny(text), names, "bf16", out, callback=events.append)  # resumes, not refused
+    starts = {e["recipe"]: e["step"] for e in events if e["event"] == "start"}
+    assert starts["bf16"] == 3  # bf16 resumed from its checkpoint
+    assert json.loads((out / "config.json").read_text())["machine"]["cpu"] == "Another CPU"
+    assert s["machine"]["cpu"] == "Another CPU" and s["details"]["bf16"]["machine"] == other
+    # same real machine underneath: the resumed runs equal the uninterrupted ones
+    for n in names:
+        assert s["recipes"][n]["final_val_loss"] == ref["recipes"][n]["final_val_loss"]
+
+
+def test_rerun_of_a_finished_comparison_starts_no_process_and_builds_once(
+    text, tmp_path, monkeypatch
+):
+    import fp8lab.lab.compare as lab_compare
+    from fp8lab.lab import models
+
+    names = ["bf16", "te-delayed"]
+    first = compare(tiny(text), names, "bf16", tmp_path, jobs=2, threads=1)
+
+    def no_process(*a, **k):
+        raise AssertionError("a worker process was started for a finished run")
+
+    monkeypatch.setattr(lab_compare.mp, "get_context", no_process)
+    reads, real_read = [], lab_compare.read_metrics
+    monkeypatch.setattr(lab_compare, "read_metrics", lambda d: reads.append(d) or real_read(d))
+    events = []
+    again = compare(tiny(text), names, "bf16", tmp_path, jobs=2, threads=1, callback=events.append)
+    assert json_summary(again)["recipes"] == json_summary(first)["recipes"]
+    assert [e["event"] for e in events] == ["start", "end"] * 2
+    assert len(reads) == len(names)  # metrics.jsonl read once per recipe
+    # a user's model is built once by the comparison itself (check + summary)
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from torch import nn\n"
+        "def tiny():\n"
+        "    return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 32), nn.Linear(32, 256))\n"
+    )
+    cfg = tiny(text).with_overrides([f"model.factory={json.dumps(f'{src}:tiny')}"])
+    compare(cfg, ["bf16"], "bf16", tmp_path / "user")
+    builds, real_build = [], models.build
+    monkeypatch.setattr(models, "build", lambda *a: builds.append(a) or real_build(*a))
+    compare(cfg, ["bf16"], "bf16", tmp_path / "user")
+    assert len(builds) == 1
+
+
+def _fake_curve(out, name, vals):
+    d = out / "runs" / name
+    d.mkdir(parents=True)
+    recs = [{"step": 10 * (i + 1), "train_loss": 2.0, "grad_norm": 1.0, "skipped_steps": 0,
+             "spike": False, "tokens": 32, "step_time_s": 0.1, "val_loss": v}
+            for i, v in enumerate(vals)]  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"final_train_loss": 2.0, "final_val_loss": vals[-1], "skipped_steps": 0,
+               "spikes": 0, "tokens_per_s": 320.0, "step_time_ms": 100.0,
+               "steps_done": 10 * len(vals), "diverged": False, "complete": True}  # fmt: skip
+    (d / "run.json").write_text(json.dumps({"summary": summary}))
+
+
+def test_noise_estimate_keeps_recipes_inside_it_unranked(text, tmp_path):
+    # fp32 and bf16 differ only in rounding: their largest gap over the second half of the run
+    # (steps 30, 40: 0.5 %; step 10's 3 % is early) is the noise; 2x it is not ranked
+    _fake_curve(tmp_path, "bf16", [4.0, 3.0, 2.000, 2.0])
+    _fake_curve(tmp_path, "fp32", [4.12, 3.0, 2.010, 1.996])
+    _fake_curve(tmp_path, "mxfp8", [4.0, 3.0, 2.0, 2.018])  # +0.9 %: within 2 x 0.5 %
+    _fake_curve(tmp_path, "hif8-delayed", [4.0, 3.0, 2.0, 1.99])  # -0.5 %
+    _fake_curve(tmp_path, NEGATIVE_CONTROL, [4.0, 3.0, 2.5, 2.5])  # +25 %
+    names = ["bf16", "fp32", "mxfp8", "hif8-delayed", NEGATIVE_CONTROL]
+    s = summarize_comparison(tiny(text), names, "bf16", tmp_path)
+    assert json_summary(s)["noise"]["rel_gap_pct"] == pytest.approx(0.5)
+    assert json_summary(s)["noise"]["factor"] == 2.0
+    within = {n: s["details"][n]["within_noise"] for n in names}
+    assert within == {"bf16": None, "fp32": True, "mxfp8": True, "hif8-delayed": True,
+                      NEGATIVE_CONTROL: False}  # fmt: skip
+    # without the fp32/bf16 pair there is no estimate, and nothing is called within noise
+    s2 = summarize_comparison(tiny(text), ["bf16", "mxfp8"], "bf16", tmp_path)
+    assert s2["noise"]["rel_gap_pct"] is None and s2["details"]["mxfp8"]["within_noise"] is None

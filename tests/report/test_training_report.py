@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8lab.report.training import ema, last_stats, markdown_table, write_report
+from fp8lab.report.training import ROLES, ema, last_stats, markdown_table, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,3 +183,65 @@ def test_report_predicted_step_column():
     assert "fp32 GEMMs are not priced" in page
     # a summary written before the column existed renders without it
     assert "predicted step" not in render_markdown(_summary(metrics), {}, {}, cfg, None)
+
+
+def _render(summary, stats=None):
+    from fp8lab.report.training import render_html, render_markdown
+
+    cfg = {"model": {"n_layer": 2, "d_model": 256, "d_ff": 768, "n_head": 4, "block_size": 128},
+           "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "seed": 1},
+           "data": {"paths": []}, "inject": {}}  # fmt: skip
+    return (render_markdown(summary, {}, stats or {}, cfg, None),
+            render_html(summary, {}, stats or {}, cfg, None))  # fmt: skip
+
+
+def test_report_does_not_rank_recipes_within_the_noise():
+    # issue 22: mxfp8 at +0.505 % on one CPU and -0.033 % on another: inside the noise band
+    names = ["fp32", "bf16", "mxfp8", "te-delayed", "bad"]
+    summary = _summary({n: _records(0.0) for n in names})
+    gaps = {"fp32": -0.2, "bf16": 0.0, "mxfp8": 0.505, "te-delayed": -0.189, "bad": 12.44}
+    for n, g in gaps.items():
+        summary["recipes"][n]["rel_gap_pct"] = g
+        summary["details"][n]["within_noise"] = None if n == "bf16" else abs(g) <= 0.6
+    summary["noise"] = {"rel_gap_pct": 0.3, "factor": 2.0, "source": "fp32 vs bf16: largest"}
+    for text in _render(summary):
+        flat = " ".join(text.split())
+        assert "Noise: 0.300 %" in flat and "2 x 0.300 = 0.600 %" in flat
+        assert "fp32, mxfp8, te-delayed are within noise of bf16" in flat
+        assert "outside it, by gap: bad (+12.440 %)" in flat
+    summary["noise"]["rel_gap_pct"] = None  # no fp32/bf16 pair: nothing is ranked
+    assert "does not rank the recipes" in _render(summary)[0]
+    del summary["noise"]  # a summary written before the noise existed renders as before
+    assert "Noise" not in _render(summary)[0]
+
+
+def test_report_names_the_machine_and_runs_from_another():
+    from fp8lab.lab.machine import machine_info
+
+    here = machine_info()
+    summary = _summary({"bf16": _records(0.0), "mxfp8": _records(0.0)})
+    summary["machine"] = here
+    summary["details"]["bf16"]["machine"] = here
+    summary["details"]["mxfp8"]["machine"] = {**here, "cpu": "Xeon", "cpu_capability": "AVX512"}
+    md, page = _render(summary)
+    assert f"Machine: {here['cpu']}, torch {here['torch']}" in md and "MKL" in md
+    assert "Runs finished on another machine: mxfp8: Xeon" in md and "Machine:" in page
+    assert "Machine:" not in _render(_summary({"bf16": _records(0.0)}))[0]
+
+
+def test_underflow_figure_uses_a_log_axis(tmp_path, monkeypatch):
+    # the negative control's grad_output underflow hid every other bar on a linear axis
+    from matplotlib.axes import Axes
+
+    from fp8lab.report.training import plot_underflow
+
+    scales = []
+    monkeypatch.setattr(Axes, "set_yscale", lambda self, v, **k: scales.append(v))
+    row = {"step": 10, "layer": "l", "amax": 1.0, "saturation_pct": 0.0, "sqnr_db": 30.0}
+    stats = {
+        "te-delayed": [{**row, "role": r, "underflow_pct": 0.02} for r in ROLES],
+        "bad": [{**row, "role": r, "underflow_pct": 40.0 if r == "grad_output" else 0.0}
+                for r in ROLES],
+    }  # fmt: skip
+    assert plot_underflow(stats, tmp_path / "u.png") is not None
+    assert scales == ["log"] and (tmp_path / "u.png").stat().st_size > 0

@@ -42,6 +42,7 @@ import math
 import multiprocessing as mp
 import queue
 import traceback
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
@@ -56,6 +58,7 @@ from fp8lab.lab.train import (
     CHECKPOINT,
     ConfigMismatchError,
     LabConfig,
+    checkpoint_config,
     corpus_config,
     diverged_loss,
     mismatch_message,
@@ -317,17 +320,38 @@ def _has_runs(out: Path) -> bool:
     )
 
 
-def prepare_out_dir(out: Path, cfg: LabConfig, baseline: str, corpus: Corpus) -> None:
+def machine_of_runs(threads: int = 0) -> dict[str, Any]:
+    """`fp8lab.lab.machine.machine_info` of this process, with the thread counts the runs use
+    (``threads`` > 0: what `set_threads` sets in every run)."""
+    m = machines.machine_info()
+    if threads > 0:
+        m["torch_threads"] = threads
+        m["numba_threads"] = min(threads, m["numba_threads"] or threads)
+    return m
+
+
+def _identity(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a comparison must match to be continued: everything but the machine."""
+    return {k: v for k, v in meta.items() if k != "machine"}
+
+
+def prepare_out_dir(
+    out: Path, cfg: LabConfig, baseline: str, corpus: Corpus, machine: dict | None = None
+) -> None:
     """Create ``out`` (or check it can be continued) and write its ``config.json``.
 
     Refused (ValueError): ``out`` is a file; ``out`` is a non-empty directory fp8lab did not
     make; ``out`` holds runs made under another configuration, baseline or training text. A
     directory holding no run yet (e.g. a failed start) is reused under the new configuration.
+    ``machine`` (`machine_of_runs`) is recorded as ``"machine"``, outside the identity: a
+    comparison started on one machine continues on another.
     """
     meta = {"lab": cfg.to_dict(), "baseline": baseline, "corpus": corpus_config(corpus)}
     identity = models.model_identity(cfg.model)
     if identity is not None:  # a user's model: its source or config file hash
         meta["model"] = identity
+    if machine is not None:
+        meta["machine"] = machine
     path = out / "config.json"
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another output directory")
@@ -338,7 +362,7 @@ def prepare_out_dir(out: Path, cfg: LabConfig, baseline: str, corpus: Corpus) ->
                 f"{out}: a non-empty directory not made by fp8lab compare (no fp8lab "
                 "config.json); refusing to write into it: choose a new or empty directory"
             )
-        why = mismatch_message(old, meta)
+        why = mismatch_message(_identity(old), _identity(meta))
         if why and _has_runs(out):
             raise ConfigMismatchError(
                 f"{out} holds a comparison made with a different configuration; refusing to "
@@ -372,9 +396,22 @@ def run_recipes(
     An error of a recipe is raised again as ValueError (bad input, corrupt checkpoint) or
     OSError (e.g. a full disk) naming the recipe, anything else as RuntimeError."""
     emit = callback or (lambda e: None)
+    corpus = corpus or load_corpus(cfg.data, cfg.model.block_size)
+    # finished runs are read back here, without starting a process or building a model
+    todo = []
+    for name in names:
+        run = finished_run(cfg, name, out, corpus)
+        if run is None:
+            todo.append(name)
+            continue
+        s = run["summary"]
+        emit({"event": "start", "recipe": name, "step": s["steps_done"], "steps": cfg.train.steps})
+        emit({"event": "end", **s, "recipe": name})
+    names = todo
+    if not names:
+        return
     if jobs <= 1:
         set_threads(threads)
-        corpus = corpus or load_corpus(cfg.data, cfg.model.block_size)
         for name in names:
             train_run(resolve_recipe(name), cfg, corpus, run_dir(out, name), callback=emit,
                       guard=guard, **(dist or {}))  # fmt: skip
@@ -437,6 +474,28 @@ def run_recipes(
         )
 
 
+def finished_run(cfg: LabConfig, name: str, out: Path, corpus: Corpus) -> dict[str, Any] | None:
+    """The ``run.json`` of recipe ``name``'s run in ``out`` when that run is finished (complete,
+    or ended as diverged) under this very configuration, recipe, model and training text (the
+    machine aside); None otherwise (training it, or resuming it, is then `train_run`'s job,
+    which refuses a mismatching checkpoint)."""
+    d = run_dir(out, name)
+    try:
+        run = json.loads((d / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    s = run.get("summary") if isinstance(run, dict) else None
+    # a truncated checkpoint (no zip directory; cheap to see) goes to train_run, which names it
+    if not isinstance(s, dict) or not zipfile.is_zipfile(d / CHECKPOINT):
+        return None
+    if not (s.get("complete") or s.get("diverged")) or "steps_done" not in s:
+        return None
+    want = checkpoint_config(cfg, resolve_recipe(name), corpus)
+    if "corpus" not in run or mismatch_message({k: run.get(k) for k in want}, want) is not None:
+        return None
+    return run
+
+
 def relative_cost(recipe: Any) -> float:
     """Rough cost of a recipe's training step relative to fp32 (for scheduling only; measured by
     benchmarks/bench_train_step.py): limited-precision accumulation, emulated with float64
@@ -458,10 +517,52 @@ def _rel_gap(value: float | None, base: float | None) -> float | None:
 
 
 def _diverged(s: dict[str, Any], vocab_size: int) -> bool:
-    # the loss rule again: run.json files written before it existed say diverged: false
-    if s["diverged"]:
+    # the loss rule again: run.json files written before it existed (or before its margin)
+    # say otherwise; a run that stopped early trusts its own flag (non-finite steps in a row)
+    if s["diverged"] and not s.get("complete", False):
         return True
     return diverged_loss(s["final_train_loss"], s["final_val_loss"], vocab_size)
+
+
+#: a recipe's gap to the baseline is "within noise" when it is at most this many times the noise
+NOISE_FACTOR = 2.0
+NOISE_PAIR = ("fp32", "bf16")
+
+
+def noise_estimate(
+    metrics: dict[str, list[dict[str, Any]]], names: Sequence[str], baseline: str
+) -> dict[str, Any]:
+    """How far two runs that differ only in rounding end apart: the largest |relative gap| of
+    the validation losses of ``fp32`` and ``bf16`` (both in the comparison) over the
+    evaluations of the second half of the run, in % of the baseline's loss.
+    ``{"rel_gap_pct": float | None, "source": str, "factor": NOISE_FACTOR}``; None when the pair
+    is not in the comparison or a loss is not finite. It is a lower bound of the run-to-run
+    noise (one pair of trajectories), so gaps up to ``factor`` times it are not ranked."""
+    a, b = NOISE_PAIR
+    out: dict[str, Any] = {"rel_gap_pct": None, "factor": NOISE_FACTOR,
+                           "source": f"{a} vs {b}: largest |gap| over the validation "
+                           "evaluations of the second half of the run"}  # fmt: skip
+    if a not in names or b not in names:
+        out["source"] = f"none: the comparison needs both {a} and {b} to estimate it"
+        return out
+    va, vb, vbase = ({r["step"]: r.get("val_loss") for r in metrics[n] if "val_loss" in r}
+                     for n in (a, b, baseline))  # fmt: skip
+    steps = sorted(set(va) & set(vb) & set(vbase))
+    last = steps[-1] if steps else 0
+    gaps = []
+    for t in (t for t in steps if 2 * t >= last):
+        if None in (va[t], vb[t], vbase[t]) or not vbase[t]:
+            return out
+        gaps.append(abs(100.0 * (va[t] - vb[t]) / vbase[t]))
+    out["rel_gap_pct"] = max(gaps) if gaps else None
+    return out
+
+
+def within_noise(gap: float | None, noise: dict[str, Any]) -> bool | None:
+    """Whether a relative gap (%) is inside the noise band (None when either is unknown)."""
+    if gap is None or noise.get("rel_gap_pct") is None:
+        return None
+    return abs(gap) <= noise["factor"] * noise["rel_gap_pct"]
 
 
 def predicted_steps(
@@ -495,20 +596,29 @@ def summarize_comparison(
     baseline: str,
     out: Path,
     device: str = DEFAULT_COST_DEVICE,
+    *,
+    metrics: dict[str, list[dict[str, Any]]] | None = None,
+    user_model: Any = None,
+    machine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The summary: the ``--json`` schema (schema_version, baseline, baseline_diverged, device,
-    recipes{...}) + ``details`` (spikes, step time, memory, settings, predicted step) for the
-    report. ``device``: the GPU of ``predicted_step_ms`` (:func:`predicted_steps`; null with the
-    reason in ``details[name]["predicted_step"]`` when the recipe cannot be priced there).
+    machine, noise, recipes{...}) + ``details`` (spikes, step time, memory, settings, predicted
+    step, the machine of each run, whether its gap is within noise) for the report. ``device``:
+    the GPU of ``predicted_step_ms`` (:func:`predicted_steps`; null with the reason in
+    ``details[name]["predicted_step"]`` when the recipe cannot be priced there). ``metrics``
+    (read from ``out`` when None), ``user_model`` (a user's model, built here when None) and
+    ``machine`` (:func:`machine_of_runs` when None): what the caller already has.
 
-    Gaps are null for a diverged recipe, and for every recipe when the baseline diverged."""
+    Gaps are null for a diverged recipe, and for every recipe when the baseline diverged.
+    ``noise`` (:func:`noise_estimate`) is how far fp32 and bf16 end apart; each recipe's
+    ``details[name]["within_noise"]`` says whether its gap is inside ``noise.factor`` times it."""
     runs = {n: json.loads((run_dir(out, n) / "run.json").read_text()) for n in names}
-    metrics = {n: read_metrics(run_dir(out, n)) for n in names}
+    if metrics is None:
+        metrics = {n: read_metrics(run_dir(out, n)) for n in names}
     base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
     base_final = runs[baseline]["summary"]["final_val_loss"]
     vocab = cfg.model.vocab_size
-    user_model = None
-    if not models.is_builtin(cfg.model):  # built once, unconverted, for the memory model
+    if user_model is None and not models.is_builtin(cfg.model):  # unconverted: memory model
         with torch.random.fork_rng(devices=[]):
             user_model = models.build(cfg.model, cfg.train.seed)
 
@@ -523,6 +633,12 @@ def summarize_comparison(
     from fp8lab.dist.ddp import comm_summary
 
     base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
+    noise = noise_estimate(metrics, names, baseline)
+    if base_diverged or any(
+        _diverged(runs[n]["summary"], runs[n].get("vocab_size", vocab))
+        for n in NOISE_PAIR if n in runs
+    ):  # fmt: skip
+        noise["rel_gap_pct"] = None
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for n in names:
@@ -558,28 +674,36 @@ def summarize_comparison(
             "settings": recipe_settings(recipe),
             "negative_control": n == NEGATIVE_CONTROL,
             "predicted_step": {"device": device, **predicted[n]},
+            # the machine that finished this run (null: written before fp8lab recorded it)
+            "machine": runs[n].get("machine"),
+            "within_noise": None if n == baseline else within_noise(table[n]["rel_gap_pct"], noise),
         }
     return {
         "schema_version": SCHEMA_VERSION,
         "baseline": baseline,
         "baseline_diverged": base_diverged,
         "device": device,
+        "machine": machine if machine is not None else machine_of_runs(),
+        "noise": noise,
         "recipes": table,
         "details": details,
     }
 
 
-JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "device", "recipes")
+JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "device", "machine", "noise",
+             "recipes")  # fmt: skip
 
 
 def json_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """The ``--json`` schema (schema_version 1; ``baseline_diverged``, ``device`` and the
-    recipes' ``predicted_step_ms`` added since, fields are only ever added), without the report's
-    extras."""
+    """The ``--json`` schema (schema_version 1; ``baseline_diverged``, ``device``, ``machine``,
+    ``noise`` and the recipes' ``predicted_step_ms`` added since, fields are only ever added),
+    without the report's extras."""
     return {k: summary[k] for k in JSON_KEYS if k in summary}
 
 
-def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
+def write_metrics_csv(
+    names: Sequence[str], out: Path, metrics: dict[str, list[dict[str, Any]]] | None = None
+) -> Path:
     cols = ["recipe", "step", "lr", "train_loss", "val_loss", "grad_norm", "skipped",
             "skipped_steps", "loss_scale", "spike", "tokens", "step_time_s"]  # fmt: skip
     path = out / "metrics.csv"
@@ -587,7 +711,7 @@ def write_metrics_csv(names: Sequence[str], out: Path) -> Path:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         for n in names:
-            for r in read_metrics(run_dir(out, n)):
+            for r in metrics[n] if metrics is not None else read_metrics(run_dir(out, n)):
                 w.writerow({"recipe": n, **{k: ("" if v is None else v) for k, v in r.items()}})
     return path
 
@@ -644,25 +768,29 @@ def run_comparison(
     from fp8lab.cost import get_device
 
     get_device(device)  # an unknown device fails before any training
+    user_model = None
     if not models.is_builtin(cfg.model):  # a wrong output is an error before anything is written
-        with torch.random.fork_rng(devices=[]):
-            models.build(cfg.model, cfg.train.seed)
+        with torch.random.fork_rng(devices=[]):  # built once: checked here, summarized below
+            user_model = models.build(cfg.model, cfg.train.seed)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
     out = Path(out_dir)
-    prepare_out_dir(out, cfg, baseline, corpus)
+    machine = machine_of_runs(threads)
+    prepare_out_dir(out, cfg, baseline, corpus, machine)
     run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus,
                 guard=guard, dist=dist)  # fmt: skip
     if dist is not None:  # torchrun: the ranks are done; what follows is rank 0's alone
         from fp8lab.dist.runtime import leave_group
 
         leave_group()
-    summary = summarize_comparison(cfg, names, baseline, out, device)
+    metrics = {n: read_metrics(run_dir(out, n)) for n in names}  # read once
+    summary = summarize_comparison(cfg, names, baseline, out, device, metrics=metrics,
+                                   user_model=user_model, machine=machine)  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    write_metrics_csv(names, out)
+    write_metrics_csv(names, out, metrics)
     return ComparisonResult(
         out=out,
         summary=summary,
-        metrics={n: read_metrics(run_dir(out, n)) for n in names},
+        metrics=metrics,
         stats={n: read_stats(run_dir(out, n)) for n in names},
         lab_config=cfg.to_dict(),
     )

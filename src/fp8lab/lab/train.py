@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from fp8lab._keys import check_keys
+from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, DataConfig, get_batch, val_batches
 from fp8lab.lab.gpt import GPTConfig
@@ -616,7 +617,9 @@ def train_run(
     emit({"event": "end", "recipe": name, **summary})
     if run_path and writer:
         vocab = models.vocab_size_of(model, cfg.model)
-        run = {"summary": summary, "vocab_size": vocab, **ckpt_cfg}
+        # the machine that computed it (fp8lab.lab.machine): recorded, not part of the identity
+        run = {"summary": summary, "vocab_size": vocab, **ckpt_cfg,
+               "machine": machines.machine_info()}  # fmt: skip
         _write_text(run_path / "run.json", json.dumps(run, indent=2))
     return RunResult(summary=summary, model=model, records=records)
 

@@ -193,12 +193,22 @@ def plot_underflow(stats_by_recipe, path: Path) -> Path | None:
     fig = Figure(figsize=(12, 4))
     ax = fig.subplots()
     width = 0.8 / len(ROLES)
+    ys = {role: [_nan(data[n].get(role, {}).get("underflow_pct")) for n in names] for role in ROLES}
+    positive = [y for v in ys.values() for y in v if y > 0]
+    bottom = max(min(positive, default=1e-3) / 3, 1e-5)
     for i, role in enumerate(ROLES):
-        ys = [_nan(data[n].get(role, {}).get("underflow_pct")) for n in names]
-        ax.bar([j + i * width for j in range(len(names))], ys, width, label=role)
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, ys[role], width, label=role)
+        for x, y in zip(xs, ys[role], strict=True):  # the value on every bar, 0 included
+            if not math.isnan(y):
+                ax.annotate(f"{y:.3g}", (x, max(y, bottom)), ha="center", va="bottom", fontsize=6)
     ax.set_xticks([j + width for j in range(len(names))], names, rotation=15, fontsize=8)
+    # log axis: the negative control's large share would hide every other recipe's on a
+    # linear one; a bar of 0 % is not drawn, its label at the bottom says 0
+    ax.set_yscale("log")
+    ax.set_ylim(bottom, 300)
     ax.set(title="underflow % of quantized GEMM operands (mean over layers, last stats step)",
-           ylabel="% of nonzeros flushed to 0")  # fmt: skip
+           ylabel="% of nonzeros flushed to 0 (log)")  # fmt: skip
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -332,6 +342,70 @@ NOTES = [
 ]
 
 
+def noise_note(summary: Mapping[str, Any]) -> str | None:
+    """What the gaps mean against the run-to-run noise (``summary["noise"]``,
+    `fp8lab.lab.compare.noise_estimate`): recipes inside it are listed, not ranked; the others
+    are ranked by gap. None for a summary written before the noise was estimated."""
+    noise = summary.get("noise")
+    if not noise or summary.get("baseline_diverged"):
+        return None
+    base, x = summary["baseline"], noise.get("rel_gap_pct")
+    if x is None:
+        return (
+            f"Noise: not estimated ({noise['source']}). Gaps of a few tenths of a percent can be "
+            "noise at this size (a run on another CPU kind, or with another thread count, "
+            "rounds differently and ends elsewhere), so this report does not rank the recipes."
+        )
+    band = noise["factor"] * x
+    details = summary["details"]
+    recipes = summary["recipes"]
+    within = [n for n, d in details.items() if d.get("within_noise")]
+    outside = sorted(
+        (n for n, d in details.items() if d.get("within_noise") is False),
+        key=lambda n: recipes[n]["rel_gap_pct"],
+    )
+    text = (
+        f"Noise: {x:.3f} % = {noise['source']}. Two runs that differ only in rounding end that "
+        "far apart; so does this run and the same run on another CPU kind, torch/MKL version or "
+        f"thread count. Gaps within {noise['factor']:g} x {x:.3f} = {band:.3f} % of {base} are "
+        "not ranked: "
+    )
+    text += (", ".join(within) + " are within noise of " + base) if within else "none is"
+    if outside:
+        text += "; outside it, by gap: " + ", ".join(
+            f"{n} ({recipes[n]['rel_gap_pct']:+.3f} %)" for n in outside
+        )
+    return text + "."
+
+
+def machine_note(summary: Mapping[str, Any]) -> str | None:
+    """The machine the results come from and what they depend on (None: an older summary)."""
+    if "machine" not in summary:
+        return None
+    from fp8lab.lab.machine import describe, same_results_expected  # torch: only when asked
+
+    m = summary["machine"]
+    text = (
+        f"Machine: {describe(m)}. fp8lab's own arithmetic (casts, scales, emulated "
+        "accumulators) gives the same bits on any x86-64 CPU; the GEMMs are torch's (MKL, "
+        "oneDNN), whose summation order depends on the CPU kind torch's kernels use, the torch "
+        "and MKL versions and the thread count. These losses reproduce to the last digit only "
+        "with all of those the same; elsewhere they differ within the noise."
+    )
+    others = {
+        n: d["machine"]
+        for n, d in summary["details"].items()
+        if d.get("machine") and not same_results_expected(d["machine"], m)
+    }
+    if others:
+        text += (
+            " Runs finished on another machine: "
+            + "; ".join(f"{n}: {describe(o)}" for n, o in others.items())
+            + "."
+        )
+    return text
+
+
 def baseline_warning(baseline: str) -> str:
     """What the report says when the baseline diverged."""
     return (
@@ -376,6 +450,9 @@ def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     if summary.get("baseline_diverged"):
         lines += [f"**{baseline_warning(base)}**", ""]
     lines += [markdown_table(summary), ""]
+    for note in (noise_note(summary), machine_note(summary)):
+        if note:
+            lines += [note, ""]
     lines += [f"- {n}" for n in NOTES]
     if predicted_note(summary):
         lines.append(f"- {predicted_note(summary)}")
@@ -448,7 +525,11 @@ def render_html(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     for row in table_rows(summary):
         cls = ' class="negative"' if "negative control" in row["recipe"] else ""
         parts.append(f"<tr{cls}>" + "".join(f"<td>{e(row[k])}</td>" for k, _ in cols) + "</tr>")
-    parts.append("</table><ul>")
+    parts.append("</table>")
+    for note in (noise_note(summary), machine_note(summary)):
+        if note:
+            parts.append(f"<p>{e(note)}</p>")
+    parts.append("<ul>")
     parts += [f"<li>{e(n).replace('`', '')}</li>" for n in NOTES]
     if predicted_note(summary):
         parts.append(f"<li>{e(predicted_note(summary))}</li>")

@@ -1,0 +1,101 @@
+"""What a lab result depends on beyond its configuration: the machine that computed it.
+
+fp8lab's own arithmetic (casts, scales, the emulated accumulators, the fused tensor-core model) is
+bit-reproducible on any x86-64 CPU: numba compiles it without fast-math, so its float operations
+are neither reassociated nor contracted, whatever vector width the CPU has. The GEMMs of a
+training step are torch's (MKL / oneDNN on CPU): their summation order depends on the kernel
+torch picks for the CPU (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2, AVX512, ...;
+``ATEN_CPU_CAPABILITY`` and ``MKL_ENABLE_INSTRUCTIONS`` lower it), on the torch and MKL versions
+and on the thread count. A training run amplifies a last-bit difference step by step, so its
+losses reproduce to the last digit only on the same CPU kind, versions and threads.
+
+:func:`machine_info` records those; the lab stores it as ``machine`` in ``OUT/config.json``,
+each run's ``run.json``, the ``--json`` summary and the report. It is never part of a run's
+identity: a run started on one machine resumes on another (its later steps then follow the new
+machine's rounding).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from typing import Any
+
+import torch
+
+#: environment variables that change the kernels torch or numba run, recorded when set
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "NUMBA_CPU_NAME",
+              "NUMBA_CPU_FEATURES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _library_versions() -> dict[str, str | None]:
+    """MKL's and oneDNN's versions as torch reports them in ``torch.__config__.show()``."""
+    text = torch.__config__.show()
+    mkl = re.search(r"Math Kernel Library Version ([0-9][0-9.]*)", text)
+    onednn = re.search(r"MKL-DNN v([^\s]+)", text)
+    return {"mkl": mkl and mkl.group(1), "onednn": onednn and onednn.group(1)}
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine this process computes on: CPU model and architecture, the CPU capability
+    torch's kernels use, the torch / MKL / oneDNN / numba versions, torch's and numba's thread
+    counts (as set now: call it where the run computes) and the kernel-selecting environment
+    variables that are set. Plain JSON data."""
+    import numba
+
+    try:
+        import llvmlite.binding as llvm
+
+        numba_cpu = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
+    except Exception:  # an llvmlite without the call: the name is only informative
+        numba_cpu = os.environ.get("NUMBA_CPU_NAME")
+    return {
+        "cpu": cpu_model(),
+        "arch": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        **_library_versions(),
+        "numba": numba.__version__,
+        "numba_cpu": numba_cpu,
+        "torch_threads": torch.get_num_threads(),
+        "numba_threads": numba.get_num_threads(),
+        "python": platform.python_version(),
+        "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
+    }
+
+
+#: the fields of :func:`machine_info` that decide the bits of a training run's losses
+RESULT_FIELDS = ("cpu_capability", "torch", "mkl", "onednn", "torch_threads")
+
+
+def same_results_expected(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two machines should give the same losses to the last digit: the same CPU model
+    and the same :data:`RESULT_FIELDS` (False when either is unknown)."""
+    if not a or not b:
+        return False
+    return a.get("cpu") == b.get("cpu") and all(a.get(k) == b.get(k) for k in RESULT_FIELDS)
+
+
+def describe(m: dict[str, Any] | None) -> str:
+    """One line: ``AMD EPYC, torch 2.13.0+cpu (AVX512), MKL 2024.2, oneDNN 3.12.0, 1 thread``."""
+    if not m:
+        return "unknown (written before fp8lab recorded the machine)"
+    threads = m.get("torch_threads")
+    return (
+        f"{m.get('cpu')}, torch {m.get('torch')} (CPU capability {m.get('cpu_capability')}), "
+        f"MKL {m.get('mkl')}, oneDNN {m.get('onednn')}, {threads} torch "
+        f"thread{'s' * (threads != 1)}" + (f", env {m['env']}" if m.get("env") else "")
+    )
