@@ -228,6 +228,14 @@ def test_progress_lines_without_a_tty_and_a_rich_summary(tmp_path, text):
     assert max(len(line) for line in res.stdout.splitlines()) <= 100
 
 
+def test_summary_says_which_gaps_are_within_the_noise(tmp_path, text):
+    # issue 22: the text under the table names the noise and does not rank recipes inside it
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "fp32,bf16")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout[res.stdout.index("Noise: ") :].split("\n\n")[0].splitlines()
+    assert "fp32 vs bf16" in " ".join(lines) and max(len(x) for x in lines) <= 80
+
+
 # ----------------------------------------------------------------------------- item 17
 def test_negative_threads_and_late_spike_are_refused(tmp_path, text):
     res, out = _tiny_run(tmp_path, text, "--threads", "-2")

@@ -10,6 +10,7 @@ import json
 import shlex
 import signal
 import sys
+import textwrap
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -468,6 +469,10 @@ def register(app: typer.Typer) -> None:
         for name, per_layer in layers.items():
             console().print(_layer_table(name, per_layer))
         console().print(_summary_table(summary))
+        from fp8lab.report.training import noise_note
+
+        if noise_note(summary):  # which gaps are inside the run-to-run noise: not a ranking
+            typer.echo(textwrap.fill(noise_note(summary), width=80))
         if summary.get("baseline_diverged"):
             typer.echo(
                 f"The baseline {base} diverged: relative gaps to it mean nothing and are left "
