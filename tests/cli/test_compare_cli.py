@@ -286,6 +286,32 @@ def test_scripts_check_report_help():
     assert "does not exist" not in res.stderr
 
 
+def test_readme_tables_regenerates_the_marked_block(tmp_path, text):
+    # issue 22: `make readme-tables` writes a run's table, with its machine and date, between
+    # its markers; the rest of the page is left as it is
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "readme_tables", root / "scripts/readme_tables.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "demo"
+    res, _ = _tiny_run(tmp_path, text, "--recipes", "fp32,bf16", out=out)
+    assert res.exit_code == 0, res.output
+    body = mod.block(out)
+    assert "Machine: " in body and "CPU capability" in body and "| fp32 |" in body
+    assert "Noise: " in body and "(`fp8lab " in body  # the command, from the report
+    page = "intro\n<!-- table: demo -->\nold numbers\n<!-- /table: demo -->\nrest\n"
+    new, hit = mod.replace_marked(page, "demo", body, "README.md")
+    assert hit and "old numbers" not in new and new.startswith("intro\n<!-- table: demo -->\n")
+    assert new.endswith(body + "\n<!-- /table: demo -->\nrest\n")
+    assert mod.replace_marked(page, "demo-long", body, "README.md") == (page, False)
+    with pytest.raises(ValueError, match="no closing"):
+        mod.replace_marked("<!-- table: demo -->\n", "demo", body, "README.md")
+
+
 # ----------------------------------------------------------------------------- issue 13: --model
 USER_MODEL = """
 import torch

@@ -207,8 +207,8 @@ def test_report_does_not_rank_recipes_within_the_noise():
     for text in _render(summary):
         flat = " ".join(text.split())
         assert "Noise: 0.300 %" in flat and "2 x 0.300 = 0.600 %" in flat
-        assert "fp32, mxfp8, te-delayed are within noise of bf16" in flat
-        assert "outside it, by gap: bad (+12.440 %)" in flat
+        assert "Within noise of bf16: fp32, mxfp8, te-delayed." in flat
+        assert "Outside it, by gap: bad (+12.440 %)." in flat
     summary["noise"]["rel_gap_pct"] = None  # no fp32/bf16 pair: nothing is ranked
     assert "does not rank the recipes" in _render(summary)[0]
     del summary["noise"]  # a summary written before the noise existed renders as before

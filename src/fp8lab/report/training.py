@@ -368,11 +368,11 @@ def noise_note(summary: Mapping[str, Any]) -> str | None:
         f"Noise: {x:.3f} % = {noise['source']}. Two runs that differ only in rounding end that "
         "far apart; so does this run and the same run on another CPU kind, torch/MKL version or "
         f"thread count. Gaps within {noise['factor']:g} x {x:.3f} = {band:.3f} % of {base} are "
-        "not ranked: "
+        f"not ranked. Within noise of {base}: "
     )
-    text += (", ".join(within) + " are within noise of " + base) if within else "none is"
+    text += ", ".join(within) if within else "none"
     if outside:
-        text += "; outside it, by gap: " + ", ".join(
+        text += ". Outside it, by gap: " + ", ".join(
             f"{n} ({recipes[n]['rel_gap_pct']:+.3f} %)" for n in outside
         )
     return text + "."
