@@ -5,7 +5,7 @@ FP8LAB  := .venv/bin/fp8lab
 # demo-long has no time budget: it adds te-current to the default recipes
 LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e4m3-unscaled-grads
 
-.PHONY: demo demo-long demo-debug test lint format bench clean
+.PHONY: demo demo-long demo-debug test test-avx2 readme-tables lint format bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -30,6 +30,26 @@ demo-debug: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
+# stats; the bit-for-bit tests of fp8lab's own arithmetic) again under AVX2 kernels, as on a CPU
+# without AVX-512: torch's ATen kernels, MKL and oneDNN limited to AVX2, numba compiling for
+# Haswell (AVX2 + FMA; NUMBA_CPU_FEATURES empty = that CPU's own features, not the host's). About
+# 2 min on 2 cores. On an AVX2-only host it repeats make test's run of these files.
+NUMERIC_TESTS := tests/formats tests/scaling tests/qtensor tests/gemm tests/recipe tests/optim \
+	tests/nn tests/observe tests/test_stats.py tests/test_layers.py
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=
+
+test-avx2: $(STAMP)
+	$(AVX2_ENV) $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+		print('torch CPU capability:', c); assert c in ('AVX2', 'DEFAULT'), c"
+	$(AVX2_ENV) $(PY) -m pytest $(NUMERIC_TESTS)
+
+# The README's (and docs') result tables from runs/demo and runs/demo-long (make demo /
+# make demo-long first), each with the machine and date it came from
+readme-tables: $(STAMP)
+	$(PY) scripts/readme_tables.py runs/demo runs/demo-long
 
 lint: $(STAMP)
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .

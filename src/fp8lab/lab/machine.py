@@ -26,7 +26,7 @@ import torch
 
 #: environment variables that change the kernels torch or numba run, recorded when set
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "NUMBA_CPU_NAME",
-              "NUMBA_CPU_FEATURES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+              "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
 
 
 def cpu_model() -> str:
