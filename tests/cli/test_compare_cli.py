@@ -398,6 +398,18 @@ def test_bad_model_is_exit_code_2_and_writes_nothing(tmp_path, text, model, word
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", [["compare", "--recipes", "bf16"], ["debug", "--recipe",
+                                     "te-delayed"], ["cost"]])  # fmt: skip
+def test_a_model_without_linears_is_refused_alike_by_every_command(tmp_path, command):
+    # issue 22: compare trained identical runs (a UserWarning only) where debug and cost refused
+    src = tmp_path / "mymodel.py"
+    src.write_text(USER_MODEL)
+    out = ["--out", str(tmp_path / "o")] if command[0] != "cost" else []
+    res = runner.invoke(app, [*command, "--model", f"{src}:no_linear", *out])
+    _bad(res, "no Linear layer to quantize", "nothing to compare, debug or price")
+    assert not (tmp_path / "o").exists()
+
+
 def test_missing_transformers_names_the_package(tmp_path, text, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     llama = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-tiny.json"

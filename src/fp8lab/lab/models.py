@@ -335,8 +335,8 @@ def require_linears(model: nn.Module, spec: str) -> list[str]:
                     "which stay high precision)")  # fmt: skip
         raise ValueError(
             f"--model {spec!r}: the model has no Linear layer to quantize{kept}; every recipe "
-            "would train the same model. Give a model whose hidden layers are torch.nn.Linear "
-            "(or transformers' Conv1D)"
+            "would leave it unchanged (nothing to compare, debug or price). Give a model whose "
+            "hidden layers are torch.nn.Linear (or transformers' Conv1D)"
         )
     return names
 
