@@ -65,11 +65,12 @@ def test_fsdp_all_gathers_hand_derived():
     def fp8(recipe, **kw):
         return collective_bytes(recipe, LINS, ranks=N, fsdp=True, fp8_allgather=True, **kw)
 
-    # te-current: FP8 codes + one FP32 scale per weight, gathered twice; the per-tensor amax is
-    # all-reduced before each gather (4 all-reduces of one float)
+    # te-current: FP8 codes + one FP32 scale per weight, gathered twice; the per-tensor amaxes
+    # of both weights are all-reduced once per step, before the forward's gathers (one
+    # all-reduce of two floats; the backward's re-gathers reuse them)
     c = fp8("te-current")
     assert c.fsdp_allgather == gather * 2 * sum(w + 4 for w in WEIGHTS)
-    assert c.amax_allreduces == 2 * 2 and c.amax_allreduce == 4 * ring * 4
+    assert c.amax_allreduces == 1 and c.amax_allreduce == ring * 4 * 2
     # te-delayed: the same codes; the scale is known before the gather, only the step's batch
     d = fp8("te-delayed")
     assert d.fsdp_allgather == c.fsdp_allgather

@@ -69,7 +69,10 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1)
     result: dict[str, object] = {"names": list(delayed_states(model))}
     seen = _watch_gathered(model) if mode in fsdp_modes and world > 1 else None
+    max_reduces = _count_max_all_reduces() if world > 1 else None
     for step in range(steps):
+        if max_reduces is not None:
+            max_reduces[0] = 0
         x = torch.randint(0, 256, (4, 16), generator=gen)
         y = torch.randint(0, 256, (4, 16), generator=gen)
         xs, ys = shard_batch(x, y, rank, world)
@@ -84,6 +87,8 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if max_reduces is not None:  # amax all-reduces (MAX) this rank issued in the step
+            result[f"max_reduces{step}"] = torch.tensor(max_reduces[0])
         if seen is not None:  # between steps: what was gathered for this step is gone
             result[f"gathered{step}"] = torch.tensor(len(seen))
             result[f"alive{step}"] = torch.tensor(_alive(seen, model))
@@ -114,6 +119,19 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         result["states_scale_r1"] = torch.stack([v["scale"] for v in states[1].values()])
         result["state"] = torch.tensor(dp.state()["scale_spread_binades"])
     return result
+
+
+def _count_max_all_reduces() -> list[int]:
+    """Count the all-reduces with op MAX (amaxes) from now on: [count], reset by the caller."""
+    d = torch.distributed
+    plain, count = d.all_reduce, [0]
+
+    def counted(tensor, op=d.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
+        count[0] += int(op == d.ReduceOp.MAX)
+        return plain(tensor, op=op, group=group, async_op=async_op)
+
+    d.all_reduce = counted
+    return count
 
 
 def _watch_gathered(model: torch.nn.Module) -> list:

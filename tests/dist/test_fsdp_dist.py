@@ -78,6 +78,18 @@ def test_fsdp_fp8_allgather_under_delayed_scaling_equals_ddp_bit_for_bit(
     assert int((hist[w] != 0).sum()) == 3
 
 
+def test_fp8_allgather_amax_all_reduces_per_step(ranks: list[dict]) -> None:
+    # te-current: every per-tensor weight's amax in one all-reduce per step (at the root's
+    # forward; the backward's re-gathers reuse it), not one per gathered weight; te-delayed: no
+    # all-reduce before a gather, only the step's batched amax all-reduce, as DDP
+    for r in ranks:
+        for step in range(3):
+            assert int(r[f"fsdp8:max_reduces{step}"]) == 1, step
+            assert int(r[f"fsdp8d:max_reduces{step}"]) == int(r[f"world:max_reduces{step}"]) == 1
+            n_states = len(r["fsdp8du:names"])  # one all-reduce per state and update
+            assert int(r[f"fsdp8du:max_reduces{step}"]) == n_states, step
+
+
 def test_delayed_weights_with_per_rank_amaxes_are_refused() -> None:
     from fp8lab.dist.fsdp import check_fp8_allgather_recipe
     from fp8lab.recipe import get_recipe

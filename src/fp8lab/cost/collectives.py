@@ -19,9 +19,12 @@ same messages as ``fp8lab compare``'s flags):
   amax is reduced once per step (``scale_update`` events: te-delayed, 3 per Linear); with
   ``batch_amax`` (DataParallel's default, TE's global amax buffer) all of them travel in one
   all-reduce per step, otherwise one all-reduce each; ``"none"`` reduces nothing. Under FSDP
-  with ``fp8_allgather``, a weight quantized with current scaling whose blocks span the sharded
-  row axis (per-tensor) all-reduces its amax before every gather (``fsdp_pre_all_gather``). An
-  all-reduce of ``k`` amaxes is priced as a ring: ``2(N-1)/N * 4k`` bytes per rank.
+  with ``fp8_allgather``, the weights quantized with per-tensor current scaling need their global
+  amax before they are gathered: fp8lab all-reduces all of them in one buffer per step (at the
+  root's forward; the backward's re-gathers reuse it). A weight whose column blocks span the
+  sharded row axis, or NVFP4's tensor scale (both refused by fp8lab's gather, priced as TE would
+  move them), all-reduces its amaxes before every gather. An all-reduce of ``k`` amaxes is
+  priced as a ring: ``2(N-1)/N * 4k`` bytes per rank.
 
 * **FSDP weight all-gathers** (``fsdp=True``; FSDP2 reshards after forward, so each weight is
   gathered twice per step): a ring all-gather of ``S`` bytes sends ``(N-1)/N * S`` per rank.
@@ -91,16 +94,20 @@ def _copy_bytes(fmt: str, gran: tuple[int, int] | None, rule: str | None, o: int
     return int(o * i * get_format(fmt).bits / 8) + scale_bytes(gran, rule, (o, i))
 
 
-def _gather_amaxes(counts: StepCounts, gemm: str) -> int:
+def _gather_amaxes(counts: StepCounts, gemm: str, per_tensor: bool = False) -> int:
     """float32 amaxes all-reduced before gathering the weight copy quantized for ``gemm``:
     current scaling whose blocks span the sharded (row, ``O``) axis needs the other shards'
     amaxes (one per block column); NVFP4's FP32 tensor scale one more. Delayed scaling and blocks
-    within a shard need none."""
+    within a shard need none. The per-tensor current-scaled amax, which fp8lab all-reduces once
+    per step with every other weight's (module doc), is counted only with ``per_tensor`` (then
+    nothing else is)."""
     k = 0
     for e in counts.events:
         if e.kind != "amax" or e.role != "weight" or e.gemm != gemm or e.granularity is None:
             continue
         rows, cols = e.granularity
+        if (e.scaling != "nvfp4" and (rows, cols) == (-1, -1)) != per_tensor:
+            continue
         if e.scaling == "nvfp4":
             k += 1
         elif rows == -1:
@@ -173,6 +180,7 @@ def collective_bytes(
     numel = other
     delayed = 0  # delayed-scaled tensors whose amax is reduced each step
     gather_amaxes: list[int] = []  # one entry per FSDP pre-gather all-reduce: amaxes in it
+    batched = 0  # per-tensor current-scaled weights: their amaxes in one all-reduce per step
     gathered = 0.0  # bytes of every copy gathered (before the (N-1)/N)
     counted = []
     for lin, i, o in linears:
@@ -191,13 +199,15 @@ def collective_bytes(
                 gathered += nbytes
                 if k:
                     gather_amaxes.append(k)
+            if fp8_allgather:
+                batched += _gather_amaxes(counts, "fprop", per_tensor=True)
         gathered += 2 * other * hp_bytes  # forward and backward
     if n == 1:
         return CollectiveBytes(n, grad_comm, fsdp, fp8_allgather, 0.0, 0.0, 0, 0.0)
     if amax_group == "none":
         delayed = 0
     reductions = [delayed] if batch_amax and delayed else [1] * delayed
-    reductions += gather_amaxes
+    reductions += gather_amaxes + ([batched] if batched else [])
     amax = sum((_allreduce_bytes(n, k) for k in reductions), 0.0)
     # FSDP: a float32 reduce-scatter; DDP: the all-reduce on the grad_comm wire
     grad = (n - 1) / n * 4 * numel if fsdp else bytes_per_rank(numel, n, grad_comm, bucket_numel)

@@ -9,7 +9,9 @@ so here the codes travel as uint8 (`fp8lab.formats.encode` / `decode`) with thei
 Granularities:
 
 * per-tensor (``"tensor"``): the amax is all-reduced (MAX) first, so every shard uses the scale
-  of the unsharded weight and the gathered weight equals the unsharded quantization bit for bit;
+  of the unsharded weight and the gathered weight equals the unsharded quantization bit for bit
+  (under `shard_model` every such weight's amax travels in one all-reduce per forward, at the
+  root's forward pre-hook: `_WeightAmaxes`);
 * blocks that never cross a shard boundary (``"row"``, ``"mx"``, ``(m, k)`` with the shard's
   row count a multiple of ``m``): each shard quantizes alone, also bit for bit;
 * blocks spanning shards (``"col"``, ``"mx_col"``, ``128x128`` over a 100-row shard): refused
@@ -19,8 +21,8 @@ Granularities:
 Delayed scaling (per-tensor, te-delayed): the scale is the weight's `DelayedScaling` state,
 computed from its amax history, and every rank holds the same history (``--amax-group world``:
 each step's amax is all-reduced MAX before it enters the history), so every shard is quantized
-with the unsharded weight's scale without a collective, bit for bit, as Transformer Engine and
-torchao quantize FP8 weight shards under delayed scaling (float8_experimental PR #312,
+with the unsharded weight's scale without a collective, bit for bit, as torchao's FSDP2 float8
+all-gather does under delayed scaling (pytorch-labs/float8_experimental PR #312,
 ``WeightWithDelayedFloat8CastTensor``). The shard's own amax is what this rank observes; the
 all-reduce MAX of the step's amaxes (after quantization, batched with the others by
 `fp8lab.dist.amax.AmaxBatch`) turns it into the whole weight's amax before it enters the
@@ -35,7 +37,8 @@ tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 ``ModuleList`` and the root are wrapped by ``fully_shard``:
 
 * ``fp8_allgather=True``: before the all-gather each rank quantizes its shard under the Linear's
-  fprop weight spec with the global amax (one all-reduce MAX; delayed scaling: with the Linear's
+  fprop weight spec with the global amax (all-reduced MAX for all such weights at once at the
+  root's forward, reused by the backward's re-gathers; delayed scaling: with the Linear's
   own `DelayedScaling` scale, no collective, the shard's amax observed by the Linear's forward
   pre-hook, once per forward as the unsharded Linear observes it) and hands FSDP uint8 codes (plus
   float32 block scales for row-aligned blocks on evenly sharded weights); after it the codes are
@@ -180,13 +183,15 @@ def fp8_all_gather(
 
 
 def _quantize_shard(
-    shard: torch.Tensor, spec: QuantSpec, rows: int, group: Any
-) -> tuple[QuantSpec, QTensor | None, torch.Tensor, torch.Tensor | None]:
+    shard: torch.Tensor, spec: QuantSpec, rows: int, group: Any,
+    global_amax: torch.Tensor | None = None,
+) -> tuple[QuantSpec, QTensor | None, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Quantize a row shard (per-tensor: with the global amax, one all-reduce MAX over
-    ``group``; collective; delayed scaling: with the state's scale, no collective except on a
-    ``first_step="current"`` state's first step): (the spec used, the QTensor or None for an
-    empty shard, uint8 codes zero-padded to ``rows`` rows, and for delayed scaling the shard's
-    amax for the state to observe -- nothing is observed here -- else None)."""
+    ``group`` unless ``global_amax`` already holds it; collective; delayed scaling: with the
+    state's scale, no collective except on a ``first_step="current"`` state's first step):
+    (the spec used, the QTensor or None for an empty shard, uint8 codes zero-padded to ``rows``
+    rows, and for delayed scaling the shard's amax for the state to observe -- nothing is
+    observed here -- else None)."""
     d = torch.distributed
     fmt = get_format(spec.format)
     x = shard.detach().float()
@@ -194,10 +199,10 @@ def _quantize_shard(
     if spec.is_delayed:
         local, observed = _delayed_shard_spec(spec, x, group)
     elif normalize_granularity(spec.granularity) == (-1, -1):
-        amax = x.abs().amax() if x.numel() else torch.zeros(())
-        amax = amax.reshape(1).clone()
-        d.all_reduce(amax, op=d.ReduceOp.MAX, group=group)
-        local = spec.replace(scaling=float(_scale_of(spec, amax[0])))
+        if global_amax is None:
+            global_amax = _shard_amax(x).reshape(1).clone()
+            d.all_reduce(global_amax, op=d.ReduceOp.MAX, group=group)
+        local = spec.replace(scaling=float(_scale_of(spec, global_amax.reshape(()))))
     else:
         local = spec
     n = x.shape[0]
@@ -206,6 +211,48 @@ def _quantize_shard(
     if q is not None:
         codes[:n] = encode(q.values, fmt)  # exact: values are on the grid
     return local, q, codes, observed
+
+
+def _shard_amax(x: torch.Tensor) -> torch.Tensor:
+    """A float32 shard's amax (0 for an empty shard), a 0-d tensor."""
+    return x.abs().amax() if x.numel() else torch.zeros((), dtype=torch.float32)
+
+
+class _WeightAmaxes:
+    """The global amaxes of a sharded model's per-tensor current-scaled weights, all-reduced
+    in one buffer per forward instead of one all-reduce per gathered weight.
+
+    `refresh` (a forward pre-hook of the root, run before FSDP's own, which starts the
+    gathers) takes every member's shard amax and all-reduces them MAX as one float32 vector:
+    the step's forward gathers and the backward's re-gathers use it -- the weights do not
+    change in between -- as torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does once
+    per step after the optimizer step (there an explicit call; here the root's forward, which
+    every rank runs). The same amaxes, so the same scales, bit for bit. `get` answers only for
+    the shard tensor and version it was computed from; a gather outside a forward after the
+    weights changed (or before any forward) all-reduces its own amax as before."""
+
+    def __init__(self, members: list[tuple[Any, Any]], group: Any) -> None:
+        self.members = members  # (module, FSDPParam) of each weight, in model order
+        self.group = group
+        self.cache: dict[int, tuple[Any, int, torch.Tensor]] = {}
+
+    def refresh(self, *args: Any) -> None:
+        import weakref
+
+        shards = [fp._sharded_local_tensor._tensor for _, fp in self.members]
+        amax = torch.stack([_shard_amax(x.detach().float()) for x in shards])
+        d = torch.distributed
+        d.all_reduce(amax, op=d.ReduceOp.MAX, group=self.group)
+        self.cache = {
+            id(m): (weakref.ref(x), x._version, amax[i : i + 1])
+            for i, ((m, _), x) in enumerate(zip(self.members, shards, strict=True))
+        }
+
+    def get(self, module: Any, shard: torch.Tensor) -> torch.Tensor | None:
+        hit = self.cache.get(id(module))
+        if hit is None or hit[0]() is not shard or hit[1] != shard._version:
+            return None
+        return hit[2]
 
 
 def _delayed_shard_spec(
@@ -332,7 +379,9 @@ class ShardedWeight(torch.Tensor):
             pad[: x.shape[0]] = x
             return (pad,), (module, None, full_rows)
         spec = _bound_weight_spec(module, self.spec)
-        local, q, codes, amax = _quantize_shard(self._tensor, spec, rows, group)
+        batch = getattr(module, "_fp8lab_weight_amaxes", None)
+        known = None if batch is None else batch.get(module, self._tensor)
+        local, q, codes, amax = _quantize_shard(self._tensor, spec, rows, group, known)
         # what the Linear's forward pre-hook hands over: the spec the fprop GEMM compares with,
         # and (delayed scaling) the state and this shard's amax it observes
         seen = None if amax is None else (spec.scaling, amax)
@@ -495,15 +544,28 @@ def shard_model(
             for block in sub:
                 fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    per_tensor = []  # current-scaled per-tensor weights: their amaxes in one all-reduce
     for sub in model.modules():  # FSDP's reshard also frees what fp8lab gathered into
         if isinstance(sub, FSDPModule):
             for fp in _fsdp_params(sub):
-                if (
-                    isinstance(fp._module_info.module, Fp8Linear)
-                    and fp._module_info.param_name == "weight"
-                ):
+                m = fp._module_info.module
+                if isinstance(m, Fp8Linear) and fp._module_info.param_name == "weight":
                     _free_with_fsdp(fp)
+                    spec = specs.get(_name_of(linears, m))
+                    if (spec is not None and not spec.is_delayed
+                            and normalize_granularity(spec.granularity) == (-1, -1)):  # fmt: skip
+                        per_tensor.append((m, fp))
+    if per_tensor:
+        batch = _WeightAmaxes(per_tensor, mesh.get_group())
+        for m, _ in per_tensor:
+            m._fp8lab_weight_amaxes = batch
+        # before FSDP's root pre-forward hook (registered by fully_shard), which gathers
+        model.register_forward_pre_hook(batch.refresh, prepend=True)
     return model
+
+
+def _name_of(linears: list[tuple[str, Any]], module: Any) -> str | None:
+    return next((n for n, m in linears if m is module), None)
 
 
 def local_weight(p: torch.Tensor) -> torch.Tensor:
