@@ -169,6 +169,8 @@ def limited(
     c_np = None if acc0 is None else acc0.double().numpy()
     if m == 0 or n == 0:
         return out
+    if k == 0:  # no MMA step: the sum of nothing is +0, or c as it went in (as `fused`)
+        return output_scales(out if acc0 is None else acc0.float().clone(), a, b, pe is not None)
     grp = acc.group
     span = pe if pe is not None else grp  # K elements between promotions (or per group)
     # K elements per batched group-sum GEMM: up to _BATCH_K // span promotion intervals at once
