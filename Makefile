@@ -15,11 +15,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(FP8LAB) compare --jobs 2 --threads 1 --out runs/demo
+	$(FP8LAB) compare --jobs 2 --threads 1 --noise-seeds 1 --out runs/demo
 	$(PY) scripts/check_report.py runs/demo/report.html
 
 demo-long: $(STAMP)
-	$(FP8LAB) compare --jobs 2 --threads 1 --steps 1000 --recipes $(LONG_RECIPES) --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
+	$(FP8LAB) compare --jobs 2 --threads 1 --noise-seeds 1 --steps 1000 --recipes $(LONG_RECIPES) --set train.eval_every=50 --set train.checkpoint_every=100 --out runs/demo-long
 	$(PY) scripts/check_report.py runs/demo-long/report.html
 
 # fp8lab debug on a planted fault (a gradient spike poisons te-delayed's gradient scales): the verdict

@@ -230,10 +230,11 @@ def test_progress_lines_without_a_tty_and_a_rich_summary(tmp_path, text):
 
 def test_summary_says_which_gaps_are_within_the_noise(tmp_path, text):
     # issue 22: the text under the table names the noise and does not rank recipes inside it
-    res, _ = _tiny_run(tmp_path, text, "--recipes", "fp32,bf16")
+    res, out = _tiny_run(tmp_path, text, "--recipes", "fp32,bf16", "--noise-seeds", "1")
     assert res.exit_code == 0, res.output
     lines = res.stdout[res.stdout.index("Noise: ") :].split("\n\n")[0].splitlines()
     assert "fp32 vs bf16" in " ".join(lines) and max(len(x) for x in lines) <= 80
+    assert "bf16 under 1 other seed(s)" in " ".join(lines) and (out / "runs/bf16@seed1338").is_dir()
 
 
 # ----------------------------------------------------------------------------- item 17

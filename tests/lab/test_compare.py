@@ -442,3 +442,31 @@ def test_noise_estimate_keeps_recipes_inside_it_unranked(text, tmp_path):
     # without the fp32/bf16 pair there is no estimate, and nothing is called within noise
     s2 = summarize_comparison(tiny(text), ["bf16", "mxfp8"], "bf16", tmp_path)
     assert s2["noise"]["rel_gap_pct"] is None and s2["details"]["mxfp8"]["within_noise"] is None
+
+
+def test_noise_seeds_train_baseline_replicas_outside_the_table(text, tmp_path):
+    names = ["fp32", "bf16"]
+    cfg = tiny(text)
+    events = []
+    s = compare(cfg, names, "bf16", tmp_path, callback=events.append, noise_seeds=1)
+    rep = f"bf16@seed{cfg.train.seed + 1}"
+    run = json.loads((tmp_path / "runs" / rep / "run.json").read_text())
+    assert run["lab"]["train"]["seed"] == cfg.train.seed + 1
+    assert {e["recipe"] for e in events} == {"fp32", "bf16", rep}  # its own progress name
+    assert list(s["recipes"]) == names and rep not in s["details"]
+    assert rep not in (tmp_path / "metrics.csv").read_text()
+    base = s["recipes"]["bf16"]["final_val_loss"]
+    seeds = abs(100 * (run["summary"]["final_val_loss"] - base) / base)
+    noise = json_summary(s)["noise"]
+    assert noise["seeds_pct"] == pytest.approx(seeds) and noise["fp32_bf16_pct"] is not None
+    assert noise["rel_gap_pct"] == max(noise["seeds_pct"], noise["fp32_bf16_pct"])
+    assert "other seed" in noise["source"] and "fp32 vs bf16" in noise["source"]
+    # rerun: the replica is finished too, nothing trains, the same estimate
+    events.clear()
+    again = compare(cfg, names, "bf16", tmp_path, callback=events.append, noise_seeds=1)
+    assert not [e for e in events if e["event"] == "step"]
+    assert json_summary(again)["noise"] == noise
+    with pytest.raises(ValueError, match="noise_seeds"):
+        compare(cfg, names, "bf16", tmp_path / "x", noise_seeds=-1)
+    with pytest.raises(ValueError, match="seed replica"):
+        compare(cfg, ["bf16", "bf16@seed3"], "bf16", tmp_path / "x")

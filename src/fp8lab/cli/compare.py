@@ -141,16 +141,18 @@ def compare_and_report(
     device: str | None = None,
     guard: Any = None,
     dist: dict[str, Any] | None = None,
+    noise_seeds: int = 0,
 ) -> dict[str, Any]:
     """Run the comparison (``fp8lab.lab.compare.run_comparison``) and write its report
     (``fp8lab.report.training.write_report``) into ``out``; return the summary. ``device``: the
-    GPU of the predicted step time (default ``DEFAULT_COST_DEVICE``)."""
+    GPU of the predicted step time (default ``DEFAULT_COST_DEVICE``); ``noise_seeds``: seed
+    replicas of the baseline for the noise estimate."""
     from fp8lab.lab.compare import DEFAULT_COST_DEVICE, run_comparison
     from fp8lab.report.training import write_report
 
     result = run_comparison(cfg, names, baseline, out, jobs=jobs, threads=threads,
                             callback=callback, device=device or DEFAULT_COST_DEVICE,
-                            guard=guard, dist=dist)  # fmt: skip
+                            guard=guard, dist=dist, noise_seeds=noise_seeds)  # fmt: skip
     write_report(result.out, result.summary, result.metrics, result.stats, result.lab_config,
                  command=command)  # fmt: skip
     return result.summary
@@ -280,6 +282,13 @@ def register(app: typer.Typer) -> None:
             "--threads",
             min=0,
             help="torch and numba threads per process (0 = their defaults).",
+        ),
+        noise_seeds: int = typer.Option(
+            0,
+            "--noise-seeds",
+            min=0,
+            help="Also train the baseline under N other seeds (runs/BASELINE@seedS) to measure "
+            "the run-to-run noise; the report does not rank recipes whose gaps lie inside it.",
         ),
         outlier_channels: int | None = typer.Option(
             None, "--outlier-channels", help="Inject this many outlier input channels per layer."
@@ -434,7 +443,7 @@ def register(app: typer.Typer) -> None:
             rank_ctx = init_from_env()
         if rank_ctx is not None and not rank_ctx.is_main:
             with clear_errors(INTERRUPTED):
-                _follow_rank0(cfg, names, base, out, threads, guard, dist)
+                _follow_rank0(cfg, names, base, out, threads, guard, dist, noise_seeds)
             return
 
         # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
@@ -459,6 +468,7 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 guard=guard,
                 dist=dist,
+                noise_seeds=noise_seeds,
             )
         if json_out:
             out_json = json_summary(summary)
@@ -562,17 +572,18 @@ def _dist_options(amax_group: str, grad_comm: str, fsdp: bool, fp8_allgather: bo
 
 def _follow_rank0(
     cfg: Any, names: list[str], base: str, out: Path, threads: int, guard: Any = None,
-    dist: dict[str, Any] | None = None,
+    dist: dict[str, Any] | None = None, noise_seeds: int = 0,
 ) -> None:  # fmt: skip
     """A torchrun rank other than 0: train the same recipes in the same order (DDP pairs its
     collectives with rank 0's) into rank 0's run folders, reading their checkpoints to resume and
     writing nothing; rank 0 prepares the output directory and writes the report."""
-    from fp8lab.lab.compare import run_recipes
+    from fp8lab.lab.compare import run_recipes, seed_replica
     from fp8lab.lab.data import load_corpus
 
     order = list(dict.fromkeys(names))
     if base not in order:
         order.insert(0, base)  # as run_comparison does
+    order += [seed_replica(base, cfg.train.seed + i) for i in range(1, noise_seeds + 1)]
     deadline = time.monotonic() + 120.0
     while not (out / "config.json").exists():  # rank 0's prepare_out_dir comes first
         if time.monotonic() > deadline:

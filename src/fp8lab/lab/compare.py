@@ -124,10 +124,35 @@ def lab_recipes() -> dict[str, Any]:
     }
 
 
+#: a seed replica of a recipe: the same recipe under another ``train.seed`` (``bf16@seed1338``),
+#: trained for the noise estimate (``noise_seeds``), never a row of the table
+SEED_SEP = "@seed"
+
+
+def seed_replica(name: str, seed: int) -> str:
+    return f"{name}{SEED_SEP}{seed}"
+
+
+def split_replica(name: str) -> tuple[str, int | None]:
+    """``("bf16", 1338)`` for ``"bf16@seed1338"``; ``(name, None)`` for a recipe."""
+    base, sep, seed = name.rpartition(SEED_SEP)
+    if sep and base and seed.isdigit():
+        return base, int(seed)
+    return name, None
+
+
+def config_for(cfg: LabConfig, name: str) -> LabConfig:
+    """The configuration run ``name`` trains under: ``cfg``, with a replica's own seed."""
+    seed = split_replica(name)[1]
+    return cfg if seed is None else cfg.replace_train(seed=seed)
+
+
 def resolve_recipe(name: str) -> Any:
-    """A preset name, a lab recipe name, or a path to a recipe ``.toml`` / ``.json`` file."""
+    """A preset name, a lab recipe name, or a path to a recipe ``.toml`` / ``.json`` file (a seed
+    replica ``NAME@seedS`` resolves to NAME's recipe)."""
     from fp8lab.recipe import Recipe, get_recipe, recipes
 
+    name = split_replica(name)[0]
     own = lab_recipes()
     if name in own:
         return own[name]
@@ -277,6 +302,13 @@ def _guard_dict(guard: Any) -> dict[str, Any]:
     return guard if isinstance(guard, dict) else guard.to_dict()
 
 
+def _named(name: str, emit: Callback) -> Callback:
+    """``emit``, with a seed replica's events under its own name (not its recipe's)."""
+    if split_replica(name)[1] is None:
+        return emit
+    return lambda ev: emit({**ev, "recipe": name})
+
+
 def _worker(
     name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any, guard: Any = None
 ) -> None:
@@ -286,7 +318,8 @@ def _worker(
         set_threads(threads)
         cfg = LabConfig.from_dict(cfg_dict)
         corpus = load_corpus(cfg.data, cfg.model.block_size)
-        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=events.put, guard=guard)
+        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=_named(name, events.put),
+                  guard=guard)  # fmt: skip
     except BaseException as exc:  # reported to the parent, which raises
         events.put(
             {
@@ -400,7 +433,7 @@ def run_recipes(
     # finished runs are read back here, without starting a process or building a model
     todo = []
     for name in names:
-        run = finished_run(cfg, name, out, corpus)
+        run = finished_run(config_for(cfg, name), name, out, corpus)
         if run is None:
             todo.append(name)
             continue
@@ -413,7 +446,8 @@ def run_recipes(
     if jobs <= 1:
         set_threads(threads)
         for name in names:
-            train_run(resolve_recipe(name), cfg, corpus, run_dir(out, name), callback=emit,
+            train_run(resolve_recipe(name), config_for(cfg, name), corpus, run_dir(out, name),
+                      callback=_named(name, emit),
                       guard=guard, **(dist or {}))  # fmt: skip
         return
     ctx = mp.get_context("spawn")
@@ -436,7 +470,14 @@ def run_recipes(
                 name = pending.pop(0)
                 p = ctx.Process(
                     target=_worker,
-                    args=(name, cfg.to_dict(), str(run_dir(out, name)), threads, events, gd),
+                    args=(
+                        name,
+                        config_for(cfg, name).to_dict(),
+                        str(run_dir(out, name)),
+                        threads,
+                        events,
+                        gd,
+                    ),
                     daemon=True,
                 )
                 p.start()
@@ -529,22 +570,9 @@ NOISE_FACTOR = 2.0
 NOISE_PAIR = ("fp32", "bf16")
 
 
-def noise_estimate(
-    metrics: dict[str, list[dict[str, Any]]], names: Sequence[str], baseline: str
-) -> dict[str, Any]:
-    """How far two runs that differ only in rounding end apart: the largest |relative gap| of
-    the validation losses of ``fp32`` and ``bf16`` (both in the comparison) over the
-    evaluations of the second half of the run, in % of the baseline's loss.
-    ``{"rel_gap_pct": float | None, "source": str, "factor": NOISE_FACTOR}``; None when the pair
-    is not in the comparison or a loss is not finite. It is a lower bound of the run-to-run
-    noise (one pair of trajectories), so gaps up to ``factor`` times it are not ranked."""
+def _pair_noise(metrics: dict[str, list[dict[str, Any]]], baseline: str) -> float | None:
+    """The largest |gap| of fp32 vs bf16 over the evaluations of the second half of the run."""
     a, b = NOISE_PAIR
-    out: dict[str, Any] = {"rel_gap_pct": None, "factor": NOISE_FACTOR,
-                           "source": f"{a} vs {b}: largest |gap| over the validation "
-                           "evaluations of the second half of the run"}  # fmt: skip
-    if a not in names or b not in names:
-        out["source"] = f"none: the comparison needs both {a} and {b} to estimate it"
-        return out
     va, vb, vbase = ({r["step"]: r.get("val_loss") for r in metrics[n] if "val_loss" in r}
                      for n in (a, b, baseline))  # fmt: skip
     steps = sorted(set(va) & set(vb) & set(vbase))
@@ -552,10 +580,51 @@ def noise_estimate(
     gaps = []
     for t in (t for t in steps if 2 * t >= last):
         if None in (va[t], vb[t], vbase[t]) or not vbase[t]:
-            return out
+            return None
         gaps.append(abs(100.0 * (va[t] - vb[t]) / vbase[t]))
-    out["rel_gap_pct"] = max(gaps) if gaps else None
-    return out
+    return max(gaps) if gaps else None
+
+
+def noise_estimate(
+    metrics: dict[str, list[dict[str, Any]]],
+    names: Sequence[str],
+    baseline: str,
+    replica_finals: dict[str, float | None] | None = None,
+    base_final: float | None = None,
+) -> dict[str, Any]:
+    """The run-to-run noise of the final validation loss, in % of the baseline's: the largest of
+    (1) the |gap| between the baseline and its seed replicas (``replica_finals``: the same
+    recipe under other seeds, `run_comparison`'s ``noise_seeds``) at the end and (2) the largest
+    |gap| of ``fp32`` vs ``bf16`` (two runs that differ only in rounding) over the evaluations
+    of the second half of the run, each where available. ``{"rel_gap_pct", "seeds_pct",
+    "fp32_bf16_pct", "source", "factor": NOISE_FACTOR}``; ``rel_gap_pct`` None when neither is
+    available or a loss is not finite. Gaps up to ``factor`` times it are not ranked. (2) alone
+    is a lower bound: FP8 recipes perturb a run more than bf16 rounding does."""
+    a, b = NOISE_PAIR
+    pair = _pair_noise(metrics, baseline) if a in names and b in names else None
+    seeds = None
+    finals = list((replica_finals or {}).values())
+    if finals and base_final and None not in finals:
+        seeds = max(abs(100.0 * (v - base_final) / base_final) for v in finals)
+    parts = []
+    if seeds is not None:
+        parts.append(f"{baseline} under {len(finals)} other seed(s): largest |gap| at the end")
+    if pair is not None:
+        parts.append(f"{a} vs {b}: largest |gap| over the second half of the run")
+    known = [v for v in (seeds, pair) if v is not None]
+    if len(parts) > 1:
+        source = "the larger of " + " and ".join(parts)
+    elif parts:
+        source = parts[0]
+    else:
+        source = f"none: the comparison needs {a} and {b}, or noise seeds, to estimate it"
+    return {
+        "rel_gap_pct": max(known) if known else None,
+        "seeds_pct": seeds,
+        "fp32_bf16_pct": pair,
+        "factor": NOISE_FACTOR,
+        "source": source,
+    }
 
 
 def within_noise(gap: float | None, noise: dict[str, Any]) -> bool | None:
@@ -600,6 +669,7 @@ def summarize_comparison(
     metrics: dict[str, list[dict[str, Any]]] | None = None,
     user_model: Any = None,
     machine: dict[str, Any] | None = None,
+    replicas: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The summary: the ``--json`` schema (schema_version, baseline, baseline_diverged, device,
     machine, noise, recipes{...}) + ``details`` (spikes, step time, memory, settings, predicted
@@ -608,6 +678,7 @@ def summarize_comparison(
     ``details[name]["predicted_step"]`` when the recipe cannot be priced there). ``metrics``
     (read from ``out`` when None), ``user_model`` (a user's model, built here when None) and
     ``machine`` (:func:`machine_of_runs` when None): what the caller already has.
+    ``replicas``: the baseline's seed replicas (:func:`seed_replica`) for the noise estimate.
 
     Gaps are null for a diverged recipe, and for every recipe when the baseline diverged.
     ``noise`` (:func:`noise_estimate`) is how far fp32 and bf16 end apart; each recipe's
@@ -633,11 +704,15 @@ def summarize_comparison(
     from fp8lab.dist.ddp import comm_summary
 
     base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
-    noise = noise_estimate(metrics, names, baseline)
-    if base_diverged or any(
-        _diverged(runs[n]["summary"], runs[n].get("vocab_size", vocab))
-        for n in NOISE_PAIR if n in runs
-    ):  # fmt: skip
+    rep_finals = {}
+    for r in replicas:
+        rs = json.loads((run_dir(out, r) / "run.json").read_text())["summary"]
+        rep_finals[r] = None if _diverged(rs, vocab) else rs["final_val_loss"]
+    # a diverged run says nothing about the noise; a diverged baseline: there is no gap at all
+    healthy = [n for n in names if not _diverged(runs[n]["summary"],
+                                                 runs[n].get("vocab_size", vocab))]  # fmt: skip
+    noise = noise_estimate(metrics, healthy, baseline, rep_finals, base_final)
+    if base_diverged:
         noise["rel_gap_pct"] = None
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
@@ -738,9 +813,12 @@ def run_comparison(
     device: str = DEFAULT_COST_DEVICE,
     guard: Any = None,
     dist: dict[str, Any] | None = None,
+    noise_seeds: int = 0,
 ) -> ComparisonResult:
     """Train every recipe of ``recipes`` (the baseline is added if missing) into ``out_dir``,
-    write ``summary.json`` and ``metrics.csv`` there and return the results.
+    write ``summary.json`` and ``metrics.csv`` there and return the results. ``noise_seeds``:
+    also train the baseline under that many other seeds (``train.seed`` + 1, + 2, ...; run
+    directories ``runs/BASELINE@seedS``) for the noise estimate (:func:`noise_estimate`).
 
     Everything is checked before anything is written: recipe names and files, ``jobs``,
     ``threads``, the config (:meth:`LabConfig.check`), the corpus and the output directory
@@ -764,6 +842,11 @@ def run_comparison(
         raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
+    if not isinstance(noise_seeds, int) or isinstance(noise_seeds, bool) or noise_seeds < 0:
+        raise ValueError(f"noise_seeds must be an integer >= 0, got {noise_seeds!r}")
+    if any(split_replica(n)[1] is not None for n in names):
+        raise ValueError(f"a recipe name may not end in {SEED_SEP}N (a seed replica's name)")
+    replicas = [seed_replica(baseline, cfg.train.seed + i) for i in range(1, noise_seeds + 1)]
     cfg.check()
     from fp8lab.cost import get_device
 
@@ -776,15 +859,16 @@ def run_comparison(
     out = Path(out_dir)
     machine = machine_of_runs(threads)
     prepare_out_dir(out, cfg, baseline, corpus, machine)
-    run_recipes(cfg, names, out, jobs=jobs, threads=threads, callback=callback, corpus=corpus,
-                guard=guard, dist=dist)  # fmt: skip
+    run_recipes(cfg, [*names, *replicas], out, jobs=jobs, threads=threads, callback=callback,
+                corpus=corpus, guard=guard, dist=dist)  # fmt: skip
     if dist is not None:  # torchrun: the ranks are done; what follows is rank 0's alone
         from fp8lab.dist.runtime import leave_group
 
         leave_group()
     metrics = {n: read_metrics(run_dir(out, n)) for n in names}  # read once
     summary = summarize_comparison(cfg, names, baseline, out, device, metrics=metrics,
-                                   user_model=user_model, machine=machine)  # fmt: skip
+                                   user_model=user_model, machine=machine,
+                                   replicas=replicas)  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     write_metrics_csv(names, out, metrics)
     return ComparisonResult(
@@ -805,7 +889,9 @@ def compare(
     threads: int = 0,
     callback: Callback | None = None,
     device: str = DEFAULT_COST_DEVICE,
+    noise_seeds: int = 0,
 ) -> dict[str, Any]:
     """:func:`run_comparison`, returning only the summary (see :func:`summarize_comparison`).
     The report is not written here: ``fp8lab.report.training.write_report`` does that."""
-    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback, device).summary
+    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback, device,
+                          noise_seeds=noise_seeds).summary  # fmt: skip
