@@ -273,6 +273,22 @@ def _delayed_gather(model: torch.nn.Module, rank: int, world: int) -> dict[str, 
                 same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))
                             and bool(observed == shard.abs().amax()))  # fmt: skip
         result[f"{preset}:delayed"] = torch.tensor(all(same) and len(same) >= 9)
+    # a NaN in rank 0's shard: the amax ignores it, as the unsharded quantize's does (TE)
+    w = torch.arange(24.0).reshape(6, 4) / 7
+    w[0, 1] = float("nan")
+    same = []
+    for preset in ("te-current", "te-delayed", "hif8-delayed"):
+        spec = get_recipe(preset).spec("fprop", "weight")
+        if spec.is_delayed:
+            spec = spec.replace(scaling=DelayedScaling.bind(spec.scaling, spec.format))
+        got = fp8_all_gather(shard_rows(w, rank, world), spec, 6)
+        ref = spec.replace(scaling=DelayedScaling.bind(spec.scaling)) if spec.is_delayed else spec
+        want = quantize(w, ref).dequantize()
+        same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32))))
+        if spec.is_delayed:  # the observed amax: the shard's largest non-NaN magnitude
+            want_amax = shard_rows(w, rank, world).nan_to_num(0.0).abs().amax()
+            same.append(bool(spec.scaling.amax_history[0] == want_amax))
+    result["nan_shard"] = torch.tensor(same)
     return result
 
 

@@ -73,7 +73,12 @@ import torch.utils._pytree as pytree
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.delayed import DelayedScaling
-from fp8lab.scaling.granularity import normalize_granularity, resolve_block, shape_2d
+from fp8lab.scaling.granularity import (
+    block_amax,
+    normalize_granularity,
+    resolve_block,
+    shape_2d,
+)
 from fp8lab.scaling.rules import get_rule
 
 __all__ = [
@@ -214,8 +219,11 @@ def _quantize_shard(
 
 
 def _shard_amax(x: torch.Tensor) -> torch.Tensor:
-    """A float32 shard's amax (0 for an empty shard), a 0-d tensor."""
-    return x.abs().amax() if x.numel() else torch.zeros((), dtype=torch.float32)
+    """A float32 shard's amax, NaN ignored as the unsharded quantize's amax ignores it (TE;
+    `fp8lab.scaling.block_amax`), 0 for an empty shard: a 0-d tensor."""
+    if not x.numel():
+        return torch.zeros((), dtype=torch.float32)
+    return block_amax(x, "tensor").reshape(())
 
 
 class _WeightAmaxes:
@@ -267,8 +275,7 @@ def _delayed_shard_spec(
     takes that branch together: identical states)."""
     sc = spec.scaling
     ds = sc if isinstance(sc, DelayedScaling) else DelayedScaling.bind(sc, spec.format)
-    amax = x.abs().amax() if x.numel() else torch.zeros(())
-    amax = amax.reshape(())
+    amax = _shard_amax(x)
     full = None
     if ds.cfg.first_step == "current" and not ds.initialized:
         d = torch.distributed
