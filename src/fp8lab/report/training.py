@@ -365,10 +365,10 @@ def noise_note(summary: Mapping[str, Any]) -> str | None:
         key=lambda n: recipes[n]["rel_gap_pct"],
     )
     text = (
-        f"Noise: {x:.3f} % = {noise['source']}. Two runs that differ only in rounding end that "
-        "far apart; so does this run and the same run on another CPU kind, torch/MKL version or "
-        f"thread count. Gaps within {noise['factor']:g} x {x:.3f} = {band:.3f} % of {base} are "
-        f"not ranked. Within noise of {base}: "
+        f"Noise: {x:.3f} % = {noise['source']}. The same run on another CPU kind, torch/MKL "
+        "version or thread count rounds differently and ends elsewhere by as much. Gaps within "
+        f"{noise['factor']:g} x {x:.3f} = {band:.3f} % of {base} are not ranked. Within noise of "
+        f"{base}: "
     )
     text += ", ".join(within) if within else "none"
     if outside:
