@@ -26,7 +26,8 @@ curves, relative gap, grad norms, tokens/s, simulated memory, operand statistics
 OUT/report.html. Rerunning with the same --out resumes; a different configuration in --out is
 refused, and so is a non-empty directory fp8lab did not make. Progress goes to stderr (bars on a
 terminal, otherwise a line every tenth of the run); --json prints only the summary on stdout:
-{"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "device": ..., "recipes": {name:
+{"schema_version": 1, "baseline": ..., "baseline_diverged": ..., "device": ..., "machine": ...,
+"noise": ..., "recipes": {name:
 {final_train_loss, final_val_loss, rel_gap_pct, max_rel_gap_pct, skipped_steps, tokens_per_s,
 diverged, predicted_step_ms, guard_events, distributed}}} (guard_events: the anomaly guard's
 actions, [] without --guard or for a clean run; distributed: null on one process, under torchrun
@@ -37,7 +38,10 @@ the model's quantized Linears on --device predicted by fp8lab cost's roofline (n
 recipe cannot run there, e.g. fp32 or HiF8; the report gives the reason). A run is diverged
 when its loss is not finite or its validation loss exceeds ln(V) + 0.5 for V logits (ln(256) =
 5.55: a uniform guess, where an untrained model starts); its gaps are null, and every gap is
-null when the baseline diverged. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
+null when the baseline diverged. machine: the CPU, torch's CPU capability, torch/MKL/oneDNN
+versions and threads that computed the results (they reproduce to the last digit only there);
+noise: the run-to-run noise of the final loss (--noise-seeds, fp32 vs bf16); recipes within 2x
+it are not ranked. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoints
 (rerun the same command to resume).
 """
 
