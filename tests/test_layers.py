@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fp8lab"
 LAYERS: dict[str, int] = {
     "_bits": 0,
     "_keys": 0,
+    "_threads": 0,  # the numba kernels' thread policy (torch + numba only)
     "formats": 0,
     "scaling": 1,
     "qtensor": 2,

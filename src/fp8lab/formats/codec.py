@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from fp8lab._threads import parallel
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats.rounding import _check_tensor, cast
 from fp8lab.formats.spec import FloatFormat, get_format
@@ -158,9 +159,6 @@ def _decode_kernel(src, dst, table):
         dst[i] = table[src[i]]
 
 
-_SERIAL_BELOW = 1 << 16
-
-
 def encode(
     x: torch.Tensor,
     fmt: str | FloatFormat,
@@ -175,7 +173,7 @@ def encode(
     v = cast(x, fmt, rounding=rounding, saturate=saturate, generator=generator)
     out = torch.empty(v.shape, dtype=torch.uint8)
     if v.numel():
-        kernel = _encode_kernel_serial if v.numel() < _SERIAL_BELOW else _encode_kernel
+        kernel = _encode_kernel if parallel(v.numel()) else _encode_kernel_serial
         kernel(
             v.view(-1).numpy().view(np.uint32),
             out.view(-1).numpy(),
@@ -206,7 +204,7 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     if fmt.bits < 8 and codes.numel() and int(codes.max()) >= (1 << fmt.bits):
         raise ValueError(f"{fmt.name} codes are {fmt.bits}-bit: values must be < {1 << fmt.bits}")
     out = torch.empty(codes.shape, dtype=torch.float32)
-    if codes.numel() >= _SERIAL_BELOW:
+    if codes.numel() and parallel(codes.numel()):
         _decode_kernel(codes.view(-1).numpy(), out.view(-1).numpy(), book.table)
     elif codes.numel():
         out.view(-1).copy_(torch.from_numpy(book.table)[codes.view(-1).long()])

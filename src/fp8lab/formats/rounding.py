@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from fp8lab._threads import parallel
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats.spec import FloatFormat, get_format
 from fp8lab.formats.straight_through import straight_through
@@ -537,7 +538,6 @@ def _seed(generator: torch.Generator | None) -> int:
     )
 
 
-_SERIAL_BELOW = 1 << 16  # smaller tensors skip the thread pool (its wake-up costs more)
 _force_generic = False  # tests flip this to cross-check the fast kernel against the generic one
 
 
@@ -589,7 +589,7 @@ def cast(
     if n == 0:
         return dst
     generic, fast = _grids(fmt, saturate, mode)
-    small = n < _SERIAL_BELOW
+    small = not parallel(n)  # the thread policy of fp8lab._threads
     if fast is not None and src.dtype == torch.float32 and not _force_generic:
         s32 = src.view(-1).numpy().view(np.uint32)
         d32 = dst.view(-1).numpy().view(np.uint32)

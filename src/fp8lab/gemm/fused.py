@@ -44,6 +44,7 @@ from numba import njit, prange
 
 from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
+from fp8lab._threads import parallel
 from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
@@ -163,113 +164,163 @@ def _step64(c, va, pa, vb, pb, r, n, k0, k1, f_bits, out_bits, rne, c_after, flo
     return res + np.float32(c) if c_after else res
 
 
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
+                 floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
+    """Row ``r`` of `_fused_general`."""
+    k = va.shape[1]
+    ncols = vb.shape[1]
+    ng = (k + group - 1) // group
+    for n in range(ncols):
+        a = acc[r, n]
+        for g in range(ng):
+            k0 = g * group
+            a = _step64(a, va, pa, vb, pb, r, n, k0, min(k0 + group, k), f_bits, out_bits,
+                        rne, c_after, floor_p)  # fmt: skip
+            if gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1):
+                t = g // gpp
+                out[r, n] += (sa[r, t] * sb[t, n]) * a
+                a = np.float32(0.0)
+        acc[r, n] = a
+
+
 @njit(parallel=True, cache=True)
 def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
                    floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
     """The model with `_step64` for every step: acc [M, N] float32 holds c in and the chain's
     last result out; with ``gpp`` > 0 (groups per promotion) steps are promoted into ``out``."""
-    m, k = va.shape
-    ncols = vb.shape[1]
-    ng = (k + group - 1) // group
-    for r in prange(m):
-        for n in range(ncols):
-            a = acc[r, n]
-            for g in range(ng):
-                k0 = g * group
-                a = _step64(a, va, pa, vb, pb, r, n, k0, min(k0 + group, k), f_bits, out_bits,
-                            rne, c_after, floor_p)  # fmt: skip
-                if gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1):
-                    t = g // gpp
-                    out[r, n] += (sa[r, t] * sb[t, n]) * a
-                    a = np.float32(0.0)
-            acc[r, n] = a
+    for r in prange(va.shape[0]):
+        _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
+                     floor_p, gpp)  # fmt: skip
 
 
-@njit(parallel=True, cache=True)
-def _fused_fast(
-    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _fused_general_serial(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne,
+                          c_after, floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
+    """`_fused_general` on the calling thread (`fp8lab._threads`)."""
+    for r in range(va.shape[0]):
+        _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
+                     floor_p, gpp)  # fmt: skip
+
+
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _fast_job(
+    job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
 ):  # pragma: no cover
-    """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
-    SIMD across a tile of output columns; same contract as `_fused_general`."""
+    """Job ``job`` of `_fused_fast`: `_RB` output rows by `_NT` output columns."""
     m, k = va.shape
     ncols = vb.shape[1]
     ng = (k + group - 1) // group
     ntiles = (ncols + _NT - 1) // _NT
-    nrb = (m + _RB - 1) // _RB
     scale_f = np.float32(2.0**f_bits)
     inv_f = np.float32(2.0**-f_bits)
     mask = np.uint32((0xFFFFFFFF << (23 - out_bits)) & 0xFFFFFFFF)
     expo = np.uint32(0x7F800000)
-    for job in prange(ntiles * nrb):
-        n0 = (job % ntiles) * _NT
-        r0 = (job // ntiles) * _RB
-        w = min(n0 + _NT, ncols) - n0
-        big_p = np.empty(_NT, dtype=np.float32)
-        scl = np.empty(_NT, dtype=np.float32)
-        s = np.empty(_NT, dtype=np.float32)
-        cin = np.empty(_NT, dtype=np.float32)
-        for g in range(ng):
-            k0 = g * group
-            k1 = min(k0 + group, k)
-            promote = gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1)
-            for r in range(r0, min(r0 + _RB, m)):
-                ar = acc[r, n0 : n0 + w]
-                # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term)
-                for j in range(w):
-                    cin[j] = ar[j]
-                    big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
-                for kk in range(k0, k1):
-                    pak = pa[r, kk]
-                    if pak != 0:
-                        pbk = pb[kk, n0 : n0 + w]  # (row slices: 2-D indexing is 4x slower)
-                        for j in range(w):
-                            big_p[j] = max(big_p[j], pak * pbk[j])
-                # pass 2: the terms truncated to multiples of 2**(E - F), summed exactly in
-                # units of 2**(E - F); truncation is the int32 conversion (vectorises, unlike
-                # trunc; every term is below 2**15) and an exact zero comes back as +0
-                for j in range(w):
-                    scl[j] = scale_f / big_p[j]
-                    s[j] = np.float32(np.int32(cin[j] * scl[j]))
-                for kk in range(k0, k1):
-                    av = va[r, kk]
-                    if av != 0:
-                        vbk = vb[kk, n0 : n0 + w]
-                        for j in range(w):
-                            s[j] += np.float32(np.int32(av * vbk[j] * scl[j]))
-                # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal)
-                # float32 sum; scaling back by 2**(E - F) is exact (or overflows to inf)
-                bad = 0
-                for j in range(w):
-                    bp = big_p[j]
-                    bad += (bp <= _LO) | (bp >= _HI)
-                    ar[j] = u32_to_f32(np.uint32(f32_to_u32(s[j]) & mask)) * (bp * inv_f)
-                if bad:  # no nonzero product and c tiny, huge or not finite: the reference
+    n0 = (job % ntiles) * _NT
+    r0 = (job // ntiles) * _RB
+    w = min(n0 + _NT, ncols) - n0
+    big_p = np.empty(_NT, dtype=np.float32)
+    scl = np.empty(_NT, dtype=np.float32)
+    s = np.empty(_NT, dtype=np.float32)
+    cin = np.empty(_NT, dtype=np.float32)
+    for g in range(ng):
+        k0 = g * group
+        k1 = min(k0 + group, k)
+        promote = gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1)
+        for r in range(r0, min(r0 + _RB, m)):
+            ar = acc[r, n0 : n0 + w]
+            # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term)
+            for j in range(w):
+                cin[j] = ar[j]
+                big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
+            for kk in range(k0, k1):
+                pak = pa[r, kk]
+                if pak != 0:
+                    pbk = pb[kk, n0 : n0 + w]  # (row slices: 2-D indexing is 4x slower)
                     for j in range(w):
-                        if big_p[j] <= _LO or big_p[j] >= _HI:
-                            ar[j] = _step64(cin[j], va, pa, vb, pb, r, n0 + j, k0, k1, f_bits,
-                                            out_bits, False, False, floor_p)  # fmt: skip
-                if promote:
-                    t = g // gpp
-                    srt = sa[r, t]
-                    outr = out[r, n0 : n0 + w]
-                    sbt = sb[t, n0 : n0 + w]
+                        big_p[j] = max(big_p[j], pak * pbk[j])
+            # pass 2: the terms truncated to multiples of 2**(E - F), summed exactly in
+            # units of 2**(E - F); truncation is the int32 conversion (vectorises, unlike
+            # trunc; every term is below 2**15) and an exact zero comes back as +0
+            for j in range(w):
+                scl[j] = scale_f / big_p[j]
+                s[j] = np.float32(np.int32(cin[j] * scl[j]))
+            for kk in range(k0, k1):
+                av = va[r, kk]
+                if av != 0:
+                    vbk = vb[kk, n0 : n0 + w]
                     for j in range(w):
-                        outr[j] += (srt * sbt[j]) * ar[j]
-                        ar[j] = np.float32(0.0)
+                        s[j] += np.float32(np.int32(av * vbk[j] * scl[j]))
+            # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal)
+            # float32 sum; scaling back by 2**(E - F) is exact (or overflows to inf)
+            bad = 0
+            for j in range(w):
+                bp = big_p[j]
+                bad += (bp <= _LO) | (bp >= _HI)
+                ar[j] = u32_to_f32(np.uint32(f32_to_u32(s[j]) & mask)) * (bp * inv_f)
+            if bad:  # no nonzero product and c tiny, huge or not finite: the reference
+                for j in range(w):
+                    if big_p[j] <= _LO or big_p[j] >= _HI:
+                        ar[j] = _step64(cin[j], va, pa, vb, pb, r, n0 + j, k0, k1, f_bits,
+                                        out_bits, False, False, floor_p)  # fmt: skip
+            if promote:
+                t = g // gpp
+                srt = sa[r, t]
+                outr = out[r, n0 : n0 + w]
+                sbt = sb[t, n0 : n0 + w]
+                for j in range(w):
+                    outr[j] += (srt * sbt[j]) * ar[j]
+                    ar[j] = np.float32(0.0)
+
+
+def _fast_jobs(m: int, ncols: int) -> int:
+    return ((ncols + _NT - 1) // _NT) * ((m + _RB - 1) // _RB)
+
+
+@njit(parallel=True, cache=True)
+def _fused_fast(
+    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs
+):  # pragma: no cover
+    """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
+    SIMD across a tile of output columns; same contract as `_fused_general`."""
+    for job in prange(jobs):
+        _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp)
+
+
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _fused_fast_serial(
+    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs
+):  # pragma: no cover
+    """`_fused_fast` on the calling thread (`fp8lab._threads`)."""
+    for job in range(jobs):
+        _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp)
+
+
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
+    """Dot product ``r`` of `_dots`."""
+    k = va.shape[1]
+    ng = (k + group - 1) // group
+    a = c[r]
+    for g in range(ng):
+        k0 = g * group
+        a = _step64(a, va, pa, vbt, pbt, r, r, k0, min(k0 + group, k), f_bits, out_bits,
+                    rne, c_after, floor_p)  # fmt: skip
+    c[r] = a
 
 
 @njit(parallel=True, cache=True)
 def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
     """Row-wise dot products ``va[s] . vbt[:, s]`` chained over K steps (c: [S], in and out)."""
-    n, k = va.shape
-    ng = (k + group - 1) // group
-    for r in prange(n):
-        a = c[r]
-        for g in range(ng):
-            k0 = g * group
-            a = _step64(a, va, pa, vbt, pbt, r, r, k0, min(k0 + group, k), f_bits, out_bits,
-                        rne, c_after, floor_p)  # fmt: skip
-        c[r] = a
+    for r in prange(va.shape[0]):
+        _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
+
+
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _dots_serial(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
+    """`_dots` on the calling thread (`fp8lab._threads`)."""
+    for r in range(va.shape[0]):
+        _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
 
 
 def fast_path_applies(acc: Accumulator, fmt_a: str, fmt_b: str) -> bool:
@@ -320,13 +371,15 @@ def fused(
         sa, sb = np.ones((m, 1), np.float32), np.ones((1, n), np.float32)
     floor_p = 2.0**acc.exp_floor
     args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(), sa, sb)
+    par = parallel(m * n * k)  # the thread policy of fp8lab._threads
     if use_fast:
-        _fused_fast(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp)
+        kernel = _fused_fast if par else _fused_fast_serial
+        kernel(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp, _fast_jobs(m, n))
     else:
         f_bits = -1 if acc.align_bits is None else acc.align_bits
-        _fused_general(*args, acc.group, f_bits, acc.out_bits,
-                       acc.out_rounding == "nearest_even", acc.c_entry == "after", floor_p,
-                       gpp)  # fmt: skip
+        kernel = _fused_general if par else _fused_general_serial
+        kernel(*args, acc.group, f_bits, acc.out_bits, acc.out_rounding == "nearest_even",
+               acc.c_entry == "after", floor_p, gpp)  # fmt: skip
     return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
 
 
@@ -368,7 +421,8 @@ def fused_dot(
     pa = pow2_exponents(a_vals, formats[0]).double()
     pb = pow2_exponents(b_vals, formats[1]).double()
     f_bits = -1 if acc.align_bits is None else acc.align_bits
-    _dots(va.numpy(), pa.numpy(), vb.numpy().T, pb.numpy().T, out.numpy(), acc.group, f_bits,
+    kernel = _dots if parallel(a_vals.numel()) else _dots_serial
+    kernel(va.numpy(), pa.numpy(), vb.numpy().T, pb.numpy().T, out.numpy(), acc.group, f_bits,
           acc.out_bits, acc.out_rounding == "nearest_even", acc.c_entry == "after",
           2.0**acc.exp_floor)  # fmt: skip
     return out

@@ -9,6 +9,7 @@ from numba import njit, prange
 
 from fp8lab._bits import f64_to_u64 as _f64_to_u64
 from fp8lab._bits import u64_to_f64 as _u64_to_f64
+from fp8lab._threads import parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
@@ -54,46 +55,59 @@ def _acc_step(acc, buf, drop, rne, gpp, out, sa, sb):  # pragma: no cover - numb
                     acc[r, n] = 0.0
 
 
-@njit(parallel=True, cache=True)
-def _acc_per_product(a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover - numba
-    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product."""
-    rows, cols = acc.shape
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _per_product_job(job, a, b, k0, k1, group, drop, rne, acc):  # pragma: no cover - numba
+    """Job ``job`` of `_acc_per_product`: one output row, 64 output columns."""
+    cols = acc.shape[1]
     dropu = np.uint64(drop)
     half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
     mask = ~((np.uint64(1) << dropu) - np.uint64(1))
     keep = 52 - drop
     tile = 64
     ntiles = (cols + tile - 1) // tile
-    for job in prange(rows * ntiles):
-        r = job // ntiles
-        n0 = (job % ntiles) * tile
-        n1 = min(n0 + tile, cols)
-        emax = np.zeros(tile, dtype=np.uint64)
-        qinv = np.empty(tile, dtype=np.float64)
-        q = np.empty(tile, dtype=np.float64)
-        s = np.empty(tile, dtype=np.float64)
-        for g0 in range(k0, k1, group):
-            g1 = min(g0 + group, k1)
+    r = job // ntiles
+    n0 = (job % ntiles) * tile
+    n1 = min(n0 + tile, cols)
+    emax = np.zeros(tile, dtype=np.uint64)
+    qinv = np.empty(tile, dtype=np.float64)
+    q = np.empty(tile, dtype=np.float64)
+    s = np.empty(tile, dtype=np.float64)
+    for g0 in range(k0, k1, group):
+        g1 = min(g0 + group, k1)
+        for j in range(n1 - n0):
+            emax[j] = np.uint64(0)
+            s[j] = 0.0
+        for k in range(g0, g1):
+            av = a[r, k]
             for j in range(n1 - n0):
-                emax[j] = np.uint64(0)
-                s[j] = 0.0
-            for k in range(g0, g1):
-                av = a[r, k]
-                for j in range(n1 - n0):
-                    e = (_f64_to_u64(av * b[k, n0 + j]) >> np.uint64(52)) & np.uint64(0x7FF)
-                    emax[j] = max(emax[j], e)
+                e = (_f64_to_u64(av * b[k, n0 + j]) >> np.uint64(52)) & np.uint64(0x7FF)
+                emax[j] = max(emax[j], e)
+        for j in range(n1 - n0):
+            # quantum 2**(e_max - keep) of the group's largest product (biased exponents)
+            eq = np.int64(emax[j]) - keep
+            eq = max(eq, np.int64(1))
+            q[j] = _u64_to_f64(np.uint64(eq) << np.uint64(52))
+            qinv[j] = _u64_to_f64(np.uint64(2046 - eq) << np.uint64(52))
+        for k in range(g0, g1):
+            av = a[r, k]
             for j in range(n1 - n0):
-                # quantum 2**(e_max - keep) of the group's largest product (biased exponents)
-                eq = np.int64(emax[j]) - keep
-                eq = max(eq, np.int64(1))
-                q[j] = _u64_to_f64(np.uint64(eq) << np.uint64(52))
-                qinv[j] = _u64_to_f64(np.uint64(2046 - eq) << np.uint64(52))
-            for k in range(g0, g1):
-                av = a[r, k]
-                for j in range(n1 - n0):
-                    s[j] += np.trunc(av * b[k, n0 + j] * qinv[j]) * q[j]
-            for j in range(n1 - n0):
-                acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
+                s[j] += np.trunc(av * b[k, n0 + j] * qinv[j]) * q[j]
+        for j in range(n1 - n0):
+            acc[r, n0 + j] = _cut(acc[r, n0 + j] + s[j], dropu, half_m1, mask, rne)
+
+
+@njit(parallel=True, cache=True)
+def _acc_per_product(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragma: no cover - numba
+    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product."""
+    for job in prange(jobs):
+        _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
+
+
+@njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
+def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragma: no cover
+    """`_acc_per_product` on the calling thread (`fp8lab._threads`)."""
+    for job in range(jobs):
+        _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
 
 
 def interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
@@ -214,11 +228,12 @@ def limited(
             else:
                 sa, sb = unit_a[:rows], unit_b
             if acc.per_product:
+                jobs = rows * -(-n // 64)
+                kernel = _acc_per_product if parallel(rows * n * span) else _acc_per_product_serial
                 for t in range(nst):
                     q0 = p0 + t * span
-                    _acc_per_product(
-                        va.numpy()[r0:r1], vb.numpy(), q0, q0 + span, grp, drop, rne, acc_np
-                    )
+                    kernel(va.numpy()[r0:r1], vb.numpy(), q0, q0 + span, grp, drop, rne, acc_np,
+                           jobs)  # fmt: skip
                     _acc_step(acc_np, zero[:1, :rows], drop, rne, 1 if pe else 0, o_np[r0:r1],
                               np.ascontiguousarray(sa[:, t : t + 1]), np.ascontiguousarray(sb[t : t + 1]))  # fmt: skip
                 continue

@@ -2,7 +2,7 @@
 
 Round-to-nearest-even on the bits (``u + 0x7FFF + lsb``, then clear the low 16 bits), overflow to
 inf as real bf16 arithmetic does, NaN kept (quietened). Equal to ``x.to(bfloat16).float()`` and to
-``fp8lab.cast(x, "bf16", saturate=False)`` (tested), in one parallel pass with no temporaries.
+``fp8lab.cast(x, "bf16", saturate=False)`` (tested), in one pass with no temporaries (parallel under the thread policy of `fp8lab._threads`).
 """
 
 from __future__ import annotations
@@ -11,16 +11,27 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from fp8lab._threads import parallel
+
+
+@njit(cache=True, inline="always")
+def _bf16_one(u):  # pragma: no cover - numba
+    if (u & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (u & np.uint32(0x007FFFFF)):
+        return u | np.uint32(0x00400000)  # NaN: quiet, payload kept
+    r = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return r & np.uint32(0xFFFF0000)
+
 
 @njit(parallel=True, cache=True)
 def _bf16_rne(src, dst):  # pragma: no cover - numba
     for i in prange(src.size):
-        u = src[i]
-        if (u & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (u & np.uint32(0x007FFFFF)):
-            dst[i] = u | np.uint32(0x00400000)  # NaN: quiet, payload kept
-        else:
-            r = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-            dst[i] = r & np.uint32(0xFFFF0000)
+        dst[i] = _bf16_one(src[i])
+
+
+@njit(cache=True)
+def _bf16_rne_serial(src, dst):  # pragma: no cover - numba
+    for i in range(src.size):
+        dst[i] = _bf16_one(src[i])
 
 
 def round_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +44,7 @@ def round_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     elif out.shape != src.shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError("out must be a contiguous float32 tensor of x's shape")
     if src.numel():
-        _bf16_rne(
+        (_bf16_rne if parallel(src.numel()) else _bf16_rne_serial)(
             src.detach().reshape(-1).numpy().view(np.uint32),
             out.detach().reshape(-1).numpy().view(np.uint32),
         )
