@@ -9,7 +9,8 @@ accumulation-precision table under the bit-exact H100 tensor-core model, and how
 
 Speed targets: per-tensor fp32-accumulation qmatmul incl. quantization <= 1.2x; 1x128 x 128x128
 block-scaled <= 1.5x; limited group-sum accumulation <= 8x; the H100 FP8 model (``fused``,
-bit-exact) with promotion every 128, incl. quantization, <= 20x; per_product reported.
+bit-exact) with promotion every 128, incl. quantization, <= 8x (issue 22: 19.9x on a quiet AVX-512
+machine before its kernel swept four K elements per pass); per_product reported.
 Times are the best of ``--repeat`` runs (the machine is shared; the best run is the least
 disturbed one); every ratio divides by the fp32 matmul timed in the same way in the same process.
 """
@@ -86,7 +87,7 @@ def speed(size: int, repeat: int, per_product: bool) -> None:
         (
             "1x128 x 128x128, H100 model (exact), promote 128, incl. quant.",
             lambda: qmatmul(a, b, h100_p, spec=act, spec_b=wgt),
-            "<= 20",
+            "<= 8",
         ),
         (
             "1x128 x 128x128, H100 model, promote 128 (pre-quantized)",

@@ -391,3 +391,25 @@ def test_describe():
     assert Accumulator("ada").describe() == "ada"
     acc = Accumulator("fused", align_bits=None, out_bits=23, c_entry="after")
     assert acc.describe() == "fused(G=32, F=exact, out=23, c after)"
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_fast_kernel_every_count_of_nonzero_terms(seed):
+    # rows of every density, so that a 32-element group holds every number of nonzero a
+    # elements (the fast kernel sweeps them four at a time, then one at a time)
+    g = torch.Generator().manual_seed(100 + seed)
+    m, k, n = 40, 256, 96
+    a = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k, generator=g) * 2)
+    keep = torch.rand(m, k, generator=g) < torch.linspace(0, 1, m).reshape(-1, 1)
+    a = a * keep
+    b = torch.randn(k, n, generator=g)
+    qa, qb = quantize(a, "e4m3"), quantize(b, "e4m3")
+    c = torch.randn(m, n, generator=g)
+    for pe in (128, None):
+        acc = Accumulator("h100", promote_every=pe).resolve("e4m3", "e4m3")
+        kb = check_pair(qa, qb)
+        if pe is None:  # c enters the chain: unit scales
+            qa, qb = _unit(qa.values, "e4m3"), _unit(qb.values, "e4m3")
+        fast = fused(qa, qb, acc, kb, c)
+        ref = fused(qa, qb, acc, kb, c, fast=False)
+        np.testing.assert_array_equal(_bits(fast.numpy()), _bits(ref.numpy()))

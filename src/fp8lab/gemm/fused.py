@@ -34,6 +34,9 @@ of output columns, exact because every term ``trunc(a * b * 2**(F - E))`` is an 
 2**15 and their sum below 2**24 (checked by `fast_path_applies`); lanes whose ``E`` is out of its
 safe range (no nonzero product and a tiny or huge ``c``) fall back to ``_step64``. Both are
 tested against an exact-rational transcription of the steps above (tests/gemm/test_fused.py).
+The fast kernel's two sweeps (the exponent max, the truncated terms) take the group's nonzero K
+elements four at a time, keeping each lane's running max or sum in a register in the same K order:
+the sweeps are bound by loads and stores, and this cut the time at 2048^3 by ~30% on AVX-512.
 """
 
 from __future__ import annotations
@@ -223,34 +226,81 @@ def _fast_job(
     scl = np.empty(_NT, dtype=np.float32)
     s = np.empty(_NT, dtype=np.float32)
     cin = np.empty(_NT, dtype=np.float32)
+    nzk = np.empty(group, dtype=np.int64)
     for g in range(ng):
         k0 = g * group
         k1 = min(k0 + group, k)
         promote = gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1)
         for r in range(r0, min(r0 + _RB, m)):
             ar = acc[r, n0 : n0 + w]
-            # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term)
+            # the K indices of this group's nonzero a elements (zeros are no terms), in order
+            nz = 0
+            for kk in range(k0, k1):
+                if va[r, kk] != 0:
+                    nzk[nz] = kk
+                    nz += 1
+            # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term). Four
+            # K elements per sweep, the same max chain per lane in K order as one at a time:
+            # the running max stays in a register (the sweeps are load/store bound)
             for j in range(w):
                 cin[j] = ar[j]
                 big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
-            for kk in range(k0, k1):
-                pak = pa[r, kk]
-                if pak != 0:
-                    pbk = pb[kk, n0 : n0 + w]  # (row slices: 2-D indexing is 4x slower)
-                    for j in range(w):
-                        big_p[j] = max(big_p[j], pak * pbk[j])
+            q = 0
+            while q + 4 <= nz:
+                p1, p2, p3, p4 = (
+                    pa[r, nzk[q]],
+                    pa[r, nzk[q + 1]],
+                    pa[r, nzk[q + 2]],
+                    pa[r, nzk[q + 3]],
+                )
+                b1 = pb[nzk[q], n0 : n0 + w]  # (row slices: 2-D indexing is 4x slower)
+                b2 = pb[nzk[q + 1], n0 : n0 + w]
+                b3 = pb[nzk[q + 2], n0 : n0 + w]
+                b4 = pb[nzk[q + 3], n0 : n0 + w]
+                for j in range(w):
+                    bp = max(big_p[j], p1 * b1[j])
+                    bp = max(bp, p2 * b2[j])
+                    bp = max(bp, p3 * b3[j])
+                    big_p[j] = max(bp, p4 * b4[j])
+                q += 4
+            while q < nz:
+                pak = pa[r, nzk[q]]
+                pbk = pb[nzk[q], n0 : n0 + w]
+                for j in range(w):
+                    big_p[j] = max(big_p[j], pak * pbk[j])
+                q += 1
             # pass 2: the terms truncated to multiples of 2**(E - F), summed exactly in
             # units of 2**(E - F); truncation is the int32 conversion (vectorises, unlike
-            # trunc; every term is below 2**15) and an exact zero comes back as +0
+            # trunc; every term is below 2**15) and an exact zero comes back as +0. Four K
+            # elements per sweep, added in K order (the sums are exact integers anyway)
             for j in range(w):
                 scl[j] = scale_f / big_p[j]
                 s[j] = np.float32(np.int32(cin[j] * scl[j]))
-            for kk in range(k0, k1):
-                av = va[r, kk]
-                if av != 0:
-                    vbk = vb[kk, n0 : n0 + w]
-                    for j in range(w):
-                        s[j] += np.float32(np.int32(av * vbk[j] * scl[j]))
+            q = 0
+            while q + 4 <= nz:
+                a1, a2, a3, a4 = (
+                    va[r, nzk[q]],
+                    va[r, nzk[q + 1]],
+                    va[r, nzk[q + 2]],
+                    va[r, nzk[q + 3]],
+                )
+                b1 = vb[nzk[q], n0 : n0 + w]
+                b2 = vb[nzk[q + 1], n0 : n0 + w]
+                b3 = vb[nzk[q + 2], n0 : n0 + w]
+                b4 = vb[nzk[q + 3], n0 : n0 + w]
+                for j in range(w):
+                    sc = scl[j]
+                    t = s[j] + np.float32(np.int32(a1 * b1[j] * sc))
+                    t += np.float32(np.int32(a2 * b2[j] * sc))
+                    t += np.float32(np.int32(a3 * b3[j] * sc))
+                    s[j] = t + np.float32(np.int32(a4 * b4[j] * sc))
+                q += 4
+            while q < nz:
+                av = va[r, nzk[q]]
+                vbk = vb[nzk[q], n0 : n0 + w]
+                for j in range(w):
+                    s[j] += np.float32(np.int32(av * vbk[j] * scl[j]))
+                q += 1
             # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal)
             # float32 sum; scaling back by 2**(E - F) is exact (or overflows to inf)
             bad = 0
