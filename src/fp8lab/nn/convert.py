@@ -47,6 +47,7 @@ import torch
 
 from fp8lab.nn.modules import Linear
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
+from fp8lab.recipe.validate import check_layer_rules
 
 __all__ = [
     "DEFAULT_EXCLUDE",
@@ -209,12 +210,7 @@ def convert(
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, UserWarning, stacklevel=2)
-    for i, rule in enumerate(rec.layers, 1):
-        if not any(rule.matches(n) for n in names):
-            raise ValueError(
-                f"recipe {rec.name!r}: [[layer]] {i} match {list(rule.match)} matches no "
-                f"converted Linear layer; converted: {names}"
-            )
+    check_layer_rules(rec, names)  # names the recipe's file (fp8lab.recipe.validate)
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -75,6 +75,15 @@ def _load_text(
         raise RecipeFileError(f"{where}: not valid {kind}: {exc}") from None
 
 
+def _check_not_empty(d: Any, where: str) -> None:
+    """An empty document is refused: it would run silently as an all-fp32 recipe "custom"."""
+    if isinstance(d, Mapping) and not d:
+        raise RecipeFileError(
+            f"{where}: empty recipe (no keys); give 'base = \"PRESET\"' or the roles to "
+            "quantize (an all-fp32 run is the preset 'fp32')"
+        )
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A complete simulated low-precision training recipe (see the module docstring).
@@ -98,6 +107,8 @@ class Recipe:
     description: str = ""
     source: str = ""
     layers: tuple[LayerRule, ...] = ()
+    #: the file `load` read this recipe from ("" otherwise): named by errors, not compared or saved
+    path: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -271,6 +282,7 @@ class Recipe:
     @classmethod
     def from_json(cls, text: str, *, where: str = "recipe") -> Recipe:
         d = _load_text(text, json.loads, json.JSONDecodeError, "JSON", where)
+        _check_not_empty(d, where)
         return cls.from_dict(d, where=where)
 
     def to_toml(self) -> str:
@@ -279,6 +291,7 @@ class Recipe:
     @classmethod
     def from_toml(cls, text: str, *, where: str = "recipe") -> Recipe:
         d = _load_text(text, tomllib.loads, tomllib.TOMLDecodeError, "TOML", where)
+        _check_not_empty(d, where)
         return cls.from_dict(d, where=where)
 
     def save(self, path: str | Path) -> None:
@@ -306,8 +319,11 @@ class Recipe:
             raise RecipeFileError(f"cannot read recipe file {str(p)!r}: {exc}") from None
         where = f"recipe file {str(p)!r}"
         if p.suffix == ".toml":
-            return cls.from_toml(text, where=where)
-        return cls.from_json(text, where=where)
+            rec = cls.from_toml(text, where=where)
+        else:
+            rec = cls.from_json(text, where=where)
+        object.__setattr__(rec, "path", str(p))
+        return rec
 
     def fingerprint(self) -> str:
         """Canonical JSON of the numerics (name and prose excluded): equal iff same numerics.

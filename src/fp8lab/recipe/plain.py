@@ -153,7 +153,8 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
             "layer": (list, tuple),
         },
     )
-    known = [f.name for f in dataclasses.fields(cls) if f.name != "layers"] + ["layer"]
+    fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("layers", "path")]
+    known = [*fields, "layer"]
     _check_table(d, types, known, "Recipe", where, "top level")
     kw = dict(d)
     for r in ROLES:
