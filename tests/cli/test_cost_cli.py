@@ -175,3 +175,21 @@ def test_per_layer_recipe_file_priced_per_linear(tmp_path):
     )
     res = runner.invoke(app, ["cost", "--recipes", str(f), *SMALL])
     assert res.exit_code == 2 and "layers.0.proj" in res.stderr and "HiF8" in res.stderr
+
+
+def test_refuses_recipe_files_compare_refuses(tmp_path):
+    # issue 22: the same file checks as compare (fp8lab.recipe.validate), each naming the file
+    f = tmp_path / "fix.toml"
+    f.write_text('base = "te-current"\n[[layer]]\nmatch = "blocks.7.*"\nbase = "bf16"\n')
+    res = runner.invoke(app, ["cost", "--recipes", str(f), *SMALL])
+    assert res.exit_code == 2, res.output
+    assert "fix.toml" in res.stderr and "matches no converted Linear" in res.stderr
+    f.write_text("")
+    res = runner.invoke(app, ["cost", "--recipes", str(f), *SMALL])
+    assert res.exit_code == 2 and "fix.toml" in res.stderr and "empty recipe" in res.stderr
+    # K = hidden 500 does not tile DeepSeek-V3's 128-wide blocks (a preset names itself)
+    odd = ["--hidden", "500", "--ffn", "1024", "--layers", "2", "--tokens", "1024"]
+    res = runner.invoke(app, ["cost", "--recipes", "bf16,deepseek-v3", *odd])
+    assert res.exit_code == 2, res.output
+    assert "deepseek-v3" in res.stderr and "not a multiple of the block 128" in res.stderr
+    assert "500" in res.stderr

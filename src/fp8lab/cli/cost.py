@@ -108,12 +108,26 @@ def _resolve(name: str) -> Any:
     return resolve_recipe(name)
 
 
+def _validate(recs: dict[str, Any], work: Workload) -> None:
+    """Refuse, as ``fp8lab compare`` does, a recipe whose ``[[layer]]`` rules match no Linear or
+    whose blocks the GEMM shapes do not tile (errors name the recipe's file)."""
+    from fp8lab.recipe.validate import check_layer_rules, check_shapes
+
+    names = [n for n, _, _ in work.every]
+    for rec in recs.values():
+        if not hasattr(rec, "layers"):
+            continue
+        check_layer_rules(rec, names)
+        check_shapes(rec, work.every if rec.layers else work.block, work.tokens)
+
+
 def _price(recipes: list[str], device: str, work: Workload, scenario: str) -> tuple[Any, dict]:
     from fp8lab.cost.devices import get_device
     from fp8lab.cost.model import UnpriceableError, price_linears
 
     dev = get_device(device)
     recs = {r: _resolve(r) for r in recipes}  # unknown names fail before any pricing
+    _validate(recs, work)
     layered = any(getattr(rec, "layers", ()) for rec in recs.values())
     # per-layer rules differ between layers: price every Linear, the model as one "layer"
     lins, layers = (work.every, 1) if layered else (work.block, work.layers)
