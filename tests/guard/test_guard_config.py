@@ -56,3 +56,23 @@ def test_toml(tmp_path):
     f.write_text("polcy = 'skip'\n")
     with pytest.raises(ValueError, match=r"g\.toml.*polcy"):
         AnomalyGuard.from_toml(f)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('policy = "explode"\n', ("policy", "explode")),
+        ("[detectors.saturation]\nthreshold_pct = 500\n", ("saturation.threshold_pct", "500")),
+        ("[detectors.underflow]\njump_pct = 101\n", ("underflow.jump_pct", "101")),
+    ],
+)
+def test_guard_file_checked_whole_even_when_policy_is_overridden(tmp_path, text, words):
+    # issue 22: `--guard skip --guard-config FILE` overrode the file's policy before checking it
+    p = tmp_path / "guard.toml"
+    p.write_text(text)
+    for overrides in ({}, {"policy": "skip"}):
+        with pytest.raises(ValueError) as e:
+            AnomalyGuard.from_toml(p, **overrides)
+        assert str(e.value).startswith(str(p)) and all(w in str(e.value) for w in words)
+    p.write_text('policy = "off"\n[detectors.saturation]\nthreshold_pct = 100\n')
+    assert AnomalyGuard.from_toml(p, policy="skip").policy == "skip"

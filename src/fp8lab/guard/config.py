@@ -9,6 +9,7 @@ The detectors and their thresholds are documented in docs/guard.md. ``detectors`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -59,6 +60,8 @@ def _check_number(where: str, v: Any, integer: bool) -> float | int:
         return int(v)
     if v < 0:
         raise ValueError(f"{where}: expected a number >= 0, got {v!r}")
+    if where.endswith("_pct") and v > 100:
+        raise ValueError(f"{where}: a percentage, expected 0..100, got {v!r}")
     return float(v)
 
 
@@ -172,7 +175,8 @@ class AnomalyGuard:
         keys = ("detectors", "policy", "checkpoint_every", "keep", "max_rollbacks", "window",
                 "on_restart", "escalate")  # fmt: skip
         check_keys(d, keys, "guard")
-        return cls(**{**dict(d), **overrides})
+        guard = cls(**dict(d))  # the file's own values are checked whole, then overridden
+        return dataclasses.replace(guard, **overrides) if overrides else guard
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> AnomalyGuard:
