@@ -43,3 +43,13 @@ def test_table_and_errors() -> None:
     assert res.exit_code == 2 and "--ranks" in res.output
     res = runner.invoke(app, ["comm-sim", "--shared", "2"])
     assert res.exit_code == 2 and "--shared" in res.output
+
+
+def test_table_readable_at_80_columns() -> None:
+    from table_width_check import NARROW, assert_readable
+
+    res = runner.invoke(app, ["comm-sim", "--numel", "256"], env=NARROW)
+    assert res.exit_code == 0, res.output
+    headers = ["ranks", "grad-comm", "rel L2 err", "max err", "zeroed", "underflow",
+               "overflow", "bytes/rank", "vs fp32"]  # fmt: skip
+    assert_readable(res.stdout, headers, ["fp8-msamp", "fp32", "bf16"])

@@ -209,3 +209,16 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, args, words):
     assert "Error:" in res.output and words in res.output
     assert "Traceback" not in res.output
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_table_readable_at_80_columns() -> None:
+    # issue 22: every one of the 12 columns ended in '…' at 80 columns (~118 needed)
+    from table_width_check import NARROW, assert_readable
+
+    res = runner.invoke(
+        app, ["snr", "--length", "128,1024,4096", "--accumulator", "e8m8", "--samples", "20"],
+        env=NARROW,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    headers = ["length", "median dB", "p10 dB", "p90 dB", "< 0 dB", "accumulator", "e8m8"]
+    assert_readable(res.stdout, headers, ["128", "1024", "4096"])

@@ -159,3 +159,64 @@ def with_run_options(
     if data:
         cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
     return cfg
+
+
+def fitted_tables(
+    title: str,
+    columns: list[tuple[str, str]],
+    rows: list[list[str]],
+    width: int,
+    keys: int = 1,
+    **options: Any,
+) -> list[Any]:
+    """Tables that show ``rows`` whole within ``width`` columns, never cutting a cell: the one
+    table when it fits; else columns holding the same value in every row leave the table for a
+    caption (``same in every row: name value; ...``); else the other columns are folded into
+    several tables, each repeating the first ``keys`` columns. ``options`` go to `table`."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    probe = Console(width=10_000, file=open(os.devnull, "w"))  # noqa: SIM115 (closed below)
+
+    def build(t_title: str, idx: list[int], caption: str | None = None) -> Any:
+        t = table(t_title, [columns[i] for i in idx], no_wrap=True, **options)
+        if caption:
+            t.caption = caption
+            t.caption_justify = "left"
+        for r in rows:
+            t.add_row(*(r[i] for i in idx))
+        return t
+
+    def fits(t: Any) -> bool:
+        return Measurement.get(probe, probe.options, t).maximum <= width
+
+    try:
+        every = list(range(len(columns)))
+        whole = build(title, every)
+        if fits(whole):
+            return [whole]
+        fixed = [i for i in every[keys:] if len(rows) > 1 and all(r[i] == rows[0][i] for r in rows)]
+        kept = [i for i in every if i not in fixed]
+        caption = (
+            "same in every row: " + "; ".join(f"{columns[i][0]} {rows[0][i]}" for i in fixed)
+            if fixed
+            else None
+        )
+        one = build(title, kept, caption)
+        if fits(one):
+            return [one]
+        key_idx, rest = kept[:keys], kept[keys:]
+        groups: list[list[int]] = []
+        for i in rest:
+            if groups and fits(build("", key_idx + groups[-1] + [i])):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        out = []
+        for n, g in enumerate(groups):
+            t_title = title if n == 0 else f"{title} (continued)"
+            last = n == len(groups) - 1
+            out.append(build(t_title, key_idx + g, caption if last else None))
+        return out
+    finally:
+        probe.file.close()

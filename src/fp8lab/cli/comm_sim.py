@@ -58,23 +58,26 @@ def _grad_comms(value: str) -> list[str]:
 def _table(rows: list[dict]) -> None:
     from rich import box
 
-    from fp8lab.cli._common import console, table
+    from fp8lab.cli._common import console, fitted_tables
 
     names = ("ranks", "grad-comm", "rel L2 err", "max err", "zeroed", "underflow", "overflow",
              "bytes/rank", "vs fp32")  # fmt: skip
-    t = table(
+    cells = [
+        [str(r["ranks"]), r["grad_comm"], f"{r['rel_error']:.2e}", f"{r['max_rel_error']:.2e}",
+         f"{r['zeroed']:.2%}", f"{r['underflow']:.3%}", f"{r['overflow']:.3%}",
+         f"{r['bytes_per_rank']:,.0f}", f"{r['bytes_vs_fp32']:.3f}"]
+        for r in rows
+    ]  # fmt: skip
+    con = console()
+    for t in fitted_tables(
         "fp8lab comm-sim: ring all-reduce vs fp32",
         [(n, "left" if n == "grad-comm" else "right") for n in names],
+        cells,
+        con.width,
+        keys=2,
         box=box.SIMPLE,
-        no_wrap=True,
-    )
-    for r in rows:
-        t.add_row(
-            str(r["ranks"]), r["grad_comm"], f"{r['rel_error']:.2e}", f"{r['max_rel_error']:.2e}",
-            f"{r['zeroed']:.2%}", f"{r['underflow']:.3%}", f"{r['overflow']:.3%}",
-            f"{r['bytes_per_rank']:,.0f}", f"{r['bytes_vs_fp32']:.3f}",
-        )  # fmt: skip
-    console().print(t)
+    ):
+        con.print(t)
 
 
 def register(app: typer.Typer) -> None:

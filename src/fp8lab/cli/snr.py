@@ -15,7 +15,6 @@ from typing import Any
 import typer
 
 from fp8lab.cli._common import check_out_dir, check_plot_path, comma_ints, comma_items, fail
-from fp8lab.cli._common import table as new_table
 
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
 
@@ -118,15 +117,15 @@ def _scaling_label(c: Any) -> str:
 
 
 def _print_table(results: list[Any], pooled: bool, title: str) -> None:
-    from rich.console import Console
-
+    from fp8lab.cli._common import console, fitted_tables
     from fp8lab.report.snr import fmt_db
 
     left = ("length", "rho", "format", "scaling", "block", "accumulator", "promote")
     right = ("median dB", "p10 dB", "p90 dB", "< 0 dB", "exact") + (
         ("pooled dB",) if pooled else ()
     )
-    table = new_table(title, [(c, "left") for c in left] + [(c, "right") for c in right])
+    cols = [(c, "left") for c in left] + [(c, "right") for c in right]
+    cells = []
     for r in results:
         c = r.config
         row = [
@@ -145,9 +144,11 @@ def _print_table(results: list[Any], pooled: bool, title: str) -> None:
         ]
         if pooled:
             row.append(fmt_db(r.pooled_db))
-        table.add_row(*row)
-    # a pipe gets a wide table instead of rich's 80-column truncation
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+        cells.append(row)
+    # whole cells at any width: constant columns go to a caption, the rest fold into tables
+    con = console()
+    for t in fitted_tables(title, cols, cells, con.width):
+        con.print(t)
 
 
 def _run_with_progress(configs: list[Any], quiet: bool) -> list[Any]:
