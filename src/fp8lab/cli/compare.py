@@ -207,8 +207,19 @@ def _set_keys() -> str:
 
 
 def _summary_table(summary: dict[str, Any]) -> Any:
-    """The summary as a rich table (the report holds every column)."""
+    """The summary as one rich table (the report holds every column)."""
+    return _summary_tables(summary, None)[0]
+
+
+def _summary_tables(summary: dict[str, Any], width: int | None) -> list[Any]:
+    """The summary as rich tables that fit ``width`` columns (None: one table): recipe names
+    wrap at spaces only, never mid-word; columns that do not fit go to further tables, each
+    repeating the recipe column, instead of being dropped."""
+    import io
+
     from rich import box
+    from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
     from fp8lab.report.training import table_rows
@@ -219,16 +230,45 @@ def _summary_table(summary: dict[str, Any]) -> Any:
             ("mem_total", "total\nMiB"), ("diverged", "diverged"))  # fmt: skip
     if summary.get("device"):  # the predicted step time on the cost device (fp8lab.cost)
         cols = (*cols[:-2], ("predicted_step_ms", f"pred. ms\n{summary['device']}"), *cols[-2:])
-    table = Table(title=f"fp8lab compare (baseline {summary['baseline']})", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # fmt: skip
-    for key, title in cols:
-        if key == "recipe":
-            table.add_column(title, overflow="fold", min_width=10)
-        else:  # numbers are never folded; the headers wrap instead
-            table.add_column(title, justify="right", no_wrap=True)
-    for row in table_rows(summary):
-        table.add_row(*(row[k] for k, _ in cols))
-    return table
+    rows = table_rows(summary)
+    # the recipe column is never narrower than its longest word: names are not split
+    longest = max((len(w) for r in rows for w in r["recipe"].split()), default=6)
+    title = f"fp8lab compare (baseline {summary['baseline']})"
+
+    def build(keys: list[str], t_title: str) -> Any:
+        t = Table(title=t_title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)  # fmt: skip
+        for key, head in cols:
+            if key not in keys:
+                continue
+            if key == "recipe":
+                t.add_column(head, overflow="fold", min_width=max(10, longest))
+            else:  # numbers are never folded; the headers wrap instead
+                t.add_column(head, justify="right", no_wrap=True)
+        for row in rows:
+            t.add_row(*(row[k] for k, _ in cols if k in keys))
+        return t
+
+    every = [k for k, _ in cols]
+    if width is None:
+        return [build(every, title)]
+    probe = Console(width=10_000, file=io.StringIO())
+
+    def fits(keys: list[str]) -> bool:
+        return Measurement.get(probe, probe.options, build(keys, "")).minimum <= width
+
+    if fits(every):
+        return [build(every, title)]
+    groups: list[list[str]] = []
+    for k in every[1:]:
+        if groups and fits(["recipe", *groups[-1], k]):
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return [
+        build(["recipe", *g], title if i == 0 else f"{title} (continued)")
+        for i, g in enumerate(groups)
+    ]
 
 
 def register(app: typer.Typer) -> None:
@@ -482,7 +522,9 @@ def register(app: typer.Typer) -> None:
             return
         for name, per_layer in layers.items():
             console().print(_layer_table(name, per_layer))
-        console().print(_summary_table(summary))
+        con = console()
+        for t in _summary_tables(summary, con.width):
+            con.print(t)
         from fp8lab.report.training import noise_note
 
         if noise_note(summary):  # which gaps are inside the run-to-run noise: not a ranking

@@ -1,0 +1,43 @@
+"""``fp8lab compare``'s summary table at 80 columns (issue 22): every column, names whole."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+from rich.console import Console
+from table_width_check import assert_readable
+
+from fp8lab.cli.compare import _summary_tables
+from fp8lab.lab.compare import DEFAULT_RECIPES
+
+
+def _summary(names, device="h100"):
+    recipes, details = {}, {}
+    for n in names:
+        recipes[n] = {"final_train_loss": 3.21, "final_val_loss": 3.3456, "rel_gap_pct": 0.123,
+                      "max_rel_gap_pct": 1.5, "skipped_steps": 0, "tokens_per_s": 12345.0,
+                      "diverged": n == "e4m3-unscaled-grads", "predicted_step_ms": 1.234}  # fmt: skip
+        details[n] = {"spikes": 0, "steps_done": 20, "step_time_ms": 10.0,
+                      "memory_bytes": {"weights": 2**20, "optimizer": 2**21,
+                                       "activations": 2**22, "total": 7 * 2**20},
+                      "negative_control": n == "e4m3-unscaled-grads"}  # fmt: skip
+    return {"schema_version": 1, "baseline": "bf16", "recipes": recipes, "details": details,
+            "device": device}  # fmt: skip
+
+
+def _render(summary, width=80):
+    buf = StringIO()
+    con = Console(width=width, file=buf)
+    for t in _summary_tables(summary, width):
+        con.print(t)
+    return buf.getvalue()
+
+
+def test_summary_table_of_the_demo_recipes_is_readable_at_80_columns():
+    out = _render(_summary(DEFAULT_RECIPES))
+    headers = ["val", "gap", "skipped", "tokens", "time /", "total", "pred. ms", "diverged"]
+    assert_readable(out, headers, [*DEFAULT_RECIPES, "(negative control)"])
+    assert "yes" in out  # the diverged cell of the negative control
+    # wide terminals keep one table
+    wide = _render(_summary(DEFAULT_RECIPES), width=160)
+    assert wide.count("fp8lab compare (baseline bf16)") == 1
