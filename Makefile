@@ -5,7 +5,7 @@ FP8LAB  := .venv/bin/fp8lab
 # demo-long has no time budget: it adds te-current to the default recipes
 LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e4m3-unscaled-grads
 
-.PHONY: demo demo-long demo-debug test test-avx2 readme-tables lint format bench clean
+.PHONY: demo demo-long demo-debug test test-avx2 readme-tables lint format docs bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -51,8 +51,19 @@ test-avx2: $(STAMP)
 readme-tables: $(STAMP)
 	$(PY) scripts/readme_tables.py runs/demo runs/demo-long
 
+# ruff check + format check: the same hooks as .pre-commit-config.yaml
 lint: $(STAMP)
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+# The documentation site (mkdocs.yml, docs/) into site/, strict: a warning (broken link, page missing
+# from the nav, unresolved API reference) fails the build. The `docs` extra installs on first use.
+DOCS_STAMP := .venv/.installed-docs
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 format: $(STAMP)
 	.venv/bin/ruff format . && .venv/bin/ruff check --fix .
@@ -61,4 +72,4 @@ bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf .venv build src/*.egg-info .pytest_cache
+	rm -rf .venv build site src/*.egg-info .pytest_cache

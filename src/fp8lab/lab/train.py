@@ -168,8 +168,8 @@ class LabConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> tuple[LabConfig, dict[str, Any]]:
-        """Read a TOML file: sections [model] [data] [train] [inject] -> LabConfig; any other
-        top-level table (e.g. [compare]) is returned untouched as the second value. Every
+        """Read a TOML file: sections ``[model]`` ``[data]`` ``[train]`` ``[inject]`` -> LabConfig; any other
+        top-level table (e.g. ``[compare]``) is returned untouched as the second value. Every
         error starts with the file name."""
         try:
             with open(path, "rb") as f:
