@@ -104,3 +104,57 @@ def test_bad_files_exit_2(tmp_path, content, message):
 def test_bad_out_suffix_exit_2(records, tmp_path):
     res = runner.invoke(app, ["observe-report", str(records), "--out", str(tmp_path / "x.txt")])
     assert res.exit_code == 2 and "--out must end in .png or .html" in res.output
+
+
+def _png_size(path):
+    import struct
+
+    head = path.read_bytes()[:24]
+    return struct.unpack(">II", head[16:24])
+
+
+def test_png_of_many_steps_stays_readable(tmp_path):
+    # issue 22: 50 steps gave a 3,600-pixel-wide PNG; steps are aggregated into columns
+    rows = [_row(s, f"blocks.{k}.mlp", "fprop", "input", 0.1 * k, 0.0)
+            for s in range(200) for k in range(4)]  # fmt: skip
+    p = tmp_path / "w.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["observe-report", str(p), "--out", str(tmp_path / "h.png")])
+    assert res.exit_code == 0, res.output
+    width, height = _png_size(tmp_path / "h.png")
+    assert width <= 1700 and height <= 1000, (width, height)
+
+
+def test_heatmap_colours_are_the_legends_levels(tmp_path):
+    # issue 22: the legend named orange/red levels the purple-to-yellow map could not show
+    from fp8lab.report.observe import _figure, heatmap_data
+
+    fig = _figure(heatmap_data(ROWS))
+    img = fig.axes[0].images[0]
+    rgba = img.to_rgba(img.get_array())  # underflow: a 0.5/4.5 (warning/critical), b 4.0/0.0
+    r, g, b = (float(x) for x in rgba[0, 1, :3])  # 4.5 %: critical -> red
+    assert r > 0.5 and g < 0.3 and b < 0.3, (r, g, b)
+    r, g, b = (float(x) for x in rgba[1, 0, :3])  # 4.0 %: warning -> orange
+    assert r > 0.9 and 0.3 < g < 0.8 and b < 0.5, (r, g, b)
+    r, g, b = (float(x) for x in rgba[1, 1, :3])  # 0 %: fine -> grey
+    assert abs(r - g) < 0.05 and abs(g - b) < 0.05
+    legend = " ".join(t.get_text() for t in fig.legends[0].get_texts())
+    assert "warning" in legend and "critical" in legend and "orange" not in legend
+
+
+def test_first_step_of_delayed_scaling_is_marked_warm_up(tmp_path):
+    rows = [
+        {**_row(0, "a", "fprop", "input", 0.0, 9.0), "spec": "e4m3:tensor:delayed(h=1024, max)"},
+        {**_row(1, "a", "fprop", "input", 0.0, 9.0), "spec": "e4m3:tensor:delayed(h=1024, max)"},
+        {**_row(0, "b", "fprop", "input", 0.0, 9.0), "spec": "e4m3:tensor:max"},
+    ]
+    p = tmp_path / "w.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["observe-report", str(p), "--json"])
+    assert res.exit_code == 0, res.output
+    warm = {(f["layer"], f["step"]): f["warmup"] for f in json.loads(res.stdout)["flags"]}
+    assert warm == {("a", 0): True, ("a", 1): False, ("b", 0): False}
+    res = runner.invoke(app, ["observe-report", str(p)])
+    lines = [ln for ln in res.stdout.splitlines() if "critical " in ln]
+    assert len(lines) == 3 and sum("warm-up" in ln for ln in lines) == 1
+    assert "warm-up" in next(ln for ln in lines if "step      0" in ln and " a " in ln)

@@ -13,7 +13,9 @@ from fp8lab.cli._common import clear_errors, fail
 HELP = """Heatmaps of underflow % and saturation % per layer over steps from an fp8lab.watch
 record file (JSONL, or CSV by its .csv suffix). Each cell is the layer's worst operand (GEMM x
 role) at that step. Levels: fine below 0.5 %, warning from 0.5 % to 4 %, critical above 4 %
-(docs/observe.md). Writes a PNG or a self-contained HTML page (--out; default PATH with .png),
+(docs/observe.md). A flag on a layer's first step under delayed scaling is marked "warm-up" (no
+amax history yet: expected). The figure aggregates steps into at most 40 columns (worst value of
+each range). Writes a PNG or a self-contained HTML page (--out; default PATH with .png),
 prints the flagged cells (--json: the whole heatmap data as JSON). Exit code 2 on a missing,
 empty or corrupt file.
 """
@@ -52,4 +54,6 @@ def register(app: typer.Typer) -> None:
             typer.echo(
                 f"  {f['level']:<8} step {f['step']:>6}  {f['layer']:<24} "
                 f"{f['metric'].removesuffix('_pct')} {f['value']:.3g} % ({f['worst']})"
-            )
+                + ("  warm-up: delayed scaling has no amax history yet (expected)"
+                   if f.get("warmup") else "")
+            )  # fmt: skip

@@ -2,9 +2,13 @@
 
 `heatmap_data` reduces `fp8lab.watch` records to one cell per (layer, step) and metric: the worst
 operand of that layer (max over GEMM x role x call), with the operand that was worst and its
-level (`fp8lab.observe.flag`: fine < 0.5 %, warning 0.5..4 %, critical > 4 %). `draw_png` draws
-two heatmaps (matplotlib, no pyplot) with the warning cells outlined in orange and the critical
-cells in red and marked ``!``; `write_html` embeds that PNG and a table of the flagged cells.
+level (`fp8lab.observe.flag`: fine < 0.5 %, warning 0.5..4 %, critical > 4 %). A flagged cell on
+a layer's first recorded step whose worst operand uses delayed scaling is marked ``warmup``: the
+amax history is still empty, so the scale is the initial one and a flag there is expected.
+`draw_png` draws two heatmaps (matplotlib, no pyplot) coloured by level (greys fine, oranges
+warning, reds critical, as the legend says), critical cells marked ``!`` and warm-up cells ``w``;
+at most `MAX_COLUMNS` step columns (consecutive steps aggregated by their worst value) keep the
+figure within `MAX_WIDTH_IN` inches. `write_html` embeds that PNG and a table of the flagged cells.
 """
 
 from __future__ import annotations
@@ -18,15 +22,26 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-from matplotlib.patches import Rectangle
 
 from fp8lab.observe import THRESHOLDS, flag
 
-__all__ = ["METRICS", "draw_png", "heatmap_data", "write_html"]
+__all__ = ["MAX_COLUMNS", "MAX_WIDTH_IN", "METRICS", "draw_png", "heatmap_data", "write_html"]
 
 METRICS = ("underflow_pct", "saturation_pct")
 _TITLES = {"underflow_pct": "underflow %", "saturation_pct": "saturation %"}
 _EDGE = {"warning": "#ff9900", "critical": "#d62728"}
+#: step columns drawn per heatmap at most (more steps are aggregated, worst value per column)
+MAX_COLUMNS = 40
+#: the figure's width in inches at most (both heatmaps; 100 dpi)
+MAX_WIDTH_IN = 16.0
+#: colour bands of the heatmaps: (upper bound in % or None = beyond, colour); fine greys,
+#: warning oranges, critical reds (the thresholds of fp8lab.observe.THRESHOLDS)
+_FINE, _CRIT = THRESHOLDS["fine_below_pct"], THRESHOLDS["critical_above_pct"]
+_BANDS = (
+    (_FINE / 4, "#f7f7f7"), (_FINE / 2, "#d9d9d9"), (_FINE, "#a6a6a6"),
+    (_CRIT / 4, "#fdd49e"), (_CRIT / 2, "#fdae6b"), (_CRIT, "#f16913"),
+    (2 * _CRIT, "#ef3b2c"), (None, "#99000d"),
+)  # fmt: skip
 
 
 def heatmap_data(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -38,9 +53,15 @@ def heatmap_data(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     si = {s: j for j, s in enumerate(steps)}
     out: dict[str, Any] = {"layers": layers, "steps": steps, "thresholds": dict(THRESHOLDS)}
     worst: dict[str, list[list[str | None]]] = {}
+    delayed: dict[str, list[list[bool]]] = {}
     for m in METRICS:
         out[m] = [[None] * len(steps) for _ in layers]
         worst[m] = [[None] * len(steps) for _ in layers]
+        delayed[m] = [[False] * len(steps) for _ in layers]
+    first: dict[str, int] = {}
+    for r in records:
+        n, st = str(r["layer"]), int(r["step"])
+        first[n] = min(first.get(n, st), st)
     for r in records:
         i, j = li[str(r["layer"])], si[int(r["step"])]
         for m in METRICS:
@@ -51,51 +72,81 @@ def heatmap_data(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if cur is None or v > cur:
                 out[m][i][j] = float(v)
                 worst[m][i][j] = f"{r['gemm']}/{r['role']}"
+                delayed[m][i][j] = "delayed" in str(r.get("spec") or "")
     flags = []
     for m in METRICS:
         for i, layer in enumerate(layers):
             for j, step in enumerate(steps):
                 level = flag(out[m][i][j])
                 if level in ("warning", "critical"):
+                    warmup = step == first[layer] and delayed[m][i][j]
                     flags.append({"layer": layer, "step": step, "metric": m,
                                   "value": out[m][i][j], "level": level,
-                                  "worst": worst[m][i][j]})  # fmt: skip
+                                  "worst": worst[m][i][j], "warmup": warmup})  # fmt: skip
     out["flags"] = flags
     return out
 
 
+def _columns(steps: list[int]) -> list[list[int]]:
+    """Indices of ``steps`` per drawn column: consecutive runs, at most `MAX_COLUMNS` columns."""
+    n = len(steps)
+    k = max(1, math.ceil(n / MAX_COLUMNS))
+    return [list(range(a, min(a + k, n))) for a in range(0, n, k)]
+
+
 def _figure(data: dict[str, Any]) -> Figure:
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Patch
+
     layers, steps = data["layers"], data["steps"]
+    cols = _columns(steps)
+    label = [str(steps[c[0]]) if len(c) == 1 else f"{steps[c[0]]}-{steps[c[-1]]}" for c in cols]
     h = max(2.5, 0.35 * len(layers) + 1.5)
-    w = min(18.0, max(5.0, 0.3 * len(steps) + 3.0))
+    w = min(MAX_WIDTH_IN / 2, max(5.0, 0.3 * len(cols) + 3.0))
     fig = Figure(figsize=(2 * w, h), layout="constrained")
     axes = fig.subplots(1, 2)
+    # fine is [0, 0.5), warning [0.5, 4], critical (4, ...): the flag's closed ends
+    bounds = [0.0] + [math.nextafter(b, math.inf) if b == _CRIT else b for b, _ in _BANDS[:-1]]
+    bounds.append(1e9)
+    cmap = ListedColormap([c for _, c in _BANDS]).with_extremes(bad="white")
+    norm = BoundaryNorm(bounds, cmap.N)
     for ax, m in zip(axes, METRICS, strict=True):
-        grid = [[math.nan if v is None else v for v in row] for row in data[m]]
-        # colour to 2x the critical threshold: everything beyond is equally alarming
-        im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0,
-                       vmax=2 * THRESHOLDS["critical_above_pct"], interpolation="nearest")  # fmt: skip
-        fig.colorbar(im, ax=ax, label="%")
+        grid = []
+        for row in data[m]:
+            vals = [[row[j] for j in c if row[j] is not None] for c in cols]
+            grid.append([max(v) if v else math.nan for v in vals])
+        im = ax.imshow(grid, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+        cb = fig.colorbar(im, ax=ax, label="%", boundaries=[*bounds[:-1], 3 * _CRIT])
+        cb.set_ticks([0.0, _FINE, _CRIT, 2 * _CRIT])
         ax.set_title(f"{_TITLES[m]} (worst operand per layer)")
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" if len(cols) == len(steps) else "steps (worst of each range)")
         ax.set_ylabel("layer")
-        stride = max(1, len(steps) // 20)
-        ax.set_xticks(range(0, len(steps), stride))
-        ax.set_xticklabels([str(s) for s in steps[::stride]], rotation=90)
+        stride = max(1, len(cols) // 20)
+        ax.set_xticks(range(0, len(cols), stride))
+        ax.set_xticklabels(label[::stride], rotation=90)
         ax.set_yticks(range(len(layers)))
         ax.set_yticklabels(layers)
     lpos = {n: i for i, n in enumerate(layers)}
-    spos = {s: j for j, s in enumerate(steps)}
+    cpos = {steps[j]: x for x, c in enumerate(cols) for j in c}
+    marks: dict[tuple[int, int, int], str] = {}
     for f in data["flags"]:
-        ax = axes[METRICS.index(f["metric"])]
-        i, j = lpos[f["layer"]], spos[f["step"]]
-        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5,
-                               edgecolor=_EDGE[f["level"]]))  # fmt: skip
-        if f["level"] == "critical" and len(steps) <= 60:
-            ax.text(j, i, "!", ha="center", va="center", color="white", fontweight="bold")
+        key = (METRICS.index(f["metric"]), lpos[f["layer"]], cpos[f["step"]])
+        mark = "w" if f.get("warmup") else ("!" if f["level"] == "critical" else "")
+        if mark == "!" or key not in marks:
+            marks[key] = mark or marks.get(key, "")
+    for (k, i, x), mark in marks.items():
+        if mark:
+            axes[k].text(x, i, mark, ha="center", va="center", color="white", fontweight="bold")
     t = THRESHOLDS
-    fig.suptitle(f"fine < {t['fine_below_pct']} %, warning (orange) up to "
-                 f"{t['critical_above_pct']} %, critical (red) above")  # fmt: skip
+    handles = [
+        Patch(color=_BANDS[2][1], label=f"fine < {t['fine_below_pct']} %"),
+        Patch(
+            color=_BANDS[5][1], label=f"warning {t['fine_below_pct']}..{t['critical_above_pct']} %"
+        ),
+        Patch(color=_BANDS[6][1], label=f"critical > {t['critical_above_pct']} % (!)"),
+        Patch(color="white", label="w: warm-up step of delayed scaling (no amax history yet)"),
+    ]
+    fig.legend(handles=handles, loc="outside upper center", ncols=4, frameon=False)
     return fig
 
 
@@ -119,7 +170,8 @@ def write_html(data: dict[str, Any], path: str | Path, source: str = "") -> Path
     rows = "".join(
         f"<tr class='{f['level']}'><td>{html.escape(f['layer'])}</td><td>{f['step']}</td>"
         f"<td>{_TITLES[f['metric']]}</td><td>{f['value']:.3g}</td><td>{f['level']}</td>"
-        f"<td>{html.escape(str(f['worst']))}</td></tr>"
+        f"<td>{html.escape(str(f['worst']))}"
+        f"{' (warm-up: no amax history yet, expected)' if f.get('warmup') else ''}</td></tr>"
         for f in data["flags"]
     )
     table = (
