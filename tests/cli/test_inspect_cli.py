@@ -164,3 +164,40 @@ def test_unreadable_files_are_clear_errors(tmp_path) -> None:
     )
     res = _inspect("/dev/null")
     assert res.exit_code == 2 and "not a regular file" in res.stderr
+
+
+def test_converted_model_checkpoint_operands_apart_and_fp8_state_skipped(tmp_path) -> None:
+    # issue 22: inspect "quantized" norm weights and fp8lab's own FP8 state tensors
+    from fp8lab.nn import convert
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 32)
+    )
+    convert(model, "te-delayed", default_exclude=False)
+    model(torch.randn(8, 64)).sum().backward()
+    f = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), f)
+    res = _inspect(str(f), "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    kinds = {t["name"]: t["kind"] for t in rep["tensors"]}
+    assert kinds == {"0.weight": "gemm_operand", "0.bias": "other", "1.weight": "other",
+                     "1.bias": "other", "2.weight": "gemm_operand", "2.bias": "other"}  # fmt: skip
+    assert "0.fp8_weight_amax_history" in rep["skipped_fp8_state"]
+    assert "2.fp8_recipe" in rep["skipped_fp8_state"]
+    res = runner.invoke(app, ["inspect", str(f)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.stdout.split())
+    assert "GEMM operands" in flat and "other tensors" in flat
+    assert flat.index("GEMM operands") < flat.index("other tensors")
+    assert "fp8_" not in res.stdout.split("skipped")[0]  # no state tensor in the tables
+    assert "tensors of fp8lab's own state" in res.stdout
+
+
+def test_plain_checkpoint_operands_are_tensors_of_two_or_more_dims(tmp_path, tensors) -> None:
+    f = tmp_path / "m.safetensors"
+    save_file({"fc.weight": tensors["w"], "norm.weight": torch.ones(16)}, str(f))
+    res = _inspect(str(f), "--json")
+    kinds = {t["name"]: t["kind"] for t in json.loads(res.stdout)["tensors"]}
+    assert kinds == {"fc.weight": "gemm_operand", "norm.weight": "other"}

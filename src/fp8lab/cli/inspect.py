@@ -28,6 +28,8 @@ FILE: a .safetensors file or a PyTorch checkpoint loadable with torch.load(weigh
 e4m3:128x128, e4m3:1x128) or mxfp8, mxfp8_e5m2, mxfp6, mxfp4, nvfp4. --recipe takes a recipe name
 (fp8lab.recipe) and uses its weight spec (delayed scaling measured at its steady state).
 Default specs: e4m3:tensor, e4m3:128x128, mxfp8. SQNR "inf" means the quantized tensor is exact.
+GEMM operands (weights of fp8lab-converted layers, else tensors of 2+ dims) are listed apart from
+other tensors (norms, biases); fp8lab's own state (fp8_* scales, amax histories) is skipped.
 Exit code 2 for a missing, empty, unreadable or unsafe file.
 """
 
@@ -145,6 +147,26 @@ def resolve_specs(specs: list[str], recipes: list[str]) -> list[tuple[str, Any]]
     return out
 
 
+def _fp8_state(names: list[str]) -> tuple[set[str], set[str]]:
+    """(converted layers, fp8lab state tensors): a layer holding ``fp8_recipe`` is converted;
+    its ``fp8_*`` tensors are fp8lab's state, not the model's."""
+    layers = {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] == "fp8_recipe"}
+    state = {
+        n for n in names
+        if n.rpartition(".")[0] in layers and n.rpartition(".")[2].startswith("fp8_")
+    }  # fmt: skip
+    return layers, state
+
+
+def _kind(name: str, t: Any, converted: set[str]) -> str:
+    """``"gemm_operand"``: the weight of a converted layer (no converted layer in the file:
+    any tensor of 2+ dims); ``"other"``: norms, biases, ... (no recipe quantizes them)."""
+    layer, _, leaf = name.rpartition(".")
+    if converted:
+        return "gemm_operand" if layer in converted and leaf == "weight" else "other"
+    return "gemm_operand" if t.dim() >= 2 else "other"
+
+
 def inspect_file(
     path: str | Path,
     specs: list[tuple[str, Any]],
@@ -157,7 +179,11 @@ def inspect_file(
     tensors = load_tensors(path)
     report: dict[str, Any] = {"file": str(path), "specs": [n for n, _ in specs], "tensors": []}
     skipped, empty = [], []
+    converted, state = _fp8_state(list(tensors))
+    report["skipped_fp8_state"] = [n for n in tensors if n in state]
     for name, t in tensors.items():
+        if name in state:
+            continue
         if pattern and not fnmatch.fnmatch(name, pattern):
             continue
         if not t.is_floating_point():
@@ -169,6 +195,7 @@ def inspect_file(
         t = t.detach().to("cpu")
         entry: dict[str, Any] = {
             "name": name,
+            "kind": _kind(name, t, converted),
             "shape": list(t.shape),
             "dtype": str(t.dtype).replace("torch.", ""),
             "numel": t.numel(),
@@ -205,13 +232,26 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _print_report(report: dict[str, Any], per_block: bool) -> None:
-    """A rich table that fits 80 columns and more: one row per tensor x spec, the tensor's name
-    folded (never cut) and its shape, dtype, amax, range and NaN/Inf counts below the name."""
+    """Rich tables that fit 80 columns and more: the GEMM operands, then the other tensors; one
+    row per tensor x spec, the tensor's name folded (never cut) and its shape, dtype, amax,
+    range and NaN/Inf counts below the name."""
+    titles = {
+        "gemm_operand": "GEMM operands (weights of converted layers, else tensors of 2+ dims)",
+        "other": "other tensors (norms, biases, ...: no recipe quantizes them)",
+    }
+    con = console()
+    for kind, heading in titles.items():
+        part = [t for t in report["tensors"] if t.get("kind", "gemm_operand") == kind]
+        if part:
+            con.print(_table(report["file"], heading, part, per_block))
+
+
+def _table(file: str, heading: str, tensors: list[dict[str, Any]], per_block: bool) -> Any:
     from rich import box
     from rich.table import Table
 
     table = Table(
-        title=f"fp8lab inspect {_escape(report['file'])}",
+        title=f"fp8lab inspect {_escape(file)}: {heading}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -225,7 +265,7 @@ def _print_report(report: dict[str, Any], per_block: bool) -> None:
         table.add_column(col, justify="right", no_wrap=True)
     if per_block:
         table.add_column("min blk dB", justify="right", no_wrap=True)
-    for t in report["tensors"]:
+    for t in tensors:
         about = [
             "x".join(map(str, t["shape"])) + f" {t['dtype']}",
             f"amax {_num(t['amax'], '.4g')}, range {_num(t['dynamic_range'], '.1f')}",
@@ -248,7 +288,10 @@ def _print_report(report: dict[str, Any], per_block: bool) -> None:
                 v = s.get("min_block_sqnr_db")
                 row.append("inf" if v is None and s["exact"] else _num(v, ".2f"))
             table.add_row(*row, end_section=i == len(t["specs"]) - 1)
-    console().print(table)
+    return table
+
+
+def _notes(report: dict[str, Any]) -> None:
     bad = [t["name"] for t in report["tensors"] if t["nan_count"] or t["inf_count"]]
     if bad:
         typer.echo(f"{len(bad)} tensor(s) hold NaN or Inf: {', '.join(bad)}")
@@ -257,6 +300,11 @@ def _print_report(report: dict[str, Any], per_block: bool) -> None:
         typer.echo(f"{len(report['empty_float'])} empty floating tensor(s), not measured: {names}")
     if report["skipped_non_float"]:
         typer.echo(f"skipped {len(report['skipped_non_float'])} non-floating tensors")
+    if report.get("skipped_fp8_state"):
+        typer.echo(
+            f"skipped {len(report['skipped_fp8_state'])} tensors of fp8lab's own state "
+            "(fp8_* scales, amax histories, step counters, recipe)"
+        )
 
 
 def _escape(text: str) -> str:
@@ -305,3 +353,4 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(report, allow_nan=False))
         else:
             _print_report(report, per_block is not None)
+            _notes(report)
