@@ -193,3 +193,14 @@ def test_refuses_recipe_files_compare_refuses(tmp_path):
     assert res.exit_code == 2, res.output
     assert "deepseek-v3" in res.stderr and "not a multiple of the block 128" in res.stderr
     assert "500" in res.stderr
+
+
+def test_tables_readable_at_80_columns():
+    # issue 22: at 80 columns the GEMM shapes and recipe names ended in '…'
+    from table_width_check import NARROW, assert_readable
+
+    res = runner.invoke(app, ["cost", "--device", "b200", "--ranks", "2"], env=NARROW)
+    assert res.exit_code == 0, res.output
+    headers = ["GEMM", "M x K x N", "tensor", "recipe", "collective", "speedup vs bf16"]
+    names = ["te-delayed", "te-current", "mxfp8", "deepseek-v3", "nvfp4", "15872x4096x12288"]
+    assert_readable(res.stdout, headers, names)

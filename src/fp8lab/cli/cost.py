@@ -187,9 +187,15 @@ def _json(dev: Any, priced: dict, coll: dict, dist: dict | None) -> str:
 
 
 def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -> None:
-    from rich.table import Table
+    from fp8lab.cli._common import fitted_tables
 
     con = console()
+
+    def show(title: str, columns: list[tuple[str, str]], rows: list[list[str]], keys=1) -> None:
+        # whole cells at any width: constant columns to a caption, the rest folded (_common)
+        for t in fitted_tables(title, columns, rows, con.width, keys=keys):
+            con.print(t)
+
     costs = priced["costs"]
     layers = priced["layers"]
     names = list(costs)
@@ -203,24 +209,22 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
     con.print(f"{work.header}; scenario {scenario}")
     if layers != work.layers:
         con.print("per-layer recipe rules: every Linear is priced; 'layer' = the whole model")
-    g = Table(title="Per-GEMM time (µs; GEMM kernel, its class and bound: c/m)")
-    g.add_column("GEMM", overflow="fold")
-    g.add_column("M x K x N")
-    for r in names:
-        g.add_column(r, justify="right")
+    rows = []
     for i, gc in enumerate(costs[names[0]].gemms):
         cells = []
         for r in names:
             c = costs[r].gemms[i]
             cells.append(f"{c.ms * 1e3:.4g} {c.cls} {c.bound[0]}")
-        g.add_row(gc.name, f"{gc.m}x{gc.k}x{gc.n}", *cells)
-    con.print(g)
-    led = Table(title="Per-tensor bytes ledger (MB read + written by its quantization passes)")
-    led.add_column("tensor")
-    for r in names:
-        led.add_column(r, justify="right")
+        rows.append([gc.name, f"{gc.m}x{gc.k}x{gc.n}", *cells])
+    show(
+        "Per-GEMM time (µs; GEMM kernel, its class and bound: c/m)",
+        [("GEMM", "left"), ("M x K x N", "left"), *((r, "right") for r in names)],
+        rows,
+        keys=2,
+    )
     ledgers = {r: costs[r].ledger() for r in names}
     tensors = sorted({t for lg in ledgers.values() for t in lg})
+    rows = []
     for t in tensors:
         cells = []
         for r in names:
@@ -228,41 +232,44 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
             rd = sum(v for k, v in row.items() if k.startswith("read")) / 1e6
             wr = sum(v for k, v in row.items() if k.startswith("written")) / 1e6
             cells.append(f"{rd:.0f}+{wr:.0f}" if row else "-")
-        led.add_row(t, *cells)
-    con.print(led)
+        rows.append([t, *cells])
+    show(
+        "Per-tensor bytes ledger (MB read + written by its quantization passes)",
+        [("tensor", "left"), *((r, "right") for r in names)],
+        rows,
+    )
     keys = sorted({k for lg in ledgers.values() for row in lg.values() for k in row})
-    prec = Table(title="Quantization bytes per layer by precision (MB)")
-    prec.add_column("recipe")
-    for k in keys:
-        prec.add_column(k.replace(":", " "), justify="right")
+    rows = []
     for r in names:
         tot_r = {k: sum(row.get(k, 0) for row in ledgers[r].values()) for k in keys}
-        prec.add_row(r, *(f"{tot_r[k] / 1e6:.1f}" for k in keys))
-    con.print(prec)
+        rows.append([r, *(f"{tot_r[k] / 1e6:.1f}" for k in keys)])
+    show(
+        "Quantization bytes per layer by precision (MB)",
+        [("recipe", "left"), *((k.replace(":", " "), "right") for k in keys)],
+        rows,
+    )
     if coll:
         first = next(iter(coll.values()))
         how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (
             (", FSDP, FP8 all-gather" if first.fp8_allgather else ", FSDP") if first.fsdp else ""
         )
-        cl = Table(
-            title=f"Collective bytes ledger (MB one rank sends per step, whole model; {how})"
+        labels = [("gradient " + ("reduce-scatter" if first.fsdp else "all-reduce"), "grad_reduce"),
+                  ("amax all-reduces", "amax_allreduce"), ("FSDP weight all-gathers", "fsdp_allgather"),
+                  ("total", "total")]  # fmt: skip
+        rows = [
+            [label, *(f"{getattr(cb, attr) / 1e6:.4g}" for cb in coll.values())]
+            for label, attr in labels
+        ]
+        rows.append(["amax all-reduce calls", *(str(cb.amax_allreduces) for cb in coll.values())])
+        show(
+            f"Collective bytes ledger (MB one rank sends per step, whole model; {how})",
+            [("collective", "left"), *((r, "right") for r in coll)],
+            rows,
         )
-        cl.add_column("collective")
-        for r in coll:
-            cl.add_column(r, justify="right")
-        rows = [("gradient " + ("reduce-scatter" if first.fsdp else "all-reduce"), "grad_reduce"),
-                ("amax all-reduces", "amax_allreduce"), ("FSDP weight all-gathers", "fsdp_allgather"),
-                ("total", "total")]  # fmt: skip
-        for label, attr in rows:
-            cl.add_row(label, *(f"{getattr(cb, attr) / 1e6:.4g}" for cb in coll.values()))
-        cl.add_row("amax all-reduce calls", *(str(cb.amax_allreduces) for cb in coll.values()))
-        con.print(cl)
-    tot = Table(title="Per-layer totals")
-    for col in ("recipe", "layer ms", "GEMM ms", "quantize ms", "quantize %", "speedup vs bf16",
-                "model ms", "GB moved"):  # fmt: skip
-        tot.add_column(col, justify="left" if col == "recipe" else "right")
-    for r, c in costs.items():
-        tot.add_row(
+    cols = ("recipe", "layer ms", "GEMM ms", "quantize ms", "quantize %", "speedup vs bf16",
+            "model ms", "GB moved")  # fmt: skip
+    rows = [
+        [
             r,
             f"{c.layer_ms:.4g}",
             f"{c.gemm_ms:.4g}",
@@ -271,8 +278,10 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
             f"{priced['bf16_ms'] / c.layer_ms:.2f}x",
             f"{c.layer_ms * layers:.4g}",
             f"{c.bytes / 1e9:.2f}",
-        )
-    con.print(tot)
+        ]
+        for r, c in costs.items()
+    ]
+    show("Per-layer totals", [(c, "left" if c == "recipe" else "right") for c in cols], rows)
 
 
 def register(app: typer.Typer) -> None:
