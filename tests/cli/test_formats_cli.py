@@ -84,3 +84,18 @@ def test_plot_paths_that_cannot_be_written(tmp_path):
         res = runner.invoke(app, ["formats", "--plot", str(bad)])
         assert res.exit_code == 2, (bad, res.output)
         assert words in res.stderr and "Traceback" not in res.output, (bad, res.stderr)
+
+
+def test_names_and_aliases_never_split_mid_word_at_80_columns():
+    # issue 22: "(bfloat16" on one line, ")" on the next -- a name folded mid-word
+    res = runner.invoke(app, ["formats", "--json"])
+    words = {w for r in json.loads(res.stdout) for w in [r["name"], *r["aliases"]]}
+    res = runner.invoke(app, ["formats"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    # the first column's words: every one a whole name or alias, with its brackets
+    firsts = [ln.split()[0] for ln in lines if ln[:1] == " " and ln[1:2] not in ("", " ")]
+    for tok in firsts:
+        if tok[0] == "(" or tok[-1] in "),":
+            assert tok.strip("(),") in words, tok

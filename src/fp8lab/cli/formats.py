@@ -90,13 +90,18 @@ def _table(rows: list[dict[str, Any]]) -> None:
     from rich import box
     from rich.table import Table
 
+    names = [r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "") for r in rows]
+    # the name column is never narrower than its longest word: names wrap, never split mid-word
+    longest = max((len(w) for n in names for w in n.split()), default=6)
+
     def table(title: str, cols: tuple[tuple[str, str], ...]) -> Table:
         t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)  # fmt: skip
-        for col, justify in cols:
+        for i, (col, justify) in enumerate(cols):
             number = justify == "right"
+            width = max(6, longest) if i == 0 else None if number else 6
             t.add_column(col, justify=justify, no_wrap=number, overflow="fold",  # type: ignore[arg-type]
-                         min_width=None if number else 6)  # fmt: skip
+                         min_width=width)  # fmt: skip
         return t
 
     numbers = table("Number formats", (("format", "left"), ("bits", "right"), ("s/e/m", "right"),
@@ -104,8 +109,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
                     ("min\nsubnormal", "right"), ("binades", "right"), ("epsilon", "right")))  # fmt: skip
     codes = table("Special encodings", (("format", "left"), ("Inf", "left"), ("NaN", "left"),
                   ("-0", "left"), ("mantissa", "left")))  # fmt: skip
-    for r in rows:
-        name = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
+    for r, name in zip(rows, names, strict=True):
         sub = _num(r["min_subnormal"]) if r["subnormals"] else "— (none)"
         zero = "yes" if r["negative_zero"] else ("no zero" if not r["zero"] else "no")
         numbers.add_row(
