@@ -163,3 +163,14 @@ def test_user_model_file_end_to_end(tmp_path, config):
     top = d["attribution"][0]
     assert (top["layer"], top["role"]) == (fc[0], "input"), d["attribution"]
     assert d["fix"] is not None and fc[0] in Path(d["fix"]).read_text()
+
+
+def test_recipe_equal_to_the_baseline_suggests_another_baseline(tmp_path, config):
+    base = ["debug", "--config", str(config), "--out", str(tmp_path / "out")]
+    r = runner.invoke(app, [*base, "--recipe", "bf16"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    # the issue: it suggested --baseline bf16, the baseline it had just refused
+    assert "--baseline bf16" not in text and "--baseline fp32" in text, text
+    r = runner.invoke(app, [*base, "--recipe", "te-current", "--baseline", "te-current"])
+    assert r.exit_code == 2 and "--baseline bf16" in " ".join(r.output.split()), r.output

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fp8lab.lab.data import DataConfig, load_corpus
+from fp8lab.lab.debug import search
 from fp8lab.lab.debug.attribution import StepReplay, pool_scores, screen_snapshot
 from fp8lab.lab.debug.runner import ProbeSpec, load_state, run_probe, snapshot_path
 from fp8lab.lab.debug.variants import with_cells_hp
@@ -94,6 +95,9 @@ def test_screening_scores_a_cell_that_explains_everything(tmp_path, text):
     rows = pool_scores([s])
     assert (rows[0]["layer"], rows[0]["gemm"], rows[0]["role"]) == (layer, "dgrad", "grad_output")
     assert rows[0]["score"] == pytest.approx(1.0)
+    # the pair (grad_output in high precision in dgrad and wgrad) removes the same error
+    pair = [p for p in pool_scores([s], rows="pairs") if p["role"] == "grad_output"]
+    assert [p["score"] for p in pair] == [pytest.approx(1.0)]
     json.dumps(rows)  # plain data
 
 
@@ -175,3 +179,11 @@ def test_outlier_channels_screening_puts_the_planted_cell_first(tmp_path, text):
     assert (rows[0]["layer"], rows[0]["role"]) == (layer, "input"), rows[:3]
     others = [r["score"] for r in rows if (r["layer"], r["role"]) != (layer, "input")]
     assert rows[0]["score"] > 5 * max(others), rows[:4]
+    # the pair replay (the input in high precision in fprop and wgrad at once) and the layer
+    # order of group testing put the planted layer first too
+    pairs = pool_scores([s], rows="pairs")
+    assert {(p["layer"], p["role"]) for p in pairs} == {
+        (x, r) for x in layers for r in ("input", "weight", "grad_output")}  # fmt: skip
+    assert (pairs[0]["layer"], pairs[0]["gemm"], pairs[0]["role"]) == (layer, "fprop+wgrad",
+                                                                       "input"), pairs[:3]  # fmt: skip
+    assert search.layer_order(layers, rows, "input", "fprop", pairs)[0] == layer

@@ -9,6 +9,10 @@ bit for bit, and applying the optimizer gives the next checkpoint's weights). Sc
 - under the recipe under debug R: gradient ``g_R``;
 - under the baseline at the same weights: ``g_B``;
 - once per cell (layer, GEMM, role) with only that operand in high precision: ``g_c``;
+- once per (layer, role) with that operand in high precision in both GEMMs that consume it
+  (input: fprop and wgrad; weight: fprop and dgrad; grad_output: dgrad and wgrad): the pair
+  rows (``"pairs"``), which group testing orders the layers by (one strong cell and its strong
+  opposite in the other GEMM do not cancel there, as a sum of cell scores would);
 
 and scores each cell by the share of the error it removes, ``(e_R - e_c) / e_R``, where the error
 ``e_x = |u(g_x) - u(g_B)|`` is measured in the space training applies: ``u`` is the AdamW update
@@ -32,7 +36,7 @@ import torch
 
 from fp8lab.lab.data import Corpus, get_batch, load_corpus
 from fp8lab.lab.debug.runner import load_state, load_weights, rebatch, replay_parallel
-from fp8lab.lab.debug.variants import CELLS, with_cells_hp
+from fp8lab.lab.debug.variants import CELLS, ROLE_GEMMS, with_cells_hp
 from fp8lab.lab.inject import Injector
 from fp8lab.lab.train import LabConfig, build_model, make_optimizer
 
@@ -251,12 +255,32 @@ def screen_snapshot(
         if events is not None:
             events.put({"event": "replay", "recipe": name, "probe": name, "done": i + 1,
                         "total": len(todo)})  # fmt: skip
+    # pairs: an operand in high precision in both GEMMs that consume it (one replay); a role
+    # quantized in one GEMM only has its cell's error
+    pairs = []
+    for layer in layers:
+        for ro in ROLE_GEMMS:
+            gs = [g for g in ROLE_GEMMS[ro] if (layer, g, ro) in todo]
+            if not gs:
+                continue
+            if len(gs) == 1:
+                row = rows[todo.index((layer, gs[0], ro))]
+                err, err_raw = row["err"], row["err_raw"]
+            else:
+                switched = {layer: with_cells_hp(rec.for_layer(layer), [(g, ro) for g in gs],
+                                                 precision)}  # fmt: skip
+                _, g_p = r.gradient(switched)
+                err, err_raw = _err(update(g_p), u_b), _err(g_p, g_b)
+            pairs.append({"layer": layer, "gemm": "+".join(gs), "role": ro, "err": err,
+                          "err_raw": err_raw})  # fmt: skip
     return {"step": r.step, "loss": loss_r, "err_r": err_r, "err_r_raw": err_r_raw,
-            "rows": rows, "seconds": time.perf_counter() - t0}  # fmt: skip
+            "rows": rows, "pairs": pairs, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
-def pool_scores(screens: Iterable[dict[str, Any]], key: str = "err") -> list[dict[str, Any]]:
-    """Per cell, the share of the error its switch removes, pooled over the screened
+def pool_scores(
+    screens: Iterable[dict[str, Any]], key: str = "err", rows: str = "rows"
+) -> list[dict[str, Any]]:
+    """Per cell (``rows="pairs"``: per operand pair, ``gemm`` e.g. ``"fprop+wgrad"``), the share of the error its switch removes, pooled over the screened
     checkpoints: ``sum_t (e_R,t - e_c,t) / sum_t e_R,t``, with the AdamW update error
     (``key="err"``) or the raw gradient error (``"err_raw"``). A checkpoint where R's error is
     not finite counts a cell as fully explaining it when its switch makes the error finite.
@@ -265,7 +289,7 @@ def pool_scores(screens: Iterable[dict[str, Any]], key: str = "err") -> list[dic
     den: dict[tuple[str, str, str], float] = {}
     for s in screens:
         e_r = s[{"err": "err_r", "err_raw": "err_r_raw"}[key]]
-        for row in s["rows"]:
+        for row in s.get(rows, ()):
             cell = (row["layer"], row["gemm"], row["role"])
             if math.isinf(e_r):
                 n, d = (1.0 if math.isfinite(row[key]) else 0.0), 1.0

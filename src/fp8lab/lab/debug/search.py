@@ -60,3 +60,37 @@ def prefix_search(
         bad = [k for k, ok in tried.items() if not ok and k < hi]
         lo = max(bad) if bad else 0
     return list(order[:hi]), sorted(tried.items())
+
+
+def layer_order(
+    layers: Sequence[str],
+    scores: Sequence[dict],
+    role: str,
+    gemm: str | None = None,
+    pairs: Sequence[dict] = (),
+) -> list[str]:
+    """The layers in the order group testing tries them for the culprit ``role``.
+
+    A layer's key is the larger of (a) its pair score: the share of the error removed by the
+    replay with ``role`` in high precision in *both* GEMMs that consume that quantized operand
+    (input: fprop and wgrad; weight: fprop and dgrad; grad_output: dgrad and wgrad), from
+    ``pairs`` rows ``{layer, role, score}``; and (b) its cell score in the culprit ``gemm``
+    (without ``gemm``: its strongest cell of ``role``). Ties go to the strongest cell, then
+    module order. Never the sum over GEMMs: one strong cell (input in fprop, +0.17) can
+    sit next to a strong opposite (the same input in wgrad alone, -0.35: a high-precision
+    wgrad next to a flushed fprop input makes the update worse), and a sum would put the
+    culprit layer last."""
+    layers = list(layers)
+    cell: dict[str, dict[str, float]] = {x: {} for x in layers}
+    for row in scores:
+        if row["role"] == role and row["layer"] in cell:
+            cell[row["layer"]][row["gemm"]] = row["score"]
+    pair = {r["layer"]: r["score"] for r in pairs if r["role"] == role and r["layer"] in cell}
+    neg = float("-inf")
+
+    def key(x: str) -> tuple[float, float, int]:
+        best = max(cell[x].values(), default=neg)
+        own = cell[x].get(gemm, neg) if gemm is not None else best
+        return (-max(own, pair.get(x, neg)), -best, layers.index(x))
+
+    return sorted(layers, key=key)

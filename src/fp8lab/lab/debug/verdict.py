@@ -122,7 +122,9 @@ def decide(
                      "verdict. Choose another --baseline or a smaller learning rate.")  # fmt: skip
     elif state.get("no_problem"):
         reason = "no-problem"
-        words.append(r_words + " That is within twice the noise: no FP8 problem found.")
+        words.append(r_words + " That is within max(0.01 %, 3x the noise) = "
+                     f"{_pct(state.get('floor_pct')).lstrip('+')}, too small to attribute: "
+                     "no FP8 problem found.")  # fmt: skip
     elif state.get("r_better"):
         reason = "no-problem"
         words.append(r_words + " R is better than the baseline beyond the noise: no FP8 "
