@@ -41,3 +41,22 @@ def test_summary_table_of_the_demo_recipes_is_readable_at_80_columns():
     # wide terminals keep one table
     wide = _render(_summary(DEFAULT_RECIPES), width=160)
     assert wide.count("fp8lab compare (baseline bf16)") == 1
+
+
+def test_per_layer_settings_readable_at_80_columns():
+    from fp8lab.cli.compare import _layer_tables
+
+    cell = "input=e4m3:tensor:delayed(h=1024, max), weight=e4m3:tensor:delayed(h=1024, max)"
+    dy = "grad_output=e5m2:tensor:delayed(h=1024, max), weight=e4m3:128x128:max"
+    per_layer = {
+        f"blocks.{i}.attn.qkv": {"rules": [1, 2], "gemms": {"fprop": cell, "dgrad": dy,
+                                                            "wgrad": dy}}
+        for i in range(3)
+    }  # fmt: skip
+    buf = StringIO()
+    con = Console(width=80, file=buf)
+    for t in _layer_tables("fix.toml", per_layer, 80):
+        con.print(t)
+    out = buf.getvalue()
+    headers = ["layer", "rules", "fprop", "dgrad", "wgrad"]
+    assert_readable(out, headers, ["blocks.0.attn.qkv", "e5m2:tensor:delayed", "e4m3:128x128:max"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, table, with_run_options
+from fp8lab.cli._common import clear_errors, console, fitted_tables, with_run_options
 
 HELP = """Train the same model (a small GPT, or yours: --model) from the same initial weights
 on the same batches under several recipes and report how far each drifts from the baseline (loss
@@ -521,7 +521,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(out_json, allow_nan=False))
             return
         for name, per_layer in layers.items():
-            console().print(_layer_table(name, per_layer))
+            con = console()
+            for t in _layer_tables(name, per_layer, con.width):
+                con.print(t)
         con = console()
         for t in _summary_tables(summary, con.width):
             con.print(t)
@@ -553,12 +555,20 @@ def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _layer_table(name: str, per_layer: dict[str, dict[str, Any]]) -> Any:
+    """The per-layer settings as one table (any width)."""
+    return _layer_tables(name, per_layer, 10_000)[0]
+
+
+def _layer_tables(name: str, per_layer: dict[str, dict[str, Any]], width: int) -> list[Any]:
+    """The per-layer settings as tables that fit ``width`` (`fitted_tables`: nothing cut)."""
     cols = [(c, "left") for c in ("layer", "rules", "fprop", "dgrad", "wgrad")]
-    t = table(f"per-layer settings of {name} (rules: its layer tables, the last wins)", cols)
-    for layer, s in per_layer.items():
-        rules = ", ".join(map(str, s["rules"])) or "-"
-        t.add_row(layer, rules, *(_short_cells(s["gemms"][g]) for g in ("fprop", "dgrad", "wgrad")))
-    return t
+    rows = [
+        [layer, ", ".join(map(str, s["rules"])) or "-",
+         *(_short_cells(s["gemms"][g]) for g in ("fprop", "dgrad", "wgrad"))]
+        for layer, s in per_layer.items()
+    ]  # fmt: skip
+    title = f"per-layer settings of {name} (rules: its layer tables, the last wins)"
+    return fitted_tables(title, cols, rows, width, keys=2)
 
 
 def _short_cells(text: str) -> str:
