@@ -20,12 +20,12 @@ from fp8lab.cli._common import clear_errors, fail, with_run_options
 
 HELP = """Find which operand of which GEMM of which layer makes a low-precision run drift from
 its baseline, and test remedies, on a CPU. Seven stages: (1) gap of R to the baseline, and the
-noise (fp32 vs bf16, two runs differing only in rounding; a gap within 2x the noise is "no FP8
-problem found"); (2) recovery: R's checkpoint continued under the baseline; (3) fake
+noise (fp32 vs bf16, two runs differing only in rounding; a gap within max(0.01 %, 3x the
+noise) is "no FP8 problem found"); (2) recovery: R's checkpoint continued under the baseline; (3) fake
 quantization: R's grids with current scaling; (4) screening: one training step replayed bit for
 bit from R's checkpoints with one (layer, GEMM, role) cell at a time in high precision, scored by
 the share of the error of the AdamW update it removes; (5) confirmation probes per role and GEMM, then group
-testing over layers; (6) remedies for the culprit (current scaling, finer blocks, E5M2 for
+testing over layers (ordered by each operand's pair of GEMMs and the culprit GEMM); (6) remedies for the culprit (current scaling, finer blocks, E5M2 for
 gradients, high precision for the culprit cells), each trained, with its gap and relative_cost;
 (7) verdict: OUT/report.html, report.md and OUT/fix.toml (a per-layer recipe file that
 `fp8lab compare --recipes OUT/fix.toml` accepts). --scenario plants a known fault in the default
