@@ -123,6 +123,14 @@ def test_png_of_many_steps_stays_readable(tmp_path):
     assert res.exit_code == 0, res.output
     width, height = _png_size(tmp_path / "h.png")
     assert width <= 1700 and height <= 1000, (width, height)
+    # many layers: the height is bounded too (labels shrink)
+    rows = [_row(s, f"blocks.{k}.mlp", "fprop", "input", 0.1, 0.0)
+            for s in range(3) for k in range(300)]  # fmt: skip
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["observe-report", str(p), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 0, res.output
+    width, height = _png_size(tmp_path / "t.png")
+    assert width <= 1700 and height <= 1300, (width, height)
 
 
 def test_heatmap_colours_are_the_legends_levels(tmp_path):

@@ -8,7 +8,8 @@ amax history is still empty, so the scale is the initial one and a flag there is
 `draw_png` draws two heatmaps (matplotlib, no pyplot) coloured by level (greys fine, oranges
 warning, reds critical, as the legend says), critical cells marked ``!`` and warm-up cells ``w``;
 at most `MAX_COLUMNS` step columns (consecutive steps aggregated by their worst value) keep the
-figure within `MAX_WIDTH_IN` inches. `write_html` embeds that PNG and a table of the flagged cells.
+figure within `MAX_WIDTH_IN` inches, and it is at most `MAX_HEIGHT_IN` inches tall (many layers
+get smaller labels). `write_html` embeds that PNG and a table of the flagged cells.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backe
 
 from fp8lab.observe import THRESHOLDS, flag
 
-__all__ = ["MAX_COLUMNS", "MAX_WIDTH_IN", "METRICS", "draw_png", "heatmap_data", "write_html"]
+__all__ = [
+    "MAX_COLUMNS",
+    "MAX_HEIGHT_IN",
+    "MAX_WIDTH_IN",
+    "METRICS",
+    "draw_png",
+    "heatmap_data",
+    "write_html",
+]
 
 METRICS = ("underflow_pct", "saturation_pct")
 _TITLES = {"underflow_pct": "underflow %", "saturation_pct": "saturation %"}
@@ -34,6 +43,8 @@ _EDGE = {"warning": "#ff9900", "critical": "#d62728"}
 MAX_COLUMNS = 40
 #: the figure's width in inches at most (both heatmaps; 100 dpi)
 MAX_WIDTH_IN = 16.0
+#: the figure's height in inches at most (many layers get smaller labels, one row each)
+MAX_HEIGHT_IN = 12.0
 #: colour bands of the heatmaps: (upper bound in % or None = beyond, colour); fine greys,
 #: warning oranges, critical reds (the thresholds of fp8lab.observe.THRESHOLDS)
 _FINE, _CRIT = THRESHOLDS["fine_below_pct"], THRESHOLDS["critical_above_pct"]
@@ -101,7 +112,9 @@ def _figure(data: dict[str, Any]) -> Figure:
     layers, steps = data["layers"], data["steps"]
     cols = _columns(steps)
     label = [str(steps[c[0]]) if len(c) == 1 else f"{steps[c[0]]}-{steps[c[-1]]}" for c in cols]
-    h = max(2.5, 0.35 * len(layers) + 1.5)
+    h = min(MAX_HEIGHT_IN, max(2.5, 0.35 * len(layers) + 1.5))
+    # labels shrink with the rows once the height is capped (72 points per inch)
+    fontsize = min(10.0, 0.8 * 72 * (h - 1.5) / max(len(layers), 1))
     w = min(MAX_WIDTH_IN / 2, max(5.0, 0.3 * len(cols) + 3.0))
     fig = Figure(figsize=(2 * w, h), layout="constrained")
     axes = fig.subplots(1, 2)
@@ -125,7 +138,7 @@ def _figure(data: dict[str, Any]) -> Figure:
         ax.set_xticks(range(0, len(cols), stride))
         ax.set_xticklabels(label[::stride], rotation=90)
         ax.set_yticks(range(len(layers)))
-        ax.set_yticklabels(layers)
+        ax.set_yticklabels(layers, fontsize=fontsize)
     lpos = {n: i for i, n in enumerate(layers)}
     cpos = {steps[j]: x for x, c in enumerate(cols) for j in c}
     marks: dict[tuple[int, int, int], str] = {}
