@@ -73,3 +73,23 @@ def test_gradient_spike_names_grad_output_on_many_layers_and_current_scaling(tmp
     assert c["role"] == "grad_output" and len(c["layers"]) >= 3
     assert full["details"]["best_remedy"] == "current-scaling"
     _check_fix(d, full, out)
+
+
+def test_user_model_with_one_planted_layer_names_that_layer(tmp_path):
+    """Issue 22: a user's model (examples/models/mlp_lm.py, 8 converted Linears) whose
+    ``blocks.1.up`` input carries 4 huge channels (x1e6, their weights held at zero) under
+    te-current: the verdict names at most two layers, the planted one first, role input."""
+    model = Path(__file__).parents[3] / "examples" / "models" / "mlp_lm.py"
+    planted = "model.blocks.1.up"
+    out = tmp_path / "user"
+    r = runner.invoke(app, ["debug", "--recipe", "te-current", "--model", f"{model}:build",
+                            "--set", "inject.outlier_channels=4", "--set",
+                            "inject.outlier_scale=1e6", "--set", "inject.outlier_weights=zero",
+                            "--set", f'inject.outlier_layers="{planted}"',
+                            "--out", str(out), "--json", *SMALL])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["gap_pct"] > 2 * d["noise_pct"]
+    c = d["culprit"]
+    assert c is not None, r.output
+    assert c["role"] == "input" and c["layers"][0] == planted and len(c["layers"]) <= 2
