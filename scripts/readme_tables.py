@@ -53,7 +53,7 @@ def block(out: Path) -> str:
         + (f" (`{cmd}`)" if cmd else "")
         + f". Machine: {describe(summary.get('machine'))}. The losses reproduce to the last "
         "digit only on the same CPU kind, torch/MKL version and thread count; elsewhere they "
-        'differ within the noise below (README: "Reproducibility across CPUs").',
+        'differ within the noise below (docs/lab.md: "Reproducibility across CPUs").',
         "",
         markdown_table(summary),
     ]
