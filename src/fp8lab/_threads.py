@@ -29,7 +29,7 @@ __all__ = ["SERIAL_BELOW", "dispatch_counts", "parallel"]
 
 SERIAL_BELOW = 1 << 21
 """Work (elementary operations: elements of a cast, products of a GEMM) below which a kernel runs
-serially. Measured with ``benchmarks/bench_threads.py`` (README, "Threads")."""
+serially. Measured with ``benchmarks/bench_threads.py`` (docs/gemm.md, the thread policy)."""
 
 _COUNTS = {"serial": 0, "parallel": 0}
 

@@ -39,7 +39,7 @@ Accumulator models
     group's largest exponent (accumulator included): its error is a truncation of the running sum
     only, biased toward zero, so it grows with K. The hardware's per-term truncation instead
     cuts every small product (toward zero, both signs): nearly unbiased for zero-mean operands,
-    strongly biased when all products share a sign (README: "Accumulator models" and the DeepSeek
+    strongly biased when all products share a sign (docs/gemm.md: "Accumulator models" and the DeepSeek
     table).
 
 ``fused`` (`Accumulator("fused", group=G, align_bits=F, out_bits=F_out, out_rounding=

@@ -14,7 +14,7 @@ with the same tolerance, so the numbers are equal (tested):
 
 The pass is lean (`_counts`: two integer counts in float32, one numba loop) where the watch's
 `error_stats` also accumulates float64 sums for SQNR, cosine and the dynamic range: the guard
-samples every 10 steps and has a 3 % overhead budget (README, "Anomaly guard"). Only quantized
+samples every 10 steps and has a 3 % overhead budget (docs/guard.md). Only quantized
 operands (a `QTensor`: high-precision roundings such as bf16 are left out) in their natural
 layout (fprop input and weight, dgrad grad_output) are measured.
 """

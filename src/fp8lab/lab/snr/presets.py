@@ -201,7 +201,7 @@ def preset(name: str, samples: int = 200, seed: int = 0) -> Preset:
     and semantics. ``"seed000-asrun"``: the same figures as the notebook actually ran them, bugs
     included: its "4096" (and "2048") vectors have length 1024 (a separate draw), and its
     block-scaling "chunk=none" used chunk 128 (blocks longer than the vector become one block).
-    See the README's numerics-lab section."""
+    See docs/numerics-lab.md."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
     as_run = name == "seed000-asrun"
