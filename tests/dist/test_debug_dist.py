@@ -88,7 +88,7 @@ def test_debug_under_torchrun_writes_on_rank_0_and_agrees_with_one_process(base:
 
 def test_replay_is_bit_identical_to_the_step_on_two_ranks(base: Path) -> None:
     res = subprocess.run(_torchrun(str(WORKER), str(base / "replay"), str(base / "t.txt")),
-                         env=_env(), capture_output=True, text=True, timeout=180)  # fmt: skip
+                         env=_env(), capture_output=True, text=True, timeout=420)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1, res.stdout  # rank 0 prints
