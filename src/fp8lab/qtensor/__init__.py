@@ -10,7 +10,8 @@ amax is ``max |x|`` over the block with NaN ignored (TE's ``fmaxf`` reductions);
 NaN through the cast. See `fp8lab.scaling.rules` for what each rule does with an amax of 0, inf or
 NaN, and `fp8lab.scaling.granularity` for block shapes and ragged edges.
 
-Modules: `spec` (QuantSpec), `tensor` (QTensor), `quantize` (the driver: quantize, fake_quant),
+Modules: `spec` (QuantSpec), `tensor` (QTensor), `quantizer` (Quantizer: one operand's
+quantization and its state; the output-buffer pool), `quantize` (quantize, fake_quant),
 `retile` (retile, retile_counts), `kernels` (numba amax and cast kernels). The fused scale-rule
 kernels live beside the rules in `fp8lab.scaling.rule_kernels`.
 """
@@ -21,6 +22,7 @@ import torch  # noqa: F401  (kept as an attribute: tests reach torch through fp8
 
 from fp8lab.qtensor.kernels import _block_amax_fast  # noqa: F401  (used by tests/scaling)
 from fp8lab.qtensor.quantize import fake_quant, quantize
+from fp8lab.qtensor.quantizer import Quantizer
 from fp8lab.qtensor.retile import retile, retile_counts
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
@@ -28,6 +30,7 @@ from fp8lab.qtensor.tensor import QTensor
 __all__ = [
     "QTensor",
     "QuantSpec",
+    "Quantizer",
     "fake_quant",
     "quantize",
     "retile",

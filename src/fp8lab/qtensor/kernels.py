@@ -290,6 +290,13 @@ def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = x2.shape
     m, k = resolve_block(block, (rows, cols))
     nr, nc = num_blocks((rows, cols), (m, k))
+    return block_amax(x2, m, k, nr, nc)
+
+
+def block_amax(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tensor:
+    """`_block_amax_fast` with the block ``(m, k)`` and the block counts ``(nr, nc)`` resolved
+    (`fp8lab.qtensor.quantizer.Quantizer` resolves them once per shape)."""
+    rows, cols = x2.shape
     if x2.numel() == 0:
         return torch.zeros((nr, nc), dtype=torch.float32)
     if m > 1:
@@ -329,8 +336,27 @@ def _scale_cast(
     second buffer that receives ``values * inv[block] (* global_scale)``, bit for bit what
     `QTensor.dequantize` computes, fused into the cast pass on the fast path.
     """
+    m, k = resolve_block(block, tuple(x2.shape))
+    return scale_cast(x2, mult, m, k, _fast_params(spec), spec, generator, out, deq, inv,
+                      global_scale)  # fmt: skip
+
+
+def scale_cast(
+    x2: torch.Tensor,
+    mult: torch.Tensor,
+    m: int,
+    k: int,
+    g: RneGrid | None,
+    spec: QuantSpec,
+    generator: torch.Generator | None,
+    out: torch.Tensor | None = None,
+    deq: torch.Tensor | None = None,
+    inv: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`_scale_cast` with the block ``(m, k)`` resolved and the fast path's grid ``g``
+    (`_fast_params`; None: the generic `fp8lab.cast`) given."""
     rows, cols = x2.shape
-    m, k = resolve_block(block, (rows, cols))
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32)
     if x2.numel() == 0:
@@ -338,7 +364,6 @@ def _scale_cast(
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
     xf = x2.view(-1).numpy()
     of = out.view(-1).numpy()
-    g = _fast_params(spec)
     if g is not None:
         if deq is None:
             _walk(xf, rows, cols, m, k, mult_np, mult_np, of, of, _CAST, g)

@@ -1,4 +1,5 @@
-"""The quantize driver: `quantize` (block amax -> scale rule -> scaled cast) and `fake_quant`."""
+"""The public quantize functions: `quantize` (validates its arguments, then runs a throwaway
+`fp8lab.qtensor.quantizer.Quantizer`: block amax -> scale rule -> scaled cast) and `fake_quant`."""
 
 from __future__ import annotations
 
@@ -7,56 +8,13 @@ from typing import Any
 import torch
 
 from fp8lab.formats import FloatFormat
-from fp8lab.qtensor.kernels import _block_amax_fast, _scale_cast
+from fp8lab.qtensor.quantizer import Quantizer
 from fp8lab.qtensor.spec import QuantSpec, ScalingLike, _spec_from_args
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling import rules as _rules
-from fp8lab.scaling.delayed import delayed_scale
-from fp8lab.scaling.granularity import GranularityLike, check_fit, num_blocks, shape_2d
-from fp8lab.scaling.rule_kernels import MX_RULES, max_rule_scales, mx_rule_scales
+from fp8lab.scaling.granularity import GranularityLike, check_fit, shape_2d
 
 __all__ = ["fake_quant", "quantize"]
-
-
-def _scales_for(
-    x2: torch.Tensor, spec: QuantSpec, value_for_inf: float = _rules.FLT_MAX
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(per-block quantization multiplier, per-block scale_inv, global dequant scale)."""
-    sc = spec.scaling
-    block = spec.block
-    nb = num_blocks(tuple(x2.shape), block)
-    if isinstance(sc, float):
-        s = torch.full(nb, sc, dtype=torch.float32)
-        return s, torch.reciprocal(s), None
-    if spec.is_delayed:  # bound: its scale, amax recorded; a config alone: step 0, no record
-        amax = _block_amax_fast(x2, (-1, -1)).reshape(())
-        s = delayed_scale(sc, amax, spec.fmt).reshape(1, 1)
-        return s, torch.reciprocal(s), None
-    amax = _block_amax_fast(x2, block)
-    if sc == "nvfp4":
-        tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
-        if spec.two_level and tensor_amax is None:
-            tensor_amax = torch.zeros(())
-        s_blk, s_dec, enc = _rules.nvfp4_scales(
-            amax, tensor_amax, spec.fmt, scale_format=spec.scale_format,
-            tensor_scale=spec.tensor_scale,
-        )  # fmt: skip
-        return enc, s_blk, (s_dec if spec.two_level else None)
-    if sc in MX_RULES:
-        # fused: the torch version is ~15 small ops over the block scales
-        s, inv = mx_rule_scales(amax, sc, spec.fmt)
-        return s, inv, None
-    if sc == "max":
-        # the `max` rule and its reciprocal fused (a handful of torch ops on the block scales
-        # cost more than the amax pass itself on a loaded 2-core machine)
-        s, inv = max_rule_scales(
-            amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
-        )
-        return s, inv, None
-    s = _rules.get_rule(sc)(
-        amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
-    )
-    return s, torch.reciprocal(s), None
 
 
 def quantize(
@@ -120,20 +78,12 @@ def quantize(
     deq2 = _check_buffer(dequantized_out, x, "dequantized_out")
     if out2 is not None and deq2 is not None and _overlap(out2, deq2):
         raise ValueError("out and dequantized_out must not overlap")
-    s, s_inv, g = _scales_for(x2, spec, vinf)
-    values = _scale_cast(x2, s, spec.block, spec, generator, out2, deq2, s_inv, g)
-    values = values.reshape(x.shape)
-    nb = num_blocks(s2, spec.block)
-    q = QTensor(
-        values=values,
-        scales=s_inv.reshape(nb),
-        spec=spec,
-        global_scale=g,
-        scale_multipliers=s.reshape(nb),
-        _source=source,
+    q = Quantizer(spec).quantize(
+        x2, out2, deq2, generator=generator, value_for_inf=vinf, source=source
     )
+    q.values = q.values.reshape(x.shape)
     if dequantized_out is not None:
-        q._set_dense(dequantized_out)  # the QTensor's memoised dequantized copy (C3)
+        q._set_dense(dequantized_out)  # the memoised dequantized copy, in x's shape
     return q
 
 

@@ -6,22 +6,12 @@ import torch
 
 from fp8lab.qtensor.kernels import _max_abs_diff
 from fp8lab.qtensor.quantize import quantize
+from fp8lab.qtensor.quantizer import _RETILE_COUNTS, retile_counts
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling.granularity import GranularityLike, transpose_granularity
 
 __all__ = ["retile", "retile_counts"]
-
-_RETILE_COUNTS = {"from_quantized": 0, "from_source": 0}
-
-
-def retile_counts(reset: bool = False) -> dict[str, int]:
-    """How many re-tilings ran in this process, by source; ``reset=True`` zeroes the counters."""
-    out = dict(_RETILE_COUNTS)
-    if reset:
-        for k in _RETILE_COUNTS:
-            _RETILE_COUNTS[k] = 0
-    return out
 
 
 def retile(

@@ -33,6 +33,8 @@ class QTensor:
         meta: free-form notes (re-tiling source and added error).
         scale_multipliers: the per-block *quantization* multipliers actually used
             (``values = cast(x * scale_multipliers)``; TE's ``scale``), same layout as ``scales``.
+        block_shape: the block ``(m, k)`` resolved on the 2-D view (no -1), when the quantizer
+            that made it knew it (``None``: resolve from ``spec``).
 
     The QTensor owns its dequantized copy: `dequantize` computes it once (or takes the one
     ``quantize(..., dequantized_out=)`` wrote in the cast pass) and returns that same tensor
@@ -47,6 +49,7 @@ class QTensor:
     retiled: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     scale_multipliers: torch.Tensor | None = None
+    block_shape: tuple[int, int] | None = None
     # the memoised dequantized copy, one cell shared with t() copies: [(values layout, tensor)]
     _dense: list[Any] = field(default_factory=lambda: [None], repr=False)
     # the high-precision input when it required grad: dequantize() passes gradients to it
@@ -153,14 +156,17 @@ class QTensor:
         code = torch.where(code0, 0, expf)
         return torch.where(nan, 255, code).to(torch.uint8)
 
-    def t(self) -> QTensor:
-        """The transpose of a 2-D quantized tensor (values, scales and block shape swapped)."""
+    def t(self, spec: QuantSpec | None = None) -> QTensor:
+        """The transpose of a 2-D quantized tensor (values, scales and block shape swapped).
+        ``spec``: ``self.spec.transposed()`` when the caller has it already."""
         if self.values.dim() != 2:
             raise ValueError(f"t() needs a 2-D QTensor, got shape {tuple(self.values.shape)}")
+        bs = self.block_shape
         return QTensor(
             values=self.values.t(),
             scales=self.scales.t(),
-            spec=self.spec.transposed(),
+            spec=self.spec.transposed() if spec is None else spec,
+            block_shape=None if bs is None else (bs[1], bs[0]),
             global_scale=self.global_scale,
             retiled=self.retiled,
             meta=dict(self.meta),

@@ -1,0 +1,315 @@
+"""`Quantizer`: one operand's quantization — its spec, its kernels and its delayed-scaling state.
+
+A `QuantSpec` is configuration only. A `Quantizer` is what quantizes one tensor again and again
+(one GEMM operand of one layer): it resolves the spec once (format constants, the fast cast's
+grid, the block geometry per input shape, the transposed spec of the other GEMM direction) and,
+for delayed scaling, owns the `fp8lab.scaling.delayed.DelayedScaling` (config + state) whose
+scale it uses and whose amax it records (Transformer Engine's quantizers own their state the same
+way). Operations: `Quantizer.quantize`, `Quantizer.observe`, `Quantizer.update`,
+`Quantizer.retile`.
+
+The public `fp8lab.quantize` and `fp8lab.retile` run through this class too (a throwaway
+quantizer per call), so there is one quantization path.
+
+Output buffers: `POOL` keeps free float32 buffers by shape (a fresh 32 MB tensor costs more than
+the quantization pass that fills it: page faults on first touch, ~21 ms vs ~6 ms on the
+development machine); `fp8lab.nn` takes an operand's buffers from it and returns them when the
+operand is dead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp8lab.qtensor.kernels import _fast_params, block_amax, scale_cast
+from fp8lab.qtensor.spec import QuantSpec
+from fp8lab.qtensor.tensor import QTensor
+from fp8lab.scaling import rules as _rules
+from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.granularity import check_fit, num_blocks, resolve_block
+from fp8lab.scaling.rule_kernels import _MX_MODE, MX_RULES, _max_rule_scales, _mx_rule_scales
+
+__all__ = [
+    "POOL",
+    "BufferPool",
+    "Quantizer",
+    "buffer_cache_limit",
+    "clear_buffer_cache",
+    "retile_counts",
+]
+
+_RETILE_COUNTS = {"from_quantized": 0, "from_source": 0}
+
+
+def retile_counts(reset: bool = False) -> dict[str, int]:
+    """How many re-tilings ran in this process, by source; ``reset=True`` zeroes the counters."""
+    out = dict(_RETILE_COUNTS)
+    if reset:
+        for k in _RETILE_COUNTS:
+            _RETILE_COUNTS[k] = 0
+    return out
+
+
+class Quantizer:
+    """Quantizes one tensor under one spec, again and again (see the module doc).
+
+    ``spec``: a `QuantSpec`. ``delayed``: the `DelayedScaling` this quantizer owns (its scale is
+    used, its staging amax updated); by default a spec whose scaling is a `DelayedScaling` object
+    brings its own (the user's state object), a `DelayedScalingConfig` gets a throwaway state per
+    call (step 0, nothing recorded: what quantizing under a recipe's spec alone means).
+    """
+
+    __slots__ = ("_geom", "_grid", "_rule", "_rule_args", "_t", "block", "delayed", "spec",
+                 "throwaway")  # fmt: skip
+
+    def __init__(self, spec: QuantSpec, delayed: DelayedScaling | None = None) -> None:
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"Quantizer expects a QuantSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.block = spec.block
+        sc = spec.scaling
+        if delayed is None and isinstance(sc, DelayedScaling):
+            delayed = sc
+        self.throwaway = delayed is None and spec.is_delayed
+        if delayed is not None:
+            if not spec.is_delayed:
+                raise ValueError(f"a DelayedScaling needs a delayed spec, got {spec.describe()}")
+            # the scale targets the spec's format (TE: the quantizer's dtype); a state that knows
+            # no format yet learns it here, and step-0 current scaling reads it
+            if delayed.cfg.first_step == "current" or float(delayed.state.fmt_max) == 0.0:
+                delayed.set_format(spec.fmt)
+        self.delayed = delayed
+        self._rule = sc if isinstance(sc, str) else None
+        self._rule_args = _rule_args(spec)
+        self._grid = _fast_params(spec)
+        self._geom: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self._t: Quantizer | None = None
+
+    # ------------------------------------------------------------------ resolved once
+    def geometry(self, shape2d: tuple[int, int]) -> tuple[int, int, int, int]:
+        """``(m, k, nr, nc)``: the block and the block counts for a ``[R, C]`` input (cached;
+        the first call checks that the shape tiles when the spec has ``pad=False``)."""
+        g = self._geom.get(shape2d)
+        if g is None:
+            check_fit(shape2d, self.block, self.spec.pad)
+            m, k = resolve_block(self.block, shape2d)
+            g = self._geom[shape2d] = (m, k, *num_blocks(shape2d, (m, k)))
+        return g
+
+    def varies_along(self, shape2d: tuple[int, int], axis: int) -> bool:
+        """Whether the scales of a ``[R, C]`` input vary along ``axis`` (more than one block)."""
+        return self.geometry(shape2d)[axis] < shape2d[axis]
+
+    def transposed(self) -> Quantizer:
+        """The quantizer of the other GEMM direction (block axes swapped), sharing this one's
+        delayed-scaling state (built once)."""
+        t = self._t
+        if t is None:
+            t = self._t = Quantizer(self.spec.transposed(), self.delayed)
+            t._t = self
+        return t
+
+    # ------------------------------------------------------------------ per call
+    def quantize(
+        self,
+        x2: torch.Tensor,
+        out: torch.Tensor | None = None,
+        dequantized_out: torch.Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        value_for_inf: float = _rules.FLT_MAX,
+        source: torch.Tensor | None = None,
+    ) -> QTensor:
+        """Quantize a contiguous float32 ``[R, C]`` tensor: ``values = cast(x * scale)`` per
+        block, ``scales = 1/scale``. ``out`` / ``dequantized_out``: contiguous float32 buffers
+        of ``x2``'s shape for the values and for the dequantized copy (written in the same
+        pass; it becomes the QTensor's memoised `QTensor.dequantize`). ``source``: the tensor
+        a straight-through gradient flows to. Inputs are not validated here (`fp8lab.quantize`
+        does that)."""
+        m, k, nr, nc = self.geometry(x2.shape)
+        s, inv, g = self._scales(x2, m, k, nr, nc, value_for_inf)
+        values = scale_cast(x2, s, m, k, self._grid, self.spec, generator, out,
+                            dequantized_out, inv, g)  # fmt: skip
+        q = QTensor(
+            values=values,
+            scales=inv.reshape(nr, nc),
+            spec=self.spec,
+            global_scale=g,
+            scale_multipliers=s.reshape(nr, nc),
+            block_shape=(m, k),
+            _source=source,
+        )
+        if dequantized_out is not None:
+            q._set_dense(dequantized_out)
+        return q
+
+    def _scales(
+        self, x2: torch.Tensor, m: int, k: int, nr: int, nc: int, value_for_inf: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(per-block quantization multiplier, per-block scale_inv, NVFP4 global dequant scale)."""
+        spec = self.spec
+        rule = self._rule
+        if self.delayed is not None or self.throwaway:
+            ds = self.delayed or DelayedScaling.bind(spec.scaling, spec.fmt)  # type: ignore[arg-type]
+            amax = block_amax(x2, m, k, nr, nc).reshape(())
+            s = ds.scale_for(amax).reshape(1, 1)
+            ds.observe(amax)
+            return s, torch.reciprocal(s), None
+        if rule is None:  # a fixed multiplier
+            s = torch.full((nr, nc), float(spec.scaling), dtype=torch.float32)  # type: ignore[arg-type]
+            return s, torch.reciprocal(s), None
+        amax = block_amax(x2, m, k, nr, nc)
+        if rule == "max" or rule in MX_RULES:
+            # the rule and its reciprocal in one numba pass over the block amaxes (a handful of
+            # torch ops on the block scales cost more than the amax pass itself on a loaded
+            # 2-core machine); the same kernels as fp8lab.scaling.rule_kernels' functions
+            kernel, args = self._rule_args  # type: ignore[misc]
+            a = np.ascontiguousarray(amax.numpy()).reshape(-1)
+            if rule == "max":
+                args = (*args, np.float32(value_for_inf))
+            else:
+                a = a.view(np.uint32)
+            s_np = np.empty(a.shape[0], dtype=np.float32)
+            inv_np = np.empty(a.shape[0], dtype=np.float32)
+            kernel(a, *args, s_np, inv_np)
+            shape = (nr, nc)
+            return (
+                torch.from_numpy(s_np).reshape(shape),
+                torch.from_numpy(inv_np).reshape(shape),
+                None,
+            )
+        if rule == "nvfp4":
+            tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
+            if spec.two_level and tensor_amax is None:
+                tensor_amax = torch.zeros(())
+            s_blk, s_dec, enc = _rules.nvfp4_scales(
+                amax, tensor_amax, spec.fmt, scale_format=spec.scale_format,
+                tensor_scale=spec.tensor_scale,
+            )  # fmt: skip
+            return enc, s_blk, (s_dec if spec.two_level else None)
+        s = _rules.get_rule(rule)(
+            amax, spec.fmt, margin=spec.margin, epsilon=spec.epsilon, value_for_inf=value_for_inf
+        )
+        return s, torch.reciprocal(s), None
+
+    def retile(
+        self,
+        q: QTensor,
+        dequantized: torch.Tensor,
+        out: torch.Tensor | None = None,
+        dequantized_out: torch.Tensor | None = None,
+    ) -> QTensor:
+        """``q`` (of the same logical tensor) re-quantized into this quantizer's tiles from its
+        dequantized values ``dequantized`` (contiguous float32 ``[R, C]``), as DeepSeek-V3
+        re-tiles its 1x128 activations for the backward. Counted (`retile_counts`); no
+        added-error pass (`fp8lab.retile` measures it)."""
+        res = self.quantize(dequantized, out, dequantized_out)
+        _RETILE_COUNTS["from_quantized"] += 1
+        res.meta["retile_source"] = "quantized"
+        res.meta["retile_added_error"] = None
+        res.retiled = q.retiled + 1
+        return res
+
+    # ------------------------------------------------------------------ delayed scaling
+    def observe(self, amax: torch.Tensor | float) -> None:
+        """Record an amax measured elsewhere (e.g. a sharded weight's all-reduced amax) into the
+        staging slot of this quantizer's delayed-scaling state."""
+        if self.delayed is None:
+            raise ValueError(f"observe needs delayed scaling; this quantizer is {self.spec}")
+        self.delayed.observe(amax)
+
+    def update(self, reduced: torch.Tensor | None = None) -> None:
+        """End of this operand's step: the delayed-scaling update (a no-op otherwise).
+        ``reduced``: the staged amax already all-reduced by the caller."""
+        if self.delayed is not None:
+            self.delayed.update(reduced=reduced)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The delayed-scaling state as plain tensors (empty without delayed scaling)."""
+        return {} if self.delayed is None else self.delayed.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.delayed is not None:
+            self.delayed.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        own = "" if self.delayed is None else f", step={self.delayed.step}"
+        return f"Quantizer({self.spec.describe()}{own})"
+
+
+def _rule_args(spec: QuantSpec) -> tuple[Any, tuple[Any, ...]] | None:
+    """The numba kernel of the spec's `max` or MX rule and its constant arguments, as
+    `fp8lab.scaling.rule_kernels.max_rule_scales` / `mx_rule_scales` pass them."""
+    sc = spec.scaling
+    if sc == "max":
+        scaled_max = np.float32(spec.fmt.max * 2.0 ** (-int(spec.margin)))
+        return _max_rule_scales, (scaled_max, np.float32(spec.epsilon))
+    if isinstance(sc, str) and sc in MX_RULES:
+        f = spec.fmt
+        recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
+        return _mx_rule_scales, (_MX_MODE[sc], f.emax, f.mbits, recip)
+    return None
+
+
+# --------------------------------------------------------------------------- output buffers
+class BufferPool:
+    """Free float32 buffers by shape, reused across calls and modules; at most ``max_bytes`` of
+    free buffers are retained."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self.free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.free_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], held: list[torch.Tensor]) -> torch.Tensor:
+        """A float32 buffer of ``shape`` (contents undefined), appended to ``held``."""
+        with self.lock:
+            lst = self.free.get(shape)
+            buf = lst.pop() if lst else None
+            if buf is not None:
+                self.free_bytes -= 4 * buf.numel()
+        if buf is None:
+            buf = torch.empty(shape, dtype=torch.float32)
+        held.append(buf)
+        return buf
+
+    def give(self, held: list[torch.Tensor]) -> None:
+        """Return every buffer of ``held`` (their users are dead) and empty the list."""
+        with self.lock:
+            for buf in held:
+                nbytes = 4 * buf.numel()
+                if self.free_bytes + nbytes > self.max_bytes:
+                    continue
+                self.free.setdefault(tuple(buf.shape), []).append(buf)
+                self.free_bytes += nbytes
+        held.clear()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.free_bytes = 0
+
+
+POOL = BufferPool()
+
+
+def clear_buffer_cache() -> None:
+    """Drop the free operand buffers kept for reuse (see `buffer_cache_limit`)."""
+    POOL.clear()
+
+
+def buffer_cache_limit(max_bytes: int | None = None) -> int:
+    """The limit (bytes) on free operand buffers kept for reuse; set it when ``max_bytes`` is
+    given (0 disables reuse). Returns the limit in force. Default 1 GiB."""
+    if max_bytes is not None:
+        if int(max_bytes) < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        POOL.max_bytes = int(max_bytes)
+        if POOL.free_bytes > POOL.max_bytes:
+            POOL.clear()
+    return POOL.max_bytes
