@@ -1,6 +1,6 @@
 """The LinearPlan: frozen, built once per (module, recipe), its reuse decisions as the recipes
 define them (per-tensor: one quantization serves two GEMMs; DeepSeek-V3 re-tiles; MXFP8 and NVFP4
-re-quantize the fp32 tensor), and delayed specs bound to the module's own state objects."""
+re-quantize the fp32 tensor), and quantizers that own the module's delayed-scaling states."""
 
 import dataclasses
 
@@ -11,6 +11,7 @@ import fp8lab
 from fp8lab.nn import Linear
 from fp8lab.nn.plan import Reuse, build_plan
 from fp8lab.nn.state import ScalingState
+from fp8lab.scaling.delayed import DelayedScalingConfig
 
 S, R, H = Reuse.SAME, Reuse.RETILE, Reuse.SOURCE
 
@@ -39,15 +40,21 @@ def test_reuse_decisions(name, weight, grad, x):
     assert all(plan_hp.wgrad[r].reuse is not R for r in ("input", "grad_output"))
 
 
-def test_plan_is_frozen_and_binds_the_modules_state():
+def test_plan_is_frozen_and_its_quantizers_own_the_modules_state():
     mod = Linear(16, 8, recipe="te-delayed")
     mod(torch.randn(4, 16)).sum().backward()
     plan, state = mod._plan(mod.recipe)
     assert mod._plan(mod.recipe)[0] is plan  # built once
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.name = "x"  # type: ignore[misc]
-    assert plan.fprop["input"].spec.scaling is mod.scaling_states["input"]
-    assert plan.wgrad["grad_output"].spec.scaling is mod.scaling_states["grad_output"]
+    # specs are configuration; the quantizer of each operand owns the module's state of its role
+    for gemm, role in (("fprop", "input"), ("wgrad", "grad_output"), ("dgrad", "grad_output")):
+        op = getattr(plan, gemm)[role]
+        assert isinstance(op.spec.scaling, DelayedScalingConfig)
+        assert op.quantizer.delayed is mod.scaling_states[role]
+        assert op.quantizer.spec == op.spec
+    # per-tensor: the dgrad and wgrad grad_output cells quantize alike, so they share a quantizer
+    assert plan.dgrad["grad_output"].quantizer is plan.wgrad["grad_output"].quantizer
     assert state.by_key is mod._state.by_key
     # a recipe without delayed scaling has an empty state: nothing to update
     assert not ScalingState(fp8lab.get_recipe("te-current"))

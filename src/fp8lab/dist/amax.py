@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.nn.state import delayed_states
 from fp8lab.scaling.delayed import DelayedScaling
 
 AMAX_GROUPS = ("world", "none")
@@ -45,44 +46,6 @@ __all__ = [
     "scale_spread",
     "set_amax_group",
 ]
-
-
-def delayed_states(model: torch.nn.Module) -> dict[str, DelayedScaling]:
-    """Every `DelayedScaling` a model's modules own, by ``module_name.state_key`` (sorted).
-
-    Found by walking each module's attributes (the scaling state objects of `fp8lab.nn` and any
-    dict/list/object holding `DelayedScaling` objects), each object once.
-    """
-    found: dict[str, DelayedScaling] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, name: str, depth: int) -> None:
-        if depth > 4 or id(obj) in seen:
-            return
-        if isinstance(obj, DelayedScaling):
-            seen.add(id(obj))
-            found[name] = obj
-        elif isinstance(obj, dict):
-            seen.add(id(obj))
-            for k, v in obj.items():
-                walk(v, f"{name}.{k}", depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            seen.add(id(obj))
-            for i, v in enumerate(obj):
-                walk(v, f"{name}.{i}", depth + 1)
-        elif not isinstance(obj, (torch.Tensor, torch.nn.Module)) and hasattr(obj, "__dict__"):
-            seen.add(id(obj))
-            for k, v in vars(obj).items():
-                walk(v, f"{name}.{k}", depth + 1)
-
-    for mname, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
-                continue
-            if isinstance(value, (torch.Tensor, torch.nn.Module)):
-                continue
-            walk(value, f"{mname or '<root>'}.{attr}", 0)
-    return {k: found[k] for k in sorted(found)}
 
 
 def _dist() -> Any:

@@ -57,7 +57,7 @@ accumulator). On CPU (torch 2.13) it dequantizes the operands and runs an FP32 m
 ``tests/test_gemm.py`` for how it compares with the emulation.
 
 ``c`` (``qmatmul(..., c=)``): an FP32 addend, ``D = A·B + C``; ``bias``: added after the scales
-in one serial epilogue pass (`fp8lab.gemm.epilogue`), bit for bit ``out.mul_(s).add_(bias)``.
+in one serial epilogue pass (`fp8lab.gemm.matmul.epilogue`), bit for bit ``out.mul_(s).add_(bias)``.
 
 Output: FP32, or rounded to ``out_format`` ``"bf16"`` / ``"fp16"`` (round to nearest even, as
 the epilogue's conversion; overflow to inf as IEEE).

@@ -113,8 +113,8 @@ def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragm
 def interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 scales of a per (row, promotion interval) [M, T] and of b per (interval, column)
     [T, N] for the intervals of ``span`` K elements up to ``kp`` (padding reuses the last)."""
-    bma, bka = _blocks(a)
-    bkb, bnb = _blocks(b)
+    bma, bka = a.block_shape or _blocks(a)
+    bkb, bnb = b.block_shape or _blocks(b)
     k = a.shape[1]
     starts = [min(p, k - 1) for p in range(0, kp, span)]
     ia = torch.tensor([s // bka for s in starts], dtype=torch.long)

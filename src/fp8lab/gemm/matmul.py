@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+from numba import njit
 
 from fp8lab.gemm.accumulator import Accumulator
-from fp8lab.gemm.epilogue import epilogue
 from fp8lab.gemm.fused import fused
 from fp8lab.gemm.limited import limited
 from fp8lab.gemm.operands import as_qtensors, check_pair, k_constant_scales
 from fp8lab.qtensor import QTensor, QuantSpec
 
-__all__ = ["OUT_FORMATS", "qmatmul"]
+__all__ = ["OUT_FORMATS", "epilogue", "matmul", "qmatmul"]
 
 OUT_FORMATS = ("fp32", "bf16", "fp16")
 _NATIVE_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -78,14 +79,96 @@ def qmatmul(
         c = c.detach().to(torch.float32)
     if native:
         out = _native(qa, qb, acc)
-    elif acc.kind == "fp32":  # scales and bias in _fp32's own epilogue
-        return _round_out(_fp32(qa, qb, kb, c, bias), out_format)
-    elif acc.kind == "limited":
-        out = limited(qa, qb, acc, kb, c)
-    else:
-        out = fused(qa, qb, acc, kb, c)
+        epilogue(out, None, bias)
+        return _round_out(out, out_format)
+    return _round_out(_run(qa, qb, acc, kb, c, bias), out_format)
+
+
+def matmul(
+    a: QTensor, b: QTensor, acc: Accumulator, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`qmatmul` of two QTensors made by quantizers (`QTensor.block_shape` set) under an
+    accumulator already resolved for their formats (`Accumulator.resolve`): the per-step entry
+    of `fp8lab.nn.Linear`, whose plan resolved and checked everything else once. float32
+    ``[M, N]``; ``bias`` ``[N]`` added in the epilogue."""
+    k = a.values.shape[1]
+    ka, kb = a.block_shape, b.block_shape
+    if ka is None or kb is None or k != b.values.shape[0]:
+        return qmatmul(a, b, acc, bias=bias)  # not from a quantizer: the checked path
+    ka, kb = min(ka[1], k), min(kb[0], k)
+    if not (k in (ka, kb) or ka == kb):
+        return qmatmul(a, b, acc, bias=bias)  # raises, naming the mismatch
+    return _run(a, b, acc, min(ka, kb), None, bias)
+
+
+def _run(
+    a: QTensor,
+    b: QTensor,
+    acc: Accumulator,
+    kb: int,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The accumulator model's product of checked operands (scales constant over ``kb`` of K),
+    plus ``c``, the scales and ``bias``."""
+    if acc.kind == "fp32":  # scales and bias in _fp32's own epilogue
+        return _fp32(a, b, kb, c, bias)
+    out = limited(a, b, acc, kb, c) if acc.kind == "limited" else fused(a, b, acc, kb, c)
     epilogue(out, None, bias)
-    return _round_out(out, out_format)
+    return out
+
+
+# ------------------------------------------------------------------ the epilogue
+# out = fl32(out * scale) then fl32(out + bias), the same two roundings as
+# out.mul_(scale).add_(bias) (no FMA), bit for bit, in one serial numba pass. Serial on purpose:
+# torch's threaded elementwise ops stall on a busy 2-core box, and the pass runs between two
+# threaded GEMM calls.
+@njit(cache=True)
+def _scale_bias_rows(o, n, s, b):  # pragma: no cover - numba
+    for i in range(o.shape[0] // n):
+        r = o[i * n : (i + 1) * n]
+        for j in range(n):
+            r[j] = np.float32(r[j] * s) + b[j]
+
+
+@njit(cache=True)
+def _scale_all(o, s):  # pragma: no cover - numba
+    for i in range(o.shape[0]):
+        o[i] = o[i] * s
+
+
+@njit(cache=True)
+def _bias_rows(o, n, b):  # pragma: no cover - numba
+    for i in range(o.shape[0] // n):
+        r = o[i * n : (i + 1) * n]
+        for j in range(n):
+            r[j] = r[j] + b[j]
+
+
+def epilogue(
+    out: torch.Tensor, scale: np.ndarray | np.float32 | None, bias: torch.Tensor | None
+) -> None:
+    """In place on a float32 [M, N] GEMM output: ``out = fl32(out * scale)`` (a float32 scalar)
+    then ``fl32(out + bias)`` (``bias`` [N]); either may be None. Non-contiguous outputs take
+    torch's ``mul_``/``add_`` (the same roundings)."""
+    if (scale is None and bias is None) or out.numel() == 0:
+        return
+    if not out.is_contiguous() or out.dtype != torch.float32:
+        if scale is not None:
+            out.mul_(torch.from_numpy(np.asarray(scale, dtype=np.float32)))
+        if bias is not None:
+            out.add_(bias)
+        return
+    o = out.view(-1).numpy()
+    n = out.shape[1]
+    if bias is not None:
+        b = bias.detach().to(torch.float32).contiguous().numpy()
+        if scale is None:
+            _bias_rows(o, n, b)
+        else:
+            _scale_bias_rows(o, n, np.float32(scale), b)
+    else:
+        _scale_all(o, np.float32(scale))
 
 
 def _fp32(

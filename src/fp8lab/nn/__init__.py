@@ -25,11 +25,16 @@ Two lines, as with Transformer Engine or torchao::
   recipe sets ``attention=True`` (off by default, like TE's fp8_dpa), plain matmul otherwise.
 * :func:`collect_operands` — per-layer, per-GEMM, per-role operands on the steps you sample.
 
-Layout (one te-delayed step in four files): ``modules.py`` (the layer, its state and plan cache)
--> ``function.py`` (the autograd Function: fprop / dgrad / wgrad) -> ``operand.py`` (quantize,
-reuse, re-tile, GEMM) -> ``plan.py`` (the recipe resolved once). Beside them: ``context.py``
-(autocast), ``state.py`` (delayed-scaling timing), ``buffers.py``, ``attention.py``,
-``collect.py``, ``convert.py``.
+* :func:`on_operand` — ``handle = on_operand(fn)``: ``fn(layer, gemm, role, source, used)`` for
+  every GEMM operand until ``handle.remove()``; the one hook point of observe, guard, cost and
+  :func:`collect_operands`.
+* :func:`delayed_states` — every delayed-scaling state a model's modules own, by name.
+
+Layout: ``linear.py`` (the module, its autograd Function with the three GEMMs, the operand
+plumbing) -> `fp8lab.qtensor.Quantizer` (one per operand) -> `fp8lab.gemm.matmul`. Beside it:
+``plan.py`` (the recipe resolved once into quantizers and reuse decisions), ``state.py`` (a
+module's delayed-scaling states), ``context.py`` (autocast), ``attention.py``, ``collect.py``,
+``convert.py``.
 """
 
 from fp8lab.nn.attention import attention_matmul
@@ -43,11 +48,14 @@ from fp8lab.nn.convert import (
     select_linears,
     unconvert,
 )
-from fp8lab.nn.modules import Linear
+from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
+from fp8lab.nn.state import delayed_states
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "GatheredWeight",
     "Linear",
+    "OperandHandle",
     "OperandRecord",
     "active_recipe",
     "attention_matmul",
@@ -55,7 +63,9 @@ __all__ = [
     "collect_operands",
     "convert",
     "converted",
+    "delayed_states",
     "layer_settings",
+    "on_operand",
     "select_linears",
     "unconvert",
 ]

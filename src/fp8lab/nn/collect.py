@@ -8,7 +8,7 @@
         rec["high_precision"]  # the fp32 operand before quantization (natural layout)
         rec["used"]            # the operand the GEMM consumed (dequantized / rounded)
 
-The hook (`fp8lab.nn.operand.COLLECTORS`) costs nothing when no collection is active.
+It registers an operand observer (`fp8lab.nn.on_operand`), which costs nothing when none is active.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn.modules import Linear
-from fp8lab.nn.operand import COLLECTORS
+from fp8lab.nn.linear import Linear, on_operand
 from fp8lab.qtensor import QTensor
 
 __all__ = ["OperandRecord", "collect_operands"]
@@ -68,8 +67,5 @@ def collect_operands(
             fn(hp, used) if fn is not None else {"high_precision": hp, "used": used}
         )
 
-    COLLECTORS.active.append(collect)
-    try:
+    with on_operand(collect):
         yield record
-    finally:
-        COLLECTORS.active.remove(collect)

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn.modules import Linear
+from fp8lab.nn.linear import Linear
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
 from fp8lab.recipe.validate import check_layer_rules
 

@@ -1,7 +1,7 @@
 """Functional entry points of `fp8lab.nn` (the names earlier versions exported from here).
 
-`linear` runs one layer's three GEMMs under a plan (`fp8lab.nn.function`); `attention_matmul`
-(`fp8lab.nn.attention`); the operand buffer cache (`fp8lab.nn.buffers`):
+`linear` runs one layer's three GEMMs under a plan (`fp8lab.nn.linear`); `attention_matmul`
+(`fp8lab.nn.attention`); the operand buffer cache (`fp8lab.qtensor.quantizer`):
 `clear_buffer_cache` drops the free buffers, `buffer_cache_limit` reads or sets the limit.
 `operand` and `dense` remain as deprecated aliases of `fp8lab.nn.operand.prepare` and
 `Operand.dense`.
@@ -14,11 +14,10 @@ import warnings
 import torch
 
 from fp8lab.nn.attention import attention_matmul
-from fp8lab.nn.buffers import buffer_cache_limit, clear_buffer_cache
-from fp8lab.nn.function import linear
-from fp8lab.nn.operand import prepare, round_high_precision
+from fp8lab.nn.linear import linear, prepare, round_high_precision
 from fp8lab.nn.plan import LinearPlan, build_plan
 from fp8lab.qtensor import QTensor
+from fp8lab.qtensor.quantizer import buffer_cache_limit, clear_buffer_cache
 
 __all__ = [
     "LinearPlan",

@@ -1,10 +1,10 @@
 """`LinearPlan`: a recipe resolved once for one module, every per-call decision precomputed.
 
 For each GEMM (``fprop`` y = x·Wᵀ, ``dgrad`` dx = dy·W, ``wgrad`` dW = (xᵀ·dy)ᵀ) and each of its
-two operands an `OperandPlan`: the spec bound to the module's delayed-scaling state and
-transposed when the GEMM reduces the operand along its first axis (re-tiling: ``1x128`` ->
-``128x1``), or the GEMM's high-precision rounding, and how the backward obtains the operand from
-the forward's (`Reuse`):
+two operands an `OperandPlan`: its `fp8lab.qtensor.Quantizer` (the spec, transposed when the GEMM
+reduces the operand along its first axis — re-tiling: ``1x128`` -> ``128x1`` — and, for delayed
+scaling, the module's `DelayedScaling` of that role), or the GEMM's high-precision rounding, and
+how the backward obtains the operand from the forward's (`Reuse`):
 
 * ``SAME``: the earlier GEMM's operand serves as is (the same rounding, fp32 as is, or the same
   quantization: per-tensor x for fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad);
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from fp8lab.gemm import Accumulator
 from fp8lab.nn.state import ScalingState, state_key
-from fp8lab.qtensor import QuantSpec
+from fp8lab.qtensor import Quantizer, QuantSpec
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
-from fp8lab.scaling.granularity import resolve_block
 
 __all__ = ["GemmPlan", "LinearPlan", "OperandPlan", "Reuse", "build_plan"]
 
@@ -48,13 +47,14 @@ class Reuse(enum.Enum):
 
 @dataclass(frozen=True)
 class OperandPlan:
-    """One operand of one GEMM: ``spec`` (bound, GEMM orientation; None: not quantized) or the
-    ``high_precision`` rounding of the GEMM or of this (GEMM, role) cell (``"fp32"``/``"bf16"``/
-    ``"fp16"``; None: quantized or fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role (None for the
-    first use). ``retile_source``: a later GEMM re-tiles this operand's quantized values, so its
-    dequantized copy is written while quantizing. ``layer``: the module's name (collection).
-    ``shadow``: for a high-precision cell whose later GEMM re-tiles it, the bound spec it would
-    have been quantized under (quantized as well, for that GEMM only)."""
+    """One operand of one GEMM: ``quantizer`` (GEMM orientation, owning the module's delayed
+    state of the role; None: not quantized) and its pure ``spec``, or the ``high_precision``
+    rounding of the GEMM or of this (GEMM, role) cell (``"fp32"``/``"bf16"``/``"fp16"``; None:
+    quantized or fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role
+    (None for the first use). ``retile_source``: a later GEMM re-tiles this operand's quantized
+    values, so its dequantized copy is written while quantizing. ``layer``: the module's name
+    (operand observers). ``shadow``: for a high-precision cell whose later GEMM re-tiles it, the
+    quantizer it would have been quantized with (quantized as well, for that GEMM only)."""
 
     gemm: str
     role: str
@@ -65,7 +65,8 @@ class OperandPlan:
     reuse: Reuse | None
     retile_source: bool
     layer: str | None
-    shadow: QuantSpec | None = None
+    shadow: Quantizer | None = None
+    quantizer: Quantizer | None = None
 
     @property
     def quantized(self) -> bool:
@@ -76,10 +77,10 @@ class OperandPlan:
         whose scales vary along K (it runs on the dequantized operands)."""
         if self.retile_source:
             return True
-        if not self.fp32_accumulate or len(shape) != 2 or self.spec is None:
+        q = self.quantizer
+        if not self.fp32_accumulate or len(shape) != 2 or q is None:
             return False
-        k_axis = 0 if self.first_axis else 1
-        return resolve_block(self.spec.block, (shape[0], shape[1]))[k_axis] < shape[k_axis]
+        return q.varies_along((shape[0], shape[1]), 0 if self.first_axis else 1)
 
 
 @dataclass(frozen=True)
@@ -108,20 +109,34 @@ class LinearPlan:
     wgrad: GemmPlan
 
 
-def _bound_spec(
-    recipe: Recipe, state: ScalingState, gemm: str, role: str, nominal: bool = False
-) -> QuantSpec | None:
-    """The bound spec of (gemm, role), None when in high precision; ``nominal``: ignoring a
+@dataclass(frozen=True)
+class _Cell:
+    """What quantizes (gemm, role): the spec in the GEMM's orientation and, for delayed scaling,
+    the state key (two cells quantize alike only if both are equal)."""
+
+    spec: QuantSpec
+    key: str | None
+
+
+def _cell(recipe: Recipe, gemm: str, role: str, nominal: bool = False) -> _Cell | None:
+    """The quantization of (gemm, role), None when in high precision; ``nominal``: ignoring a
     high-precision cell (a whole high-precision GEMM still gives None)."""
     hp = recipe.gemm(gemm).high_precision if nominal else recipe.precision(gemm, role)
-    if hp:
+    s = None if hp else recipe.spec(gemm, role)
+    if s is None:
         return None
-    s = recipe.spec(gemm, role)
-    if s is not None and s.is_delayed:
-        s = s.replace(scaling=state.by_key[state_key(recipe, gemm, role)])
-    if s is not None and dict(GEMM_OPERANDS[gemm])[role]:
+    if dict(GEMM_OPERANDS[gemm])[role]:
         s = s.transposed()
-    return s
+    return _Cell(s, state_key(recipe, gemm, role) if s.is_delayed else None)
+
+
+def _quantizer(cell: _Cell | None, state: ScalingState, made: dict) -> Quantizer | None:
+    """One quantizer per distinct cell (cells that quantize alike share one)."""
+    if cell is None:
+        return None
+    if cell not in made:
+        made[cell] = Quantizer(cell.spec, None if cell.key is None else state.by_key[cell.key])
+    return made[cell]
 
 
 def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role: str) -> Reuse:
@@ -148,8 +163,8 @@ def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role:
 def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> LinearPlan:
     """Resolve ``recipe`` for a module whose delayed-scaling objects are ``state``."""
     cells = [(g, r) for g in GEMMS for r, _ in GEMM_OPERANDS[g]]
-    specs = {(g, r): _bound_spec(recipe, state, g, r) for g, r in cells}
-    nominal = {(g, r): _bound_spec(recipe, state, g, r, nominal=True) for g, r in cells}
+    specs = {(g, r): _cell(recipe, g, r) for g, r in cells}
+    nominal = {(g, r): _cell(recipe, g, r, nominal=True) for g, r in cells}
     reuse = {
         (dst, role): _reuse(recipe, specs, nominal, src, dst, role) for src, dst, role in CHAINS
     }
@@ -166,6 +181,7 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
         and specs[(dst, role)] is not None
         and recipe.precision(dst, role) is None
     }
+    made: dict[_Cell, Quantizer] = {}
     gemms = {}
     for g in GEMMS:
         cfg = recipe.gemm(g)
@@ -173,16 +189,25 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
             OperandPlan(
                 gemm=g,
                 role=role,
-                spec=specs[(g, role)],
+                spec=None if specs[(g, role)] is None else specs[(g, role)].spec,
                 high_precision=recipe.precision(g, role),
                 first_axis=first_axis,
                 fp32_accumulate=cfg.accumulator.kind == "fp32",
                 reuse=reuse.get((g, role)),
                 retile_source=(g, role) in retile_sources,
                 layer=name,
-                shadow=shadows.get((g, role)),
+                shadow=_quantizer(shadows.get((g, role)), state, made),
+                quantizer=_quantizer(specs[(g, role)], state, made),
             )
             for role, first_axis in GEMM_OPERANDS[g]
         )
-        gemms[g] = GemmPlan(g, cfg.accumulator, ops)  # type: ignore[arg-type]
+        gemms[g] = GemmPlan(g, _resolved(cfg.accumulator, ops), ops)  # type: ignore[arg-type]
     return LinearPlan(recipe=recipe, name=name, **gemms)
+
+
+def _resolved(acc: Accumulator, ops: tuple[OperandPlan, ...]) -> Accumulator:
+    """The accumulator resolved for the GEMM's operand formats (a GPU name picks its row) when
+    both operands are quantized (the only case that runs it); else as given."""
+    if all(op.quantizer is not None and op.high_precision is None for op in ops):
+        return acc.resolve(ops[0].spec.format, ops[1].spec.format)  # type: ignore[union-attr]
+    return acc

@@ -3,18 +3,20 @@
 Timing (Transformer Engine): the forward roles (``input``, ``weight``) update after each forward,
 or once at the outermost :func:`fp8lab.nn.autocast` exit (max over its micro-batches), and not at
 all under ``no_grad`` (the amax is discarded); ``grad_output`` updates at the end of the module's
-backward (`ScalingState.after_backward`, called by the autograd Function).
+backward (the autograd Function of `fp8lab.nn.linear` runs both, reading `ScalingState.forward` and
+`ScalingState.backward`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from fp8lab.nn.context import ForwardScaling, defer_forward_update, in_autocast
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 from fp8lab.scaling.delayed import DelayedScaling
 
-__all__ = ["FORWARD_ROLES", "ScalingState", "after_forward", "state_key"]
+__all__ = ["FORWARD_ROLES", "ScalingState", "delayed_states", "state_key"]
 
 FORWARD_ROLES = ("input", "weight")
 
@@ -34,7 +36,10 @@ class ScalingState:
 
     def __init__(self, recipe: Recipe) -> None:
         self.by_key: dict[str, DelayedScaling] = {}
-        self._roles: list[tuple[str, DelayedScaling]] = []
+        #: the states of the forward roles (updated after the forward) and of the gradient
+        #: (updated at the end of the backward), read directly by `fp8lab.nn.Linear`
+        self.forward: list[DelayedScaling] = []
+        self.backward: list[DelayedScaling] = []
         for g in GEMMS:
             # a (GEMM, role) cell in high precision keeps its state: a later GEMM may re-tile
             # its nominal quantization (plan's shadow), and the keys match the cell-free recipe
@@ -46,35 +51,60 @@ class ScalingState:
                 if spec is not None and spec.is_delayed and key not in self.by_key:
                     ds = DelayedScaling.bind(spec.scaling, spec.format)
                     self.by_key[key] = ds
-                    self._roles.append((role, ds))
+                    (self.forward if role in FORWARD_ROLES else self.backward).append(ds)
 
     def __bool__(self) -> bool:
         return bool(self.by_key)
 
     def update_forward(self) -> None:
-        for role, ds in self._roles:
-            if role in FORWARD_ROLES:
-                ds.update()
+        for ds in self.forward:
+            ds.update()
 
     def discard_forward(self) -> None:
         """Forget this step's forward amaxes (no update: evaluation must not move the scales)."""
-        for role, ds in self._roles:
-            if role in FORWARD_ROLES and ds.measuring:
+        for ds in self.forward:
+            if ds.measuring:
                 ds.stage(0.0)
 
     def after_backward(self) -> None:
         """End of the module's backward: the gradient role's scales update (TE)."""
-        for role, ds in self._roles:
-            if role == "grad_output":
-                ds.update()
+        for ds in self.backward:
+            ds.update()
 
 
-def after_forward(owner: ForwardScaling) -> None:
-    """After a forward of ``owner`` (a `ScalingState`, or a module updating all of its states):
-    update the forward roles now, at the outermost autocast exit, or discard under no_grad."""
-    if in_autocast():
-        defer_forward_update(owner)
-    elif torch.is_grad_enabled():
-        owner.update_forward()
-    else:
-        owner.discard_forward()
+def delayed_states(model: torch.nn.Module) -> dict[str, DelayedScaling]:
+    """Every `DelayedScaling` a model's modules own, by ``module_name.state_key`` (sorted).
+
+    Found by walking each module's attributes (the scaling state objects of `fp8lab.nn` and any
+    dict/list/object holding `DelayedScaling` objects), each object once.
+    """
+    found: dict[str, DelayedScaling] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, name: str, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        if isinstance(obj, DelayedScaling):
+            seen.add(id(obj))
+            found[name] = obj
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            for k, v in obj.items():
+                walk(v, f"{name}.{k}", depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
+            for i, v in enumerate(obj):
+                walk(v, f"{name}.{i}", depth + 1)
+        elif not isinstance(obj, (torch.Tensor, torch.nn.Module)) and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            for k, v in vars(obj).items():
+                walk(v, f"{name}.{k}", depth + 1)
+
+    for mname, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            walk(value, f"{mname or '<root>'}.{attr}", 0)
+    return {k: found[k] for k in sorted(found)}
