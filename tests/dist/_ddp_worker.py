@@ -145,9 +145,9 @@ def _watch_gathered(model: torch.nn.Module) -> list:
 
     def watch(module: torch.nn.Module, args: object) -> None:
         seen.append(weakref.ref(module.weight.untyped_storage()))
-        gathered = getattr(module, "_fp8lab_gathered", None)
+        gathered = module.gathered_weight
         if gathered is not None:
-            seen.append(weakref.ref(gathered[1].values.untyped_storage()))
+            seen.append(weakref.ref(gathered.qtensor.values.untyped_storage()))
 
     for m in model.modules():
         if isinstance(m, Linear):
@@ -188,7 +188,7 @@ def _alive(seen: list, model: torch.nn.Module) -> int:
             for fp in _fsdp_params(m):
                 p = getattr(fp, "_unsharded_param", None)
                 n += int(p is not None and p.untyped_storage().nbytes() > 0)
-                n += int(getattr(fp._module_info.module, "_fp8lab_gathered", None) is not None)
+                n += int(getattr(fp._module_info.module, "gathered_weight", None) is not None)
     return n
 
 
@@ -317,7 +317,7 @@ def fully_shard_gather(rank: int, world: int) -> dict[str, object]:
         for name, m in model.named_modules():
             if name not in full:
                 continue
-            spec, got = m._fp8lab_gathered
+            spec, got = m.gathered_weight.spec, m.gathered_weight.qtensor
             want = quantize(full[name], spec)
             same.append(
                 torch.equal(got.values, want.values)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fp8lab.nn.state import delayed_states
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import DelayedScaling, set_amax_reduction
 
 AMAX_GROUPS = ("world", "none")
 
@@ -43,9 +43,40 @@ __all__ = [
     "batch_amax_reduction",
     "delayed_states",
     "gather_scales",
+    "reduce_amax",
     "scale_spread",
     "set_amax_group",
 ]
+
+
+def reduce_amax(amax: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-reduce (MAX) a float32 vector of amaxes over ``group`` (None: the world), in place,
+    and return it: the one amax all-reduce of fp8lab (delayed-scaling updates, batched or not;
+    FSDP's sharded-weight amaxes). Without a process group: ``amax`` unchanged. Collective."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        d.all_reduce(amax, op=d.ReduceOp.MAX, group=group)
+    return amax
+
+
+class _ImmediateReduction:
+    """TE's default: each delayed-scaling update all-reduces its staged amax at once over the
+    state's process group (``group``: None = the world; `set_amax_group`). Installed into
+    `fp8lab.scaling.delayed` when this module is imported; active while a process group is up."""
+
+    def defer_update(self, state: DelayedScaling, fmt: Any = None) -> None:
+        buf = reduce_amax(state.state.amax_history[0:1].clone(), state.group)
+        state.update(fmt, reduced=buf.reshape(()))
+
+
+def _install() -> None:
+    d = torch.distributed
+    # torch's own check (no fp8lab frame on the per-step path)
+    active = d.is_initialized if d.is_available() else (lambda: False)
+    set_amax_reduction(_ImmediateReduction(), active)
+
+
+_install()
 
 
 def _dist() -> Any:
@@ -123,7 +154,7 @@ class AmaxBatch:
         buf = torch.stack([s.state.amax_history[0].float() for s, _ in pending])
         d = torch.distributed
         if d.is_available() and d.is_initialized():
-            d.all_reduce(buf, op=d.ReduceOp.MAX, group=self.group)
+            reduce_amax(buf, self.group)
             self.flushes += 1
         for (s, fmt), red in zip(pending, buf, strict=True):
             s.update(fmt, reduced=red)

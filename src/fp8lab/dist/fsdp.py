@@ -43,8 +43,8 @@ tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
   pre-hook, once per forward as the unsharded Linear observes it) and hands FSDP uint8 codes (plus
   float32 block scales for row-aligned blocks on evenly sharded weights); after it the codes are
   decoded into the `QTensor` of the whole weight, which the Linear's fprop consumes as is
-  (`fp8lab.nn.operand.prepare` takes a weight's ``fp8lab_gathered`` (spec, QTensor) when the
-  spec matches) -- bit for bit the unsharded quantization -- while the Parameter holds its
+  (`fp8lab.nn.Linear.use_gathered_weight` hands it a `fp8lab.nn.GatheredWeight`, taken when
+  its fprop weight quantizer has that spec and state) -- bit for bit the unsharded quantization -- while the Parameter holds its
   dequantized values (what the backward re-quantizes when a backward GEMM wants another
   layout, and what the gradient flows to).
 * ``fp8_allgather=False``: float32 shards are gathered (exact); the Linear quantizes the
@@ -70,7 +70,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fp8lab.dist.amax import reduce_amax
 from fp8lab.formats import decode, encode, get_format
+from fp8lab.nn.linear import GatheredWeight
+from fp8lab.nn.state import state_key
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import (
@@ -189,7 +192,7 @@ def fp8_all_gather(
 
 def _quantize_shard(
     shard: torch.Tensor, spec: QuantSpec, rows: int, group: Any,
-    global_amax: torch.Tensor | None = None,
+    global_amax: torch.Tensor | None = None, state: DelayedScaling | None = None,
 ) -> tuple[QuantSpec, QTensor | None, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Quantize a row shard (per-tensor: with the global amax, one all-reduce MAX over
     ``group`` unless ``global_amax`` already holds it; collective; delayed scaling: with the
@@ -197,16 +200,14 @@ def _quantize_shard(
     (the spec used, the QTensor or None for an empty shard, uint8 codes zero-padded to ``rows``
     rows, and for delayed scaling the shard's amax for the state to observe -- nothing is
     observed here -- else None)."""
-    d = torch.distributed
     fmt = get_format(spec.format)
     x = shard.detach().float()
     observed = None
     if spec.is_delayed:
-        local, observed = _delayed_shard_spec(spec, x, group)
+        local, observed = _delayed_shard_spec(spec, x, group, state)
     elif normalize_granularity(spec.granularity) == (-1, -1):
         if global_amax is None:
-            global_amax = _shard_amax(x).reshape(1).clone()
-            d.all_reduce(global_amax, op=d.ReduceOp.MAX, group=group)
+            global_amax = reduce_amax(_shard_amax(x).reshape(1).clone(), group)
         local = spec.replace(scaling=float(_scale_of(spec, global_amax.reshape(()))))
     else:
         local = spec
@@ -248,9 +249,8 @@ class _WeightAmaxes:
         import weakref
 
         shards = [fp._sharded_local_tensor._tensor for _, fp in self.members]
-        amax = torch.stack([_shard_amax(x.detach().float()) for x in shards])
-        d = torch.distributed
-        d.all_reduce(amax, op=d.ReduceOp.MAX, group=self.group)
+        amax = reduce_amax(torch.stack([_shard_amax(x.detach().float()) for x in shards]),
+                           self.group)  # fmt: skip
         self.cache = {
             id(m): (weakref.ref(x), x._version, amax[i : i + 1])
             for i, ((m, _), x) in enumerate(zip(self.members, shards, strict=True))
@@ -264,7 +264,7 @@ class _WeightAmaxes:
 
 
 def _delayed_shard_spec(
-    spec: QuantSpec, x: torch.Tensor, group: Any
+    spec: QuantSpec, x: torch.Tensor, group: Any, state: DelayedScaling | None = None
 ) -> tuple[QuantSpec, torch.Tensor]:
     """The fixed-scale spec a delayed-scaled shard is quantized with, and the shard's amax.
 
@@ -274,14 +274,11 @@ def _delayed_shard_spec(
     whole weight's amax (current scaling), all-reduced MAX over ``group`` first (every rank
     takes that branch together: identical states)."""
     sc = spec.scaling
-    ds = sc if isinstance(sc, DelayedScaling) else DelayedScaling.bind(sc, spec.format)
+    ds = state or (sc if isinstance(sc, DelayedScaling) else DelayedScaling.bind(sc, spec.format))
     amax = _shard_amax(x)
     full = None
     if ds.cfg.first_step == "current" and not ds.initialized:
-        d = torch.distributed
-        full = amax.reshape(1).clone()
-        d.all_reduce(full, op=d.ReduceOp.MAX, group=group)
-        full = full.reshape(())
+        full = reduce_amax(amax.reshape(1).clone(), group).reshape(())
     scale = ds.scale_for(full, spec.format)
     return spec.replace(scaling=float(scale)), amax
 
@@ -385,13 +382,14 @@ class ShardedWeight(torch.Tensor):
             pad = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype)
             pad[: x.shape[0]] = x
             return (pad,), (module, None, full_rows)
-        spec = _bound_weight_spec(module, self.spec)
+        spec, ds = _weight_quantization(module, self.spec)
         batch = getattr(module, "_fp8lab_weight_amaxes", None)
         known = None if batch is None else batch.get(module, self._tensor)
-        local, q, codes, amax = _quantize_shard(self._tensor, spec, rows, group, known)
-        # what the Linear's forward pre-hook hands over: the spec the fprop GEMM compares with,
-        # and (delayed scaling) the state and this shard's amax it observes
-        seen = None if amax is None else (spec.scaling, amax)
+        local, q, codes, amax = _quantize_shard(self._tensor, spec, rows, group, known, ds)
+        # what the Linear's fprop gets (a GatheredWeight: the spec and state its quantizer
+        # has) and (delayed scaling) the state and this shard's amax it observes
+        seen = None if amax is None else (ds, amax)
+        spec = (spec, ds)
         if normalize_granularity(local.granularity) == (-1, -1):
             inv = q.scales if q is not None else torch.reciprocal(torch.tensor(local.scaling))
             return (codes,), (module, local, full_rows, inv.reshape(1, 1).float(), spec, seen)
@@ -411,8 +409,8 @@ class ShardedWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """The unsharded weight (float32) from the gathered codes; its QTensor is left on the
-        module (``_fp8lab_gathered``) for the Linear's forward pre-hook (`shard_model`)."""
+        """The unsharded weight (float32) from the gathered codes; its QTensor goes to the
+        Linear (`fp8lab.nn.Linear.use_gathered_weight`) for its fprop GEMM."""
         module, local, full_rows = metadata[:3]
         if local is None:
             dense = outputs[0][:full_rows]
@@ -424,7 +422,9 @@ class ShardedWeight(torch.Tensor):
             scales = metadata[3] if metadata[3] is not None else outputs[1].clone()
             q = QTensor(values=values, scales=scales, spec=local)
             dense = q.dequantize()
-        module._fp8lab_gathered = None if q is None else (metadata[4], q)
+        module.use_gathered_weight(
+            None if q is None else GatheredWeight(metadata[4][0], q, metadata[4][1])
+        )
         module._fp8lab_observe = None if q is None else metadata[5]
         # a tensor of its own, never FSDP's all-gather output (FSDP frees that by resizing it)
         dense = dense.clone() if q is None else dense
@@ -445,11 +445,9 @@ def _free_with_fsdp(fsdp_param: Any) -> None:
     def free_unsharded_param() -> None:
         orig()  # FSDP's all-gather outputs
         p = getattr(fsdp_param, "_unsharded_param", None)
-        if p is not None:
-            p.fp8lab_gathered = None
-            if p.numel():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        module._fp8lab_gathered = None
+        if p is not None and p.numel():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        module.use_gathered_weight(None)
         module._fp8lab_observe = None
 
     fsdp_param.free_unsharded_param = free_unsharded_param
@@ -470,14 +468,12 @@ def _fsdp_params(module: torch.nn.Module) -> list[Any]:
     return out
 
 
-def _bound_weight_spec(module: Any, spec: QuantSpec) -> QuantSpec:
-    """``spec`` (the recipe's fprop weight spec), for delayed scaling bound to the Linear's own
-    `DelayedScaling` of that operand: the spec its fprop GEMM uses (`fp8lab.nn.plan`), so the
-    gathered QTensor is taken (`fp8lab.nn.operand.prepare` compares the specs)."""
+def _weight_quantization(module: Any, spec: QuantSpec) -> tuple[QuantSpec, DelayedScaling | None]:
+    """The fprop weight quantization of the Linear: ``spec`` (the recipe's fprop weight spec)
+    and, for delayed scaling, the Linear's own `DelayedScaling` of that operand, whose scale the
+    shard is quantized with (the pair its fprop quantizer has: `GatheredWeight.serves`)."""
     if not spec.is_delayed:
-        return spec
-    from fp8lab.nn.state import state_key
-
+        return spec, None
     recipe = module.recipe
     ds = module.scaling_states.get(state_key(recipe, "fprop", "weight"))
     cur = recipe.spec("fprop", "weight")
@@ -486,16 +482,14 @@ def _bound_weight_spec(module: Any, spec: QuantSpec) -> QuantSpec:
             f"--fp8-allgather: layer {module.name or '?'} was sharded with a delayed-scaled weight "
             f"but its recipe {recipe.name!r} now has {cur} (shard the model again)"
         )
-    return cur.replace(scaling=ds)
+    return cur, ds
 
 
 def _attach_gathered(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of a Linear under FSDP: hand its gathered QTensor to the weight; a
-    delayed-scaled weight's state observes this rank's shard amax (once per forward, as the
-    unsharded Linear observes the weight's amax when it quantizes it; a backward re-gather
-    observes nothing, so an update between the forward and the backward does not see it)."""
-    w = module.weight
-    w.fp8lab_gathered = getattr(module, "_fp8lab_gathered", None)
+    """Forward pre-hook of a Linear under FSDP: a delayed-scaled weight's state observes this
+    rank's shard amax (once per forward, as the unsharded Linear observes the weight's amax
+    when it quantizes it; a backward re-gather observes nothing, so an update between the
+    forward and the backward does not see it)."""
     seen = getattr(module, "_fp8lab_observe", None)
     if seen is not None:
         seen[0].observe(seen[1])

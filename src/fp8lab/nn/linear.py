@@ -48,7 +48,7 @@ from fp8lab.nn.state import ScalingState
 from fp8lab.qtensor import QTensor, QuantSpec
 from fp8lab.qtensor.quantizer import POOL, Quantizer
 from fp8lab.recipe import Recipe, get_recipe
-from fp8lab.scaling.delayed import DelayedScaling
+from fp8lab.scaling.delayed import DelayedScaling, amax_reduction_installed
 
 __all__ = [
     "COLLECTORS",
@@ -422,6 +422,21 @@ def linear(
 
 
 # =========================================================================== the module
+def _warn_unreduced_amax() -> None:
+    """Delayed scaling under torch.distributed reduces amaxes through `fp8lab.dist` (installed
+    when it is imported; the scaling layer never communicates): say so if it is missing, since
+    ranks with local amaxes drift apart silently."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized() and not amax_reduction_installed():
+        warnings.warn(
+            "fp8lab: delayed scaling under torch.distributed without an amax reduction: "
+            "`import fp8lab.dist` (or fp8lab.dist.set_amax_group(model, 'world')) so the amaxes "
+            "are all-reduced over the ranks as Transformer Engine does",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` with simulated low-precision GEMMs.
 
@@ -553,6 +568,8 @@ class Linear(torch.nn.Linear):
         plan = self._plans.get(fp)
         if plan is None or plan.name != self.name:
             plan = self._plans[fp] = build_plan(recipe, state, self.name)
+            if state.by_key:
+                _warn_unreduced_amax()
         return plan, state
 
     def __getstate__(self) -> dict[str, Any]:
@@ -602,6 +619,11 @@ class Linear(torch.nn.Linear):
             else:
                 self.discard_forward()  # evaluation must not move the scales
         return y
+
+    @property
+    def gathered_weight(self) -> GatheredWeight | None:
+        """The weight FSDP gathered already quantized, if any (`use_gathered_weight`)."""
+        return self._gathered
 
     def use_gathered_weight(self, gathered: GatheredWeight | None) -> None:
         """The weight's quantized form for the next forwards, already made by FSDP's FP8

@@ -51,9 +51,14 @@ Extensions from the same HiFloat8 recipe:
 State (`state_dict`) is a plain dict of tensors: ``scale`` (float32 scalar), ``amax_history``
 (float32 ``[L]``; index 0 is the staging slot, 1..L-1 the history from oldest to newest),
 ``step`` (int64), ``initialized`` (int64 0/1: whether an update has set the scale) and
-``fmt_max`` (float32; 0 until a format has been seen). When ``torch.distributed`` is initialized
-and ``reduce_amax`` is true, `update` all-reduces the staging amax with MAX over the state's
-``group`` first.
+``fmt_max`` (float32; 0 until a format has been seen).
+
+Amax reduction (``reduce_amax``): this layer never communicates. A state's runtime ``group`` may
+hold a reducer (an object with ``defer_update(state, fmt)``, e.g. `fp8lab.dist.amax.AmaxBatch`)
+that takes `update` over and calls back ``update(fmt, reduced=...)`` with the reduced amax; else
+the reducer installed from above with `set_amax_reduction` (`fp8lab.dist` installs TE's default,
+an all-reduce MAX over the state's process group, when it is imported) serves a measured step
+while its ``active()`` says a process group is up.
 """
 
 from __future__ import annotations
@@ -76,7 +81,14 @@ FIRST_STEPS = ("unit", "current")
 UPDATE_PATHS = ("fused", "python")
 STATE_KEYS = ("scale", "amax_history", "step", "initialized", "fmt_max")
 
-__all__ = ["DelayedScaling", "DelayedScalingConfig", "DelayedScalingState", "delayed_scale"]
+__all__ = [
+    "DelayedScaling",
+    "DelayedScalingConfig",
+    "DelayedScalingState",
+    "amax_reduction_installed",
+    "delayed_scale",
+    "set_amax_reduction",
+]
 
 
 @dataclass(frozen=True)
@@ -416,17 +428,10 @@ class DelayedScaling:
     # ------------------------------------------------------------------ once per step
     def _reduced_last(self, reduced: torch.Tensor | None = None) -> torch.Tensor:
         h0 = self.state.amax_history[0].clone()
-        if not self.cfg.reduce_amax:
+        if not self.cfg.reduce_amax or reduced is None:
             return h0
-        if reduced is not None:  # reduced by the caller (a batched all-reduce)
-            red = torch.as_tensor(reduced, dtype=torch.float32).reshape(())
-            return torch.where(red != 0, red, h0)
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return h0
-        red = h0.clone().reshape(1)
-        dist.all_reduce(red, op=dist.ReduceOp.MAX, group=self.state.group)
-        red = red.reshape(())
+        # reduced by a reducer (module doc); TE keeps the local amax where the reduction gave 0
+        red = torch.as_tensor(reduced, dtype=torch.float32).reshape(())
         return torch.where(red != 0, red, h0)
 
     def _fused_update(self, last: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,15 +476,20 @@ class DelayedScaling:
 
         Returns the new scale. On steps that are not measured (``interval``) it only advances the
         step counter. ``reduced``: the staged amax already all-reduced by the caller (no
-        collective here). A ``group`` with a ``defer_update(state, fmt)`` method (a batched
-        reduction, `fp8lab.dist.amax.AmaxBatch`) takes the call over: it reduces every deferred
-        state's amax in one all-reduce later and calls ``update(fmt, reduced=...)`` for each;
-        until then the old scale is returned.
+        collective here). Otherwise a reducer may take the call over (module doc): a batched one
+        (`fp8lab.dist.amax.AmaxBatch`) reduces every deferred state's amax in one all-reduce
+        later and calls ``update(fmt, reduced=...)`` for each; until then the old scale is
+        returned.
         """
         st = self.state
-        if reduced is None and hasattr(st.group, "defer_update"):
-            st.group.defer_update(self, fmt)
-            return st.scale.clone()
+        if reduced is None:
+            if hasattr(st.group, "defer_update"):
+                st.group.defer_update(self, fmt)
+                return st.scale.clone()
+            red = _REDUCTION.reducer
+            if red is not None and self.cfg.reduce_amax and self.measuring and _REDUCTION.active():
+                red.defer_update(self, fmt)
+                return st.scale.clone()
         if not self.measuring:
             st.step += 1
             return st.scale.clone()
@@ -495,6 +505,30 @@ class DelayedScaling:
             st.initialized.fill_(1)
         st.step += 1
         return st.scale.clone()
+
+
+class _Reduction:
+    """The amax reducer installed from above (`set_amax_reduction`), and when it applies."""
+
+    reducer: Any = None
+    active: Callable[[], bool] = staticmethod(lambda: False)
+
+
+_REDUCTION = _Reduction()
+
+
+def set_amax_reduction(reducer: Any, active: Callable[[], bool]) -> None:
+    """Install the amax reduction of delayed-scaling updates whose state has no reducer of its
+    own: ``reducer.defer_update(state, fmt)`` serves a measured update of a ``reduce_amax``
+    state while ``active()`` is true (e.g. while a process group is up). Called by
+    `fp8lab.dist` when it is imported; ``reducer=None`` keeps every amax local."""
+    _REDUCTION.reducer = reducer
+    _REDUCTION.active = active  # type: ignore[method-assign]
+
+
+def amax_reduction_installed() -> bool:
+    """Whether an amax reducer is installed (`set_amax_reduction`)."""
+    return _REDUCTION.reducer is not None
 
 
 def delayed_scale(
