@@ -248,8 +248,8 @@ def prepare(
     else:
         used = _quantize(x, q, held, _wants_dense(op, q, x.shape))
     shadow = None
-    if op.shadow is not None:  # the later GEMM's operand: as if this cell were not switched
-        shadow = _quantize(x, op.shadow, held, want_dense=True)
+    if op.shadow_quantizer is not None:  # the later GEMM's operand: as if not switched
+        shadow = _quantize(x, op.shadow_quantizer, held, want_dense=True)
     operand = Operand(used, x, shadow)
     if observed:
         _notify(op, x, used)

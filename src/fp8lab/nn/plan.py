@@ -54,7 +54,8 @@ class OperandPlan:
     (None for the first use). ``retile_source``: a later GEMM re-tiles this operand's quantized
     values, so its dequantized copy is written while quantizing. ``layer``: the module's name
     (operand observers). ``shadow``: for a high-precision cell whose later GEMM re-tiles it, the
-    quantizer it would have been quantized with (quantized as well, for that GEMM only)."""
+    spec it would have been quantized under (quantized as well, for that GEMM only, by
+    ``shadow_quantizer``)."""
 
     gemm: str
     role: str
@@ -65,8 +66,9 @@ class OperandPlan:
     reuse: Reuse | None
     retile_source: bool
     layer: str | None
-    shadow: Quantizer | None = None
+    shadow: QuantSpec | None = None
     quantizer: Quantizer | None = None
+    shadow_quantizer: Quantizer | None = None
 
     @property
     def quantized(self) -> bool:
@@ -196,8 +198,9 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
                 reuse=reuse.get((g, role)),
                 retile_source=(g, role) in retile_sources,
                 layer=name,
-                shadow=_quantizer(shadows.get((g, role)), state, made),
+                shadow=None if (g, role) not in shadows else shadows[(g, role)].spec,
                 quantizer=_quantizer(specs[(g, role)], state, made),
+                shadow_quantizer=_quantizer(shadows.get((g, role)), state, made),
             )
             for role, first_axis in GEMM_OPERANDS[g]
         )
