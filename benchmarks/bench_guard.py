@@ -106,7 +106,7 @@ def percentages_ab(args: argparse.Namespace) -> None:
     from fp8lab.lab.compare import resolve_recipe, set_threads
     from fp8lab.lab.data import get_batch, load_corpus
     from fp8lab.lab.train import LabConfig, build_model
-    from fp8lab.nn.operand import COLLECTORS
+    from fp8lab.nn import on_operand
     from fp8lab.observe.records import NATURAL_OPERANDS
     from fp8lab.qtensor import QTensor
     from fp8lab.stats import error_stats
@@ -128,11 +128,8 @@ def percentages_ab(args: argparse.Namespace) -> None:
                 rows.append(error_stats(hp.detach().float(), dq, used.spec.fmt,
                                         used.values.reshape(dq.shape)))  # fmt: skip
 
-        COLLECTORS.active.append(cb)
-        try:
+        with on_operand(cb):
             yield rows
-        finally:
-            COLLECTORS.active.remove(cb)
 
     variants = {"none": lambda: contextlib.nullcontext([]), "guard": operand_percentages,
                 "error_stats": full_stats}  # fmt: skip

@@ -14,7 +14,7 @@ import fp8lab
 from fp8lab import stats
 from fp8lab.formats import cast, get_format
 from fp8lab.nn import collect_operands, convert
-from fp8lab.nn.operand import COLLECTORS
+from fp8lab.nn.linear import _OBSERVERS
 from fp8lab.observe import FIELDS, read_records, sample, watch
 
 PRESETS = ("te-delayed", "deepseek-v3", "mxfp8")
@@ -108,13 +108,13 @@ def test_every_n_forward_counting_and_no_hook_on_skipped_steps():
     m = _model("te-delayed")
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     active = []
-    m[0].register_forward_pre_hook(lambda mod, a: active.append(len(COLLECTORS.active)))
+    m[0].register_forward_pre_hook(lambda mod, a: active.append(len(_OBSERVERS.active)))
     with watch(m, every=3) as w:
         for x in _batches(7):
             _step(m, opt, x)
     assert sorted({r["step"] for r in w.records}) == [0, 3, 6]
     assert active == [1, 0, 0, 1, 0, 0, 1]
-    assert COLLECTORS.active == []
+    assert _OBSERVERS.active == []
     assert w.step_index == 6
 
 
@@ -190,7 +190,7 @@ def test_sample_one_step_rows_for_a_loop_with_its_own_writer():
     with sample(m, step=7) as rows:
         m(x).pow(2).mean().backward()
     assert rows and {r["step"] for r in rows} == {7}
-    assert COLLECTORS.active == []
+    assert _OBSERVERS.active == []
 
 
 def test_bad_arguments():
@@ -212,7 +212,7 @@ def test_bad_arguments():
             watch(m, tensorboard="tb"),
         ):
             pass
-    assert COLLECTORS.active == []
+    assert _OBSERVERS.active == []
 
 
 def test_read_records_errors(tmp_path):

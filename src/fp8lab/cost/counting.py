@@ -332,7 +332,7 @@ class _LocalUpdate:
 
 
 def _local_updates(module: Any) -> None:
-    from fp8lab.dist.amax import delayed_states
+    from fp8lab.nn.state import delayed_states
 
     for ds in delayed_states(module).values():
         ds.state.group = _LocalUpdate()

@@ -145,7 +145,7 @@ class DataParallel:
         rank's own delayed-scaling state from the checkpoint's ``rank_scaling``. A checkpoint
         written on fewer ranks (or by one process) has no entry for the extra ranks: they keep
         rank 0's. Returns whether this rank's entry was loaded."""
-        from fp8lab.dist.amax import delayed_states
+        from fp8lab.nn.state import delayed_states
 
         saved = torch.load(path, map_location="cpu", weights_only=True).get("rank_scaling")
         if not saved or self.rank >= len(saved):

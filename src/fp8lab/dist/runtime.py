@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.amax import delayed_states
+from fp8lab.nn.state import delayed_states
 
 __all__ = [
     "DistContext",

@@ -15,7 +15,7 @@ Layer: above ``nn``/``observe`` (it reads their state), below ``lab`` (which run
 
 from fp8lab.guard.config import DETECTOR_DEFAULTS, ON_RESTART, POLICIES, AnomalyGuard
 from fp8lab.guard.detectors import Finding
-from fp8lab.guard.monitor import GuardMonitor, delayed_states
+from fp8lab.guard.monitor import GuardMonitor, delayed_states, layer_states
 from fp8lab.guard.restart import Snapshots, current_scaling_rule
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "Snapshots",
     "current_scaling_rule",
     "delayed_states",
+    "layer_states",
 ]

@@ -12,22 +12,25 @@ until the next update has set a scale (the HiFloat8 training recipe's restart).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from fp8lab.guard import detectors as det
+import fp8lab.guard.detectors as det
 from fp8lab.guard.config import AnomalyGuard
 from fp8lab.observe.records import NATURAL_OPERANDS as NATURAL
 from fp8lab.scaling.delayed import DelayedScaling
 
-__all__ = ["GuardMonitor", "delayed_states"]
+__all__ = ["GuardMonitor", "delayed_states", "layer_states"]
 
 
-def delayed_states(model: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
+def layer_states(model: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
     """``("layer:key", DelayedScaling)`` for every delayed-scaling state of the converted
-    Linears of ``model`` (key: the role, or ``gemm_role`` for a GEMM override)."""
+    Linears of ``model`` (key: the role, or ``gemm_role`` for a GEMM override): the guard's
+    view by layer name (`fp8lab.nn.delayed_states` names every state a model owns by its
+    attribute path)."""
     from fp8lab.nn import Linear
 
     out = []
@@ -38,9 +41,16 @@ def delayed_states(model: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
     return out
 
 
+def delayed_states(model: torch.nn.Module) -> list[tuple[str, DelayedScaling]]:
+    """Deprecated name of `layer_states`."""
+    warnings.warn("fp8lab.guard.delayed_states is deprecated: use fp8lab.guard.layer_states",
+                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    return layer_states(model)
+
+
 def _min_subnormals(model: torch.nn.Module, names: list[str]) -> list[float]:
     """The smallest positive value of the format of each delayed-scaling state ``layer:key``
-    (`delayed_states` order; the format the layer's recipe gives that state's operand)."""
+    (`layer_states` order; the format the layer's recipe gives that state's operand)."""
     from fp8lab.formats import get_format
     from fp8lab.nn import Linear
     from fp8lab.nn.state import state_key
@@ -85,7 +95,7 @@ class GuardMonitor:
     # ------------------------------------------------------------------ scaling states
     def refresh(self) -> None:
         """Enumerate the model's delayed-scaling states again (after a recipe change)."""
-        self.states = delayed_states(self.model)
+        self.states = layer_states(self.model)
         groups: dict[int, list[int]] = {}
         for i, (_, ds) in enumerate(self.states):
             groups.setdefault(ds.history_len, []).append(i)

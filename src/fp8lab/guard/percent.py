@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from fp8lab.nn.operand import COLLECTORS
+from fp8lab.nn import on_operand
 from fp8lab.observe.records import NATURAL_OPERANDS
 from fp8lab.qtensor import QTensor
 from fp8lab.stats import _SAT_TOL  # the watch's clamp tolerance (error_stats)
@@ -96,8 +96,5 @@ def operand_percentages() -> Iterator[list[dict[str, Any]]]:
     ``{layer, gemm, role, underflow_pct, saturation_pct}`` per quantized natural-layout operand."""
     rows: list[dict[str, Any]] = []
     cb = _Percentages(rows)
-    COLLECTORS.active.append(cb)
-    try:
+    with on_operand(cb):
         yield rows
-    finally:
-        COLLECTORS.active.remove(cb)

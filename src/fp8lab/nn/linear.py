@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
+import fp8lab.nn.context as _context
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.matmul import matmul
-from fp8lab.nn import context as _context
 from fp8lab.nn._kernels import round_bf16
 from fp8lab.nn.plan import LinearPlan, OperandPlan, Reuse, build_plan
 from fp8lab.nn.state import ScalingState

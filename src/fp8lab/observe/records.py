@@ -1,6 +1,6 @@
 """One row of statistics per GEMM operand, from the operands the GEMMs really consumed.
 
-The nn collection hook (`fp8lab.nn.operand.COLLECTORS`) hands over, per ``(layer, gemm, role)``,
+The operand hook (`fp8lab.nn.on_operand`) hands over, per ``(layer, gemm, role)``,
 the high-precision operand ``hp`` (natural layout) and what the GEMM consumed: the QTensor the
 quantization pass made (reused or re-tiled for a backward GEMM), or the bf16/fp16-rounded
 tensor. The statistics are those of `fp8lab.stats.error_stats` on ``hp`` and the dequantized

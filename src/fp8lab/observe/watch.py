@@ -8,7 +8,7 @@
             loss.backward()
             opt.step(); opt.zero_grad()      # ... or count="step" and call w.step() here
 
-On a sampled step the nn collection hook (`fp8lab.nn.operand.COLLECTORS`) is registered from the
+On a sampled step an operand observer (`fp8lab.nn.on_operand`) is registered from the
 step's first forward until the next step begins, so the forward's and the backward's GEMM
 operands are measured (`fp8lab.observe.records`). On the other steps it is not registered: the
 only cost is a forward pre-hook that counts.
@@ -16,14 +16,14 @@ only cost is a forward pre-hook that counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp8lab.nn.operand import COLLECTORS
+from fp8lab.nn import OperandHandle, on_operand
 from fp8lab.observe.records import OperandStats
 from fp8lab.observe.sinks import TensorBoardSink, open_sink
 
@@ -64,11 +64,8 @@ def sample(model: torch.nn.Module, step: int = 0) -> Iterator[list[dict[str, Any
     calls instead of one ``with``."""
     rows: list[dict[str, Any]] = []
     cb = _Sampler(OperandStats(model), int(step), rows)
-    COLLECTORS.active.append(cb)
-    try:
+    with on_operand(cb):
         yield rows
-    finally:
-        COLLECTORS.active.remove(cb)
 
 
 class Watch:
@@ -99,7 +96,7 @@ class Watch:
         self._stats = OperandStats(model)
         self._sinks: list[Any] = []
         self._rows: list[dict[str, Any]] = []
-        self._cb: Callable[..., None] | None = None
+        self._cb: OperandHandle | None = None  # the sampler's registration
         self._hook: Any = None
         self._forwards = 0
         self._open = False
@@ -161,19 +158,18 @@ class Watch:
 
     def _set_sampling(self, on: bool) -> None:
         if self._cb is not None:
-            COLLECTORS.active.remove(self._cb)
+            self._cb.remove()
             self._cb = None
             self._stats.new_step()  # drop the step's operands now, not at the next sampled step
         if on:
-            self._cb = _Sampler(self._stats, self.step_index, self._rows)
-            COLLECTORS.active.append(self._cb)
+            self._cb = on_operand(_Sampler(self._stats, self.step_index, self._rows))
 
     def _flush(self) -> None:
         if not self._rows:
             return
         rows, self._rows = self._rows, []
         if self._cb is not None:  # the active sampler appends to the new list from now on
-            self._cb.rows = self._rows
+            self._cb.fn.rows = self._rows
         for s in self._sinks:
             s.write(rows)
         if self.keep:

@@ -33,8 +33,11 @@ from typing import Any
 
 import torch
 
+import fp8lab.lab.debug.attribution as attribution
+import fp8lab.lab.debug.remedies as remedies
+import fp8lab.lab.debug.search as search
+import fp8lab.lab.debug.variants as variants
 from fp8lab.lab.data import load_corpus
-from fp8lab.lab.debug import attribution, remedies, search, variants
 from fp8lab.lab.debug.result import DebugResult, Probe, _rel
 from fp8lab.lab.debug.runner import (
     ProbeSpec,

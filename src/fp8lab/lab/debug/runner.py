@@ -142,7 +142,7 @@ def rebatch(dp: Any, module: torch.nn.Module) -> None:
     through ``dp``'s batched amax all-reduce again, as the model's other states."""
     if dp is None or dp.amax is None:
         return
-    from fp8lab.dist.amax import delayed_states
+    from fp8lab.nn.state import delayed_states
 
     for ds in delayed_states(module).values():
         ds.group = dp.amax
