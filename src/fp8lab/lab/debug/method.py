@@ -230,14 +230,29 @@ def run_debug(
     steps = cfg.train.steps
     with TaskPool(jobs, threads) as pool:
         ctx.pool = pool
-        return _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit,
-                       t_start, scenario, chosen, all_layers, jobs)  # fmt: skip
+        return _stages(ctx, steps, checkpoints, recovery_from, t_start, scenario)
 
 
-def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t_start,
-            scenario, chosen, all_layers, jobs):  # fmt: skip
+def _stages(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float, t_start: float,
+            scenario: str | None) -> DebugResult:  # fmt: skip
     """Stages 1-7 of :func:`run_debug` (probes run in ``ctx.pool``)."""
+    state = _stage_gap(ctx, steps, checkpoints, recovery_from, scenario)
+    if state["base_diverged"] or state["no_problem"] or state["r_better"]:
+        return rank0_writes(decide, ctx, state, [], [], t_start)
+    scores, pair_scores = _stage_screen(ctx, state)
+    found = _stage_confirm(ctx, scores, pair_scores)
+    remedy_rows: list[dict[str, Any]] = []
+    if found["role"] is not None:
+        _stage_layers(ctx, found, scores, pair_scores)
+        remedy_rows = _stage_remedies(ctx, found)
+    return rank0_writes(decide, ctx, state, scores, remedy_rows, t_start, found)
 
+
+def _stage_gap(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float,
+               scenario: str | None) -> dict[str, Any]:  # fmt: skip
+    """Stage 1: R, the baseline and the noise pair; the gap and the noise. Returns the state
+    the verdict reads (``base_diverged``, ``no_problem``, ``r_better``: nothing to debug)."""
+    rec, base, cfg, emit = ctx.recipe, ctx.baseline, ctx.cfg, ctx.emit
     # 1. gap and noise -------------------------------------------------------------------
     t0 = time.perf_counter()
     emit({"event": "stage", "stage": "gap", "text": "gap and noise: R, baseline, fp32, bf16"})
@@ -279,9 +294,15 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
                              "floor_pct": gap_floor(ctx.noise)}  # fmt: skip
     # R better than the baseline beyond the noise: nothing to debug either
     state["r_better"] = not no_problem and ctx.gap_ref is not None and ctx.gap_ref < 0
-    if base_diverged or no_problem or state["r_better"]:
-        return rank0_writes(decide, ctx, state, [], [], t_start)
+    return state
 
+
+def _stage_screen(ctx: _Ctx, state: dict[str, Any]) -> tuple[list, list]:
+    """Stages 2-4: recovery from R's checkpoint, fake quantization and the one-step screening
+    of R's snapshots; returns the cell scores and the operand-pair scores."""
+    rec, base, cfg, out, emit = ctx.recipe, ctx.baseline, ctx.cfg, ctx.out, ctx.emit
+    chosen, all_layers, jobs = ctx.layers, ctx.all_layers, ctx.jobs
+    screen_steps, rec_step = state["screen_steps"], state["recovery_step"]
     # 2-4. recovery, fake quantization, screening -----------------------------------------
     t0 = time.perf_counter()
     emit({"event": "stage", "stage": "screen",
@@ -331,6 +352,13 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
     if ctx.timings["screen_s"] is None:
         ctx.timings["screen_s"] = sum(s.get("seconds", 0.0) for s in screens)
 
+    return scores, pair_scores
+
+
+def _stage_confirm(ctx: _Ctx, scores: list, pair_scores: list) -> dict[str, Any]:
+    """Stage 5: role probes in the screening's order until one explains the gap, then that
+    role's GEMM probes; returns ``{"role", "tried_roles"}`` and, with a culprit, ``"gemm"``."""
+    rec, chosen, emit = ctx.recipe, ctx.layers, ctx.emit
     # 5. confirmation ------------------------------------------------------------------------
     t0 = time.perf_counter()
     emit({"event": "stage", "stage": "confirm", "text": "confirmation probes"})
@@ -386,65 +414,82 @@ def _stages(ctx, rec, base, cfg, out, steps, checkpoints, recovery_from, emit, t
     ctx.timings["confirm_s"] = time.perf_counter() - t0
 
     found: dict[str, Any] = {"role": culprit, "tried_roles": tried_roles}
+    if culprit is not None:  # the GEMM where the operand matters most: the larger share closed
+        found["gemm"] = max(gemm_probes, key=lambda g: gemm_probes[g].closure or -math.inf)
+    return found
+
+
+def _stage_layers(ctx: _Ctx, found: dict[str, Any], scores: list, pair_scores: list) -> None:
+    """Group testing over the layers, ordered by the culprit role's attribution: adds
+    ``layers``, ``order``, ``tried``, ``layer_scores`` to ``found``."""
+    rec, chosen, emit, jobs = ctx.recipe, ctx.layers, ctx.emit, ctx.jobs
+    culprit, gemm = found["role"], found["gemm"]
+    # group testing over the layers, ordered by the role's attribution
+    t0 = time.perf_counter()
+    emit({"event": "stage", "stage": "layers", "text": "group testing over layers"})
+    per_layer_score = {x: 0.0 for x in chosen}
+    for row in scores:
+        if row["role"] == culprit and row["layer"] in per_layer_score:
+            per_layer_score[row["layer"]] += row["score"]
+    # by the operand pair's replay and the culprit GEMM's cell, never the sum over GEMMs
+    # (a strong cell and its strong opposite in the other GEMM would cancel)
+    order = search.layer_order(chosen, scores, culprit, gemm, pair_scores)
+
+    def layer_probe_name(k: int) -> str:
+        return _layer_probe_name(culprit, k, len(order))
+
+    def explains(prefixes: list[list[str]]) -> list[bool]:
+        specs = []
+        for pre in prefixes:
+            name = layer_probe_name(len(pre))
+            cells = {x: [(g, culprit) for g in variants.ROLE_GEMMS[culprit]] for x in pre}
+            specs.append(ctx.spec(name, variants.cells_hp(rec, cells, ctx.precision, "x"),
+                                  "layers", f"{culprit} in {ctx.precision} on "
+                                  + ", ".join(pre)))  # fmt: skip
+        ctx.run(specs)
+        # stricter than the verdict's 70 %: the remedies then act on these layers only,
+        # and a prefix that barely explains leaves them no margin
+        return [_strict(ctx, ctx.probes[layer_probe_name(len(p))]) for p in prefixes]
+
+    layers_found, tried = search.prefix_search(order, explains, jobs)
+    found.update(layers=layers_found, order=order, tried=tried,
+                 layer_scores=per_layer_score)  # fmt: skip
+    ctx.timings["layers_s"] = time.perf_counter() - t0
+
+
+def _layer_probe_name(role: str, k: int, n_layers: int) -> str:
+    """The probe of the culprit role in high precision on the first ``k`` of ``n_layers``
+    ordered layers (all of them: the role probe)."""
+    return f"layers-{role}-top{k}" if k < n_layers else f"role-{role}"
+
+
+def _stage_remedies(ctx: _Ctx, found: dict[str, Any]) -> list[dict[str, Any]]:
+    """Stage 6: the remedies for the culprit cells, each a probe; their rows for the verdict."""
+    rec, cfg, emit = ctx.recipe, ctx.cfg, ctx.emit
+    culprit, gemm, layers_found = found["role"], found["gemm"], found["layers"]
     remedy_rows: list[dict[str, Any]] = []
-    if culprit is not None:
-        # the GEMM where the operand matters most: the larger share closed
-        gemm = max(gemm_probes, key=lambda g: gemm_probes[g].closure or -math.inf)
-        found["gemm"] = gemm
-        # group testing over the layers, ordered by the role's attribution
-        t0 = time.perf_counter()
-        emit({"event": "stage", "stage": "layers", "text": "group testing over layers"})
-        per_layer_score = {x: 0.0 for x in chosen}
-        for row in scores:
-            if row["role"] == culprit and row["layer"] in per_layer_score:
-                per_layer_score[row["layer"]] += row["score"]
-        # by the operand pair's replay and the culprit GEMM's cell, never the sum over GEMMs
-        # (a strong cell and its strong opposite in the other GEMM would cancel)
-        order = search.layer_order(chosen, scores, culprit, gemm, pair_scores)
-
-        def layer_probe_name(k: int) -> str:
-            return f"layers-{culprit}-top{k}" if k < len(order) else f"role-{culprit}"
-
-        def explains(prefixes: list[list[str]]) -> list[bool]:
-            specs = []
-            for pre in prefixes:
-                name = layer_probe_name(len(pre))
-                cells = {x: [(g, culprit) for g in variants.ROLE_GEMMS[culprit]] for x in pre}
-                specs.append(ctx.spec(name, variants.cells_hp(rec, cells, ctx.precision, "x"),
-                                      "layers", f"{culprit} in {ctx.precision} on "
-                                      + ", ".join(pre)))  # fmt: skip
-            ctx.run(specs)
-            # stricter than the verdict's 70 %: the remedies then act on these layers only,
-            # and a prefix that barely explains leaves them no margin
-            return [_strict(ctx, ctx.probes[layer_probe_name(len(p))]) for p in prefixes]
-
-        layers_found, tried = search.prefix_search(order, explains, jobs)
-        found.update(layers=layers_found, order=order, tried=tried,
-                     layer_scores=per_layer_score)  # fmt: skip
-        ctx.timings["layers_s"] = time.perf_counter() - t0
-
-        # 6. remedies ------------------------------------------------------------------------
-        t0 = time.perf_counter()
-        emit({"event": "stage", "stage": "remedies", "text": "remedies"})
-        cand = remedies.remedy_variants(rec, culprit, gemm, layers_found, ctx.precision)
-        ctx.run([ctx.spec(f"remedy-{n}", v, "remedy", _remedy_words(n, culprit, gemm,
-                                                                      layers_found))
-                 for n, v in cand.items()])  # fmt: skip
-        role_probe = ctx.probes[layer_probe_name(len(layers_found))]
-        tokens = cfg.train.batch_size * cfg.model.block_size
-        for n in remedies.REMEDIES:
-            p = role_probe if n == "high-precision-role" else ctx.probes.get(f"remedy-{n}")
-            if p is None:
-                continue
-            remedy_rows.append({
-                "name": n, "probe": p.name, "gap_pct": p.gap_pct, "closure": p.closure,
-                "explains": p.explains,
-                "relative_cost": remedies.relative_cost(p.recipe, rec, ctx.dims, tokens),
-                "recipe": p.recipe,
-                "label": _remedy_words(n, culprit, gemm, layers_found),
-            })  # fmt: skip
-        ctx.timings["remedies_s"] = time.perf_counter() - t0
-    return rank0_writes(decide, ctx, state, scores, remedy_rows, t_start, found)
+    # 6. remedies ------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    emit({"event": "stage", "stage": "remedies", "text": "remedies"})
+    cand = remedies.remedy_variants(rec, culprit, gemm, layers_found, ctx.precision)
+    ctx.run([ctx.spec(f"remedy-{n}", v, "remedy", _remedy_words(n, culprit, gemm,
+                                                                  layers_found))
+             for n, v in cand.items()])  # fmt: skip
+    role_probe = ctx.probes[_layer_probe_name(culprit, len(layers_found), len(found["order"]))]
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    for n in remedies.REMEDIES:
+        p = role_probe if n == "high-precision-role" else ctx.probes.get(f"remedy-{n}")
+        if p is None:
+            continue
+        remedy_rows.append({
+            "name": n, "probe": p.name, "gap_pct": p.gap_pct, "closure": p.closure,
+            "explains": p.explains,
+            "relative_cost": remedies.relative_cost(p.recipe, rec, ctx.dims, tokens),
+            "recipe": p.recipe,
+            "label": _remedy_words(n, culprit, gemm, layers_found),
+        })  # fmt: skip
+    ctx.timings["remedies_s"] = time.perf_counter() - t0
+    return remedy_rows
 
 
 def gap_floor(noise: float | None) -> float:

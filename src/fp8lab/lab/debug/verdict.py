@@ -99,107 +99,149 @@ def decide(
     found: dict[str, Any] | None = None,
 ) -> DebugResult:
     """Assemble the :class:`DebugResult` (and write ``fix.toml`` and ``debug_result.json``)."""
-    rec, base = ctx.recipe, ctx.baseline
-    noise, gap = ctx.noise, ctx.gap
-    recovery = ctx.probes.get("recovery")
-    recovers = False
+    recovers = _recovers(ctx, state)
+    reason, words = _early_verdict(ctx, state)
+    verdict: dict[str, Any] = {"culprit": None, "fix": None, "best": None}
+    if reason is None:
+        reason, words, verdict = _diagnose(ctx, state, found or {}, remedy_rows, recovers)
+    return _result(ctx, state, scores, remedy_rows, t_start, found, recovers, reason, words,
+                   verdict)  # fmt: skip
+
+
+def _recovers(ctx: Any, state: dict[str, Any]) -> bool:
+    """Whether R's checkpoint continued under the baseline ends within 2x the noise (or there
+    is nothing to recover from)."""
     if state.get("no_problem") or state.get("r_better"):
-        recovers = True
-    elif recovery is not None and recovery.gap_pct is not None and noise is not None:
-        recovers = abs(recovery.gap_pct) <= 2 * noise
-    culprit = None
-    fix = None
-    words: list[str] = []
-    reason = ""
-    r_words = (f"R = {rec.name} ends {_pct(gap)} from the baseline {base.name} "
-               f"(noise: fp32 vs bf16 differ by up to {_pct(noise).lstrip('+')}).")  # fmt: skip
+        return True
+    recovery, noise = ctx.probes.get("recovery"), ctx.noise
+    if recovery is not None and recovery.gap_pct is not None and noise is not None:
+        return abs(recovery.gap_pct) <= 2 * noise
+    return False
+
+
+def _r_words(ctx: Any, state: dict[str, Any]) -> str:
+    rec, base = ctx.recipe, ctx.baseline
     if state.get("r_diverged"):
-        r_words = f"R = {rec.name} diverged (the baseline {base.name} did not)."
-    best = None
+        return f"R = {rec.name} diverged (the baseline {base.name} did not)."
+    return (f"R = {rec.name} ends {_pct(ctx.gap)} from the baseline {base.name} "
+            f"(noise: fp32 vs bf16 differ by up to {_pct(ctx.noise).lstrip('+')}).")  # fmt: skip
+
+
+def _early_verdict(ctx: Any, state: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The verdicts that need no probe beyond the gap: (reason, words), or (None, [])."""
+    base = ctx.baseline
     if state.get("base_diverged"):
-        reason = "baseline-diverged"
-        words.append(f"The baseline {base.name} diverged, so a gap to it means nothing: no "
-                     "verdict. Choose another --baseline or a smaller learning rate.")  # fmt: skip
-    elif state.get("no_problem"):
-        reason = "no-problem"
-        words.append(r_words + " That is within max(0.01 %, 3x the noise) = "
-                     f"{_pct(state.get('floor_pct')).lstrip('+')}, too small to attribute: "
-                     "no FP8 problem found.")  # fmt: skip
-    elif state.get("r_better"):
-        reason = "no-problem"
-        words.append(r_words + " R is better than the baseline beyond the noise: no FP8 "
-                     "problem to find.")  # fmt: skip
-    else:
-        words.append(r_words)
-        if recovery is not None:
-            words.append(
-                f"Recovery: R's checkpoint at step {state['recovery_step']} continued under "
-                f"{base.name} ends {_pct(recovery.gap_pct)} from the baseline: "
-                + (
-                    "it recovers (the damage is in the computation, not the weights)."
-                    if recovers
-                    else "it does not recover within the noise."
-                )
+        return "baseline-diverged", [
+            f"The baseline {base.name} diverged, so a gap to it means nothing: no verdict. "
+            "Choose another --baseline or a smaller learning rate."
+        ]
+    if state.get("no_problem"):
+        return "no-problem", [
+            _r_words(ctx, state) + " That is within max(0.01 %, 3x the noise) = "
+            f"{_pct(state.get('floor_pct')).lstrip('+')}, too small to attribute: no FP8 "
+            "problem found."
+        ]
+    if state.get("r_better"):
+        return "no-problem", [
+            _r_words(ctx, state) + " R is better than the baseline beyond the noise: no FP8 "
+            "problem to find."
+        ]
+    return None, []
+
+
+def _diagnose(
+    ctx: Any, state: dict[str, Any], found: dict[str, Any], remedy_rows: list[dict[str, Any]],
+    recovers: bool,
+) -> tuple[str, list[str], dict[str, Any]]:  # fmt: skip
+    """The verdict of a full run: (reason, words, {culprit, fix, best})."""
+    base = ctx.baseline
+    words = [_r_words(ctx, state)]
+    recovery = ctx.probes.get("recovery")
+    if recovery is not None:
+        words.append(
+            f"Recovery: R's checkpoint at step {state['recovery_step']} continued under "
+            f"{base.name} ends {_pct(recovery.gap_pct)} from the baseline: "
+            + (
+                "it recovers (the damage is in the computation, not the weights)."
+                if recovers
+                else "it does not recover within the noise."
             )
-        fq = ctx.probes.get("fake-quant")
-        if fq is not None:
-            words.append(
-                f"Fake quantization (R's grids, current scaling, fp32 accumulation) ends "
-                f"{_pct(fq.gap_pct)}: "
-                + ("the grids themselves are fine; scaling or accumulation is at fault."
-                   if fq.explains else "the grids (format or granularity) are part of it.")
-            )  # fmt: skip
-        role = (found or {}).get("role")
-        if role is None:
-            reason = "unexplained"
-            tried = (found or {}).get("tried_roles", [])
-            words.append(
-                "No single operand role explains the gap: with "
-                + (", ".join(f"{r} ({_pct(ctx.probes[f'role-{r}'].gap_pct)})" for r in tried)
-                   or "no role")
-                + " in high precision on every layer the gap stays above 30 % of R's. "
-                "The fault may need several roles, or lie outside the quantized GEMMs "
-                "(attention, optimizer state, master weights, loss scaling)."
-            )  # fmt: skip
-        else:
-            layers = found["layers"]
-            culprit = {"role": role, "gemm": found["gemm"], "layers": list(layers)}
-            reason = "culprit"
-            gp = {g: ctx.probes.get(f"gemm-{g}-{role}") for g in ("fprop", "dgrad", "wgrad")}
-            gtxt = ", ".join(f"{g} only {_pct(p.gap_pct)}" for g, p in gp.items() if p)
-            many = len(layers) > 3
-            where = (f"{len(layers)} of {len(ctx.layers)} layers" if many
-                     else ", ".join(layers))  # fmt: skip
-            words.append(
-                f"Culprit: the {role} operand on {where}, mattering most in {found['gemm']} "
-                f"(in high precision on every layer: {gtxt})."
-            )
-            best = best_remedy(remedy_rows)
-            if best is not None:
-                words.append(
-                    f"Best remedy: {best['label']} (gap {_pct(best['gap_pct'])}, relative cost "
-                    f"{best['relative_cost']:+.3f})"
-                    + ("." if best["explains"] else "; it does not close 70 % of the gap.")
-                )
-            if best is not None and best["explains"]:
-                note = (
-                    f"fp8lab debug fix for {rec.name}: {best['label']}\n"
-                    f"gap {_pct(gap)} -> {_pct(best['gap_pct'])} against {base.name}"
-                )
-                fix = str(write_fix(best["recipe"].replace(name=f"{rec.name}-fix"), rec,
-                                    ctx.out / FIX, note))  # fmt: skip
+        )
+    fq = ctx.probes.get("fake-quant")
+    if fq is not None:
+        words.append(
+            f"Fake quantization (R's grids, current scaling, fp32 accumulation) ends "
+            f"{_pct(fq.gap_pct)}: "
+            + ("the grids themselves are fine; scaling or accumulation is at fault."
+               if fq.explains else "the grids (format or granularity) are part of it.")
+        )  # fmt: skip
+    verdict: dict[str, Any] = {"culprit": None, "fix": None, "best": None}
+    role = found.get("role")
+    if role is None:
+        tried = found.get("tried_roles", [])
+        words.append(
+            "No single operand role explains the gap: with "
+            + (", ".join(f"{r} ({_pct(ctx.probes[f'role-{r}'].gap_pct)})" for r in tried)
+               or "no role")
+            + " in high precision on every layer the gap stays above 30 % of R's. "
+            "The fault may need several roles, or lie outside the quantized GEMMs "
+            "(attention, optimizer state, master weights, loss scaling)."
+        )  # fmt: skip
+        return "unexplained", words, verdict
+    words += _culprit_words(ctx, found, remedy_rows, verdict)
+    return "culprit", words, verdict
+
+
+def _culprit_words(
+    ctx: Any, found: dict[str, Any], remedy_rows: list[dict[str, Any]], verdict: dict[str, Any]
+) -> list[str]:
+    """The culprit's sentences; fills ``verdict`` (culprit, best remedy, the fix file)."""
+    rec, base, role, layers = ctx.recipe, ctx.baseline, found["role"], found["layers"]
+    verdict["culprit"] = {"role": role, "gemm": found["gemm"], "layers": list(layers)}
+    gp = {g: ctx.probes.get(f"gemm-{g}-{role}") for g in ("fprop", "dgrad", "wgrad")}
+    gtxt = ", ".join(f"{g} only {_pct(p.gap_pct)}" for g, p in gp.items() if p)
+    where = (f"{len(layers)} of {len(ctx.layers)} layers" if len(layers) > 3
+             else ", ".join(layers))  # fmt: skip
+    words = [
+        f"Culprit: the {role} operand on {where}, mattering most in {found['gemm']} "
+        f"(in high precision on every layer: {gtxt})."
+    ]
+    best = verdict["best"] = best_remedy(remedy_rows)
+    if best is not None:
+        words.append(
+            f"Best remedy: {best['label']} (gap {_pct(best['gap_pct'])}, relative cost "
+            f"{best['relative_cost']:+.3f})"
+            + ("." if best["explains"] else "; it does not close 70 % of the gap.")
+        )
+    if best is not None and best["explains"]:
+        note = (
+            f"fp8lab debug fix for {rec.name}: {best['label']}\n"
+            f"gap {_pct(ctx.gap)} -> {_pct(best['gap_pct'])} against {base.name}"
+        )
+        verdict["fix"] = str(write_fix(best["recipe"].replace(name=f"{rec.name}-fix"), rec,
+                                       ctx.out / FIX, note))  # fmt: skip
+    return words
+
+
+def _result(
+    ctx: Any, state: dict[str, Any], scores: list[dict[str, Any]],
+    remedy_rows: list[dict[str, Any]], t_start: float, found: dict[str, Any] | None,
+    recovers: bool, reason: str, words: list[str], verdict: dict[str, Any],
+) -> DebugResult:  # fmt: skip
+    """The `DebugResult`, also written as ``debug_result.json``."""
+    best = verdict["best"]
     attribution = [{k: r[k] for k in ("layer", "gemm", "role", "score")} for r in scores]
     ctx.timings["total_s"] = time.perf_counter() - t_start
     result = DebugResult(
-        recipe=rec.name,
-        baseline=base.name,
-        gap_pct=gap,
-        noise_pct=noise,
+        recipe=ctx.recipe.name,
+        baseline=ctx.baseline.name,
+        gap_pct=ctx.gap,
+        noise_pct=ctx.noise,
         recovers=recovers,
-        culprit=culprit,
+        culprit=verdict["culprit"],
         attribution=attribution,
         remedies=[{k: r[k] for k in ("name", "gap_pct", "relative_cost")} for r in remedy_rows],
-        fix=fix,
+        fix=verdict["fix"],
         probes=ctx.probes,
         verdict=" ".join(words),
         reason=reason,
