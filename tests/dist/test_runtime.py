@@ -33,3 +33,20 @@ def test_shard_batch_needs_a_divisible_batch() -> None:
         ValueError, match="global batch size 6 is not divisible by the world size 4"
     ):
         shard_batch(x, x, 0, 4)
+
+
+def test_rank_and_world_without_and_with_a_one_rank_group(tmp_path) -> None:
+    """The one rank/world helper: (0, 1) without a group; the group's values inside one."""
+    import torch.distributed as d
+
+    from fp8lab.dist.runtime import is_distributed, rank, world_size
+
+    assert not is_distributed() and (rank(), world_size()) == (0, 1)
+    store = d.FileStore(str(tmp_path / "store"), 1)
+    d.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert is_distributed() and (rank(), world_size()) == (0, 1)
+        assert world_size(d.new_group([0])) == 1
+    finally:
+        d.destroy_process_group()
+    assert not is_distributed()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.dist.runtime import is_distributed, rank, world_size
 from fp8lab.nn.state import delayed_states
 from fp8lab.scaling.delayed import DelayedScaling, set_amax_reduction
 
@@ -53,8 +54,8 @@ def reduce_amax(amax: torch.Tensor, group: Any = None) -> torch.Tensor:
     """All-reduce (MAX) a float32 vector of amaxes over ``group`` (None: the world), in place,
     and return it: the one amax all-reduce of fp8lab (delayed-scaling updates, batched or not;
     FSDP's sharded-weight amaxes). Without a process group: ``amax`` unchanged. Collective."""
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
+    if is_distributed():
+        d = torch.distributed
         d.all_reduce(amax, op=d.ReduceOp.MAX, group=group)
     return amax
 
@@ -80,18 +81,17 @@ _install()
 
 
 def _dist() -> Any:
-    d = torch.distributed
-    if not (d.is_available() and d.is_initialized()):
+    if not is_distributed():
         raise RuntimeError("torch.distributed is not initialized (run under torchrun)")
-    return d
+    return torch.distributed
 
 
-def _own_group(d: Any) -> Any:
+def _own_group() -> Any:
     """A one-rank process group of this rank (every rank creates all of them, as required)."""
     mine = None
-    for r in range(d.get_world_size()):
-        g = d.new_group([r])
-        if r == d.get_rank():
+    for r in range(world_size()):
+        g = torch.distributed.new_group([r])
+        if r == rank():
             mine = g
     return mine
 
@@ -115,8 +115,7 @@ def set_amax_group(model: torch.nn.Module, mode: str = "world", group: Any = Non
             )
         target = group
     else:
-        d = torch.distributed
-        target = _own_group(d) if d.is_available() and d.is_initialized() else None
+        target = _own_group() if is_distributed() else None
     for ds in states.values():
         ds.group = target
     return len(states)
@@ -152,8 +151,7 @@ class AmaxBatch:
         if not pending:
             return 0
         buf = torch.stack([s.state.amax_history[0].float() for s, _ in pending])
-        d = torch.distributed
-        if d.is_available() and d.is_initialized():
+        if is_distributed():
             reduce_amax(buf, self.group)
             self.flushes += 1
         for (s, fmt), red in zip(pending, buf, strict=True):
@@ -182,8 +180,8 @@ def gather_scales(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     names = list(states)
     mine = torch.stack([ds.scale.reshape(()) for ds in states.values()]) if names else None
     if mine is None:
-        return names, torch.zeros((d.get_world_size(), 0), dtype=torch.float32)
-    out = [torch.empty_like(mine) for _ in range(d.get_world_size())]
+        return names, torch.zeros((world_size(), 0), dtype=torch.float32)
+    out = [torch.empty_like(mine) for _ in range(world_size())]
     d.all_gather(out, mine.contiguous())
     return names, torch.stack(out)
 

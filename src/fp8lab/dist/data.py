@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fp8lab.dist.runtime import world_size
+
 __all__ = ["allreduce_sum_hook", "gather_token_losses", "global_token_loss", "shard_batch"]
 
 
@@ -56,9 +58,8 @@ def global_token_loss(
 def gather_token_losses(per_token: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Every rank's per-token losses concatenated in rank order (the global batch's order).
     Collective; equal-size shards (`shard_batch`)."""
-    d = torch.distributed
-    parts = [torch.empty_like(per_token) for _ in range(d.get_world_size(group))]
-    d.all_gather(parts, per_token.contiguous(), group=group)
+    parts = [torch.empty_like(per_token) for _ in range(world_size(group))]
+    torch.distributed.all_gather(parts, per_token.contiguous(), group=group)
     return torch.cat(parts)
 
 

@@ -20,6 +20,7 @@ from fp8lab.dist.amax import AMAX_GROUPS, AmaxBatch, batch_amax_reduction, set_a
 from fp8lab.dist.comm import WIRE_BYTES, check_grad_comm
 from fp8lab.dist.data import allreduce_sum_hook, global_token_loss, shard_batch
 from fp8lab.dist.hooks import GradCommHook
+from fp8lab.dist.runtime import is_distributed, rank, world_size
 
 __all__ = ["DataParallel", "check_options", "comm_summary"]
 
@@ -55,11 +56,10 @@ class DataParallel:
         fp8_allgather: bool = False,
         batch_amax: bool = True,
     ) -> None:
-        d = torch.distributed
-        if not (d.is_available() and d.is_initialized()):
+        if not is_distributed():
             raise RuntimeError("DataParallel needs torch.distributed initialized (torchrun)")
         check_options(amax_group, grad_comm, fsdp, fp8_allgather)
-        self.rank, self.world = d.get_rank(), d.get_world_size()
+        self.rank, self.world = rank(), world_size()
         self.module = model
         self.amax_group, self.fsdp = amax_group, fsdp
         if batch_amax:
@@ -280,15 +280,14 @@ def _gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a dim-0 sharded DTensor (torch.chunk shards; collective)."""
     from fp8lab.dist.fsdp import local_weight
 
-    d = torch.distributed
-    world = d.get_world_size()
+    world = world_size()
     full_rows = t.shape[0]
     rows = -(-full_rows // world)
     local = local_weight(t).detach()
     pad = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype)
     pad[: local.shape[0]] = local
     parts = [torch.empty_like(pad) for _ in range(world)]
-    d.all_gather(parts, pad)
+    torch.distributed.all_gather(parts, pad)
     return torch.cat(parts)[:full_rows].clone()
 
 
@@ -311,10 +310,9 @@ def _sharded_like(full: Any, like: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(like, DTensor) and isinstance(full, torch.Tensor):
-        d = torch.distributed
-        rows = torch.chunk(full, d.get_world_size(), dim=0)
-        rank = d.get_rank()
-        mine = rows[rank] if rank < len(rows) else full[full.shape[0] :]
+        rows = torch.chunk(full, world_size(), dim=0)
+        me = rank()
+        mine = rows[me] if me < len(rows) else full[full.shape[0] :]
         return DTensor.from_local(
             mine.clone(), like.device_mesh, like.placements, run_check=False,
             shape=full.shape, stride=full.stride(),

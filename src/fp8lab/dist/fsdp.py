@@ -71,6 +71,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8lab.dist.amax import reduce_amax
+from fp8lab.dist.runtime import world_size
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.nn.linear import GatheredWeight
 from fp8lab.nn.state import state_key
@@ -173,7 +174,7 @@ def fp8_all_gather(
     rank's state must be the same (``--amax-group world``).
     """
     d = torch.distributed
-    world = d.get_world_size(group)
+    world = world_size(group)
     full_shape = (int(full_rows), *shard.shape[1:])
     check_shardable(spec, full_shape, world)
     fmt = get_format(spec.format)
@@ -513,8 +514,7 @@ def shard_model(
 
     from fp8lab.nn import Linear as Fp8Linear
 
-    d = torch.distributed
-    world = d.get_world_size()
+    world = world_size()
     if mesh is None:
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]

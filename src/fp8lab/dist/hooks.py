@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from fp8lab.dist.comm import check_grad_comm, ring_allreduce
+from fp8lab.dist.runtime import world_size
 
 __all__ = ["GradCommHook", "grad_comm_hook"]
 
@@ -52,7 +53,7 @@ class GradCommHook:
         """All-reduce one DDP bucket with the simulated wire numerics (collective)."""
         d = torch.distributed
         buf = bucket.buffer()
-        world = d.get_world_size(self.group)
+        world = world_size(self.group)
         parts = [torch.empty_like(buf) for _ in range(world)]
         d.all_gather(parts, buf.contiguous(), group=self.group)
         grads = torch.stack(parts).float()

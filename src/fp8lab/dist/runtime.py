@@ -5,7 +5,8 @@ bounded timeout, so a rank that dies makes the others fail within that time inst
 (torchrun's agent also tears the job down and names the failed rank). `check_jobs` refuses
 parallel recipe jobs under torchrun (recipes run one after another there). `agree_any` makes a
 guard decision (rollback, stop) the same on every rank. `gather_scaling_states` collects every
-rank's delayed-scaling state for a rank-0 consolidated checkpoint.
+rank's delayed-scaling state for a rank-0 consolidated checkpoint. `is_distributed`, `rank` and
+`world_size` are fp8lab's one place that asks torch.distributed where this process stands.
 """
 
 from __future__ import annotations
@@ -26,9 +27,28 @@ __all__ = [
     "check_jobs",
     "gather_scaling_states",
     "init_from_env",
+    "is_distributed",
     "leave_group",
+    "rank",
     "under_torchrun",
+    "world_size",
 ]
+
+
+def is_distributed() -> bool:
+    """Whether a torch.distributed process group is up (any world size, one rank included)."""
+    d = torch.distributed
+    return d.is_available() and d.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (None: the world); 0 without a process group."""
+    return torch.distributed.get_rank(group) if is_distributed() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """The number of ranks in ``group`` (None: the world); 1 without a process group."""
+    return torch.distributed.get_world_size(group) if is_distributed() else 1
 
 
 @dataclass(frozen=True)
@@ -84,30 +104,29 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> DistC
     under torchrun. Collectives that wait longer than ``timeout_s`` raise (a dead rank)."""
     if not under_torchrun():
         return None
-    d = torch.distributed
-    if not d.is_initialized():
+    if not is_distributed():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        d.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
-    return DistContext(rank=d.get_rank(), world=d.get_world_size())
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    return DistContext(rank=rank(), world=world_size())
 
 
 def leave_group() -> None:
     """Every rank: wait for the others (barrier), then leave the process group. After the ranks'
     shared work (training), what rank 0 does alone -- summaries, cost estimates building fresh
     delayed-scaling layers -- must not issue collectives the other ranks never join."""
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        d.barrier()
-        d.destroy_process_group()
+    if is_distributed():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def agree_any(flag: bool, group: Any = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (all-reduce MAX; collective).
     Without torch.distributed: ``flag``."""
-    d = torch.distributed
-    if not (d.is_available() and d.is_initialized()):
+    if not is_distributed():
         return bool(flag)
+    d = torch.distributed
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)
     d.all_reduce(t, op=d.ReduceOp.MAX, group=group)
     return bool(t[0])
@@ -117,9 +136,8 @@ def gather_scaling_states(model: torch.nn.Module) -> list[dict[str, dict[str, to
     """Every rank's delayed-scaling ``state_dict`` by state name, in rank order (plain tensors,
     loadable with ``weights_only=True``). Collective; without torch.distributed: this process's."""
     mine = {k: ds.state_dict() for k, ds in delayed_states(model).items()}
-    d = torch.distributed
-    if not (d.is_available() and d.is_initialized()):
+    if not is_distributed():
         return [mine]
-    out: list[Any] = [None] * d.get_world_size()
-    d.all_gather_object(out, mine)
+    out: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(out, mine)
     return out

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.dist.runtime import agree_any, world_size
 from fp8lab.guard import AnomalyGuard, Finding, GuardMonitor, Snapshots, current_scaling_rule
 
 __all__ = ["STICKY", "GuardRun", "agree"]
@@ -40,15 +41,12 @@ def agree(findings: list[Finding]) -> list[Finding]:
     differ, and ranks that decided apart would roll back to different states. One all-reduce
     of a flag per step; the findings themselves are gathered only when a rank has one.
     Without torch.distributed (or on one rank): ``findings``."""
-    d = torch.distributed
-    if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+    if world_size() == 1:
         return findings
-    from fp8lab.dist.runtime import agree_any
-
     if not agree_any(bool(findings)):
         return []
-    everyone: list[Any] = [None] * d.get_world_size()
-    d.all_gather_object(everyone, [f.to_dict() for f in findings])
+    everyone: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(everyone, [f.to_dict() for f in findings])
     out, seen = [], set()
     for rank_findings in everyone:
         for f in rank_findings:

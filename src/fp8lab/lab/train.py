@@ -631,10 +631,10 @@ def _data_parallel(
     """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
     checked either way: a bad value is an error even on one rank)."""
     from fp8lab.dist.ddp import DataParallel, check_options
+    from fp8lab.dist.runtime import world_size
 
     check_options(amax_group, grad_comm, fsdp, fp8_allgather)
-    d = torch.distributed
-    if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+    if world_size() == 1:
         return None
     return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
 

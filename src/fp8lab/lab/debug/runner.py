@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.runtime import check_global_batch, check_jobs
+from fp8lab.dist.runtime import check_global_batch, check_jobs, rank, world_size
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.train import (
     CHECKPOINT,
@@ -58,10 +58,7 @@ SNAPSHOTS = "snapshots"
 def dist_world() -> tuple[int, int]:
     """(rank, world size) of this process: (0, 1) unless torch.distributed is initialized with
     more than one rank (torchrun)."""
-    d = torch.distributed
-    if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
+    return rank(), world_size()
 
 
 def is_writer() -> bool:
