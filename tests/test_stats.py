@@ -107,7 +107,7 @@ def test_block_granularity_helps_an_outlier_tensor() -> None:
 def test_block_stats_per_block() -> None:
     x = torch.ones(4, 6)
     x[:2, :3] = 2.0**-12  # block (0, 0) underflows under a plain e4m3 cast
-    xq, _, _ = stats.fake_quant(x, "e4m3")
+    xq, _, _ = stats.quantized_pair(x, "e4m3")
     pb = stats.block_stats(x, xq, (2, 3))
     assert pb["underflow_pct"].shape == (2, 2)
     assert pb["underflow_pct"][0, 0] == 100.0 and pb["underflow_pct"][1, 1] == 0.0
@@ -161,7 +161,7 @@ def test_fused_error_stats_agree_with_the_pair_functions() -> None:
     x[0, :5] = 0.0
     x[1, 0] = float("nan")
     for spec in ("e4m3", "e4m3:1x32", "mxfp4"):
-        xq, values, fmt = stats.fake_quant(x, spec)
+        xq, values, fmt = stats.quantized_pair(x, spec)
         fused = stats.error_stats(x, xq, fmt, values)
         # the NaN poisons the sums: compare the rows without it too
         xs, qs, vs = (torch.cat([t[:1], t[2:]]) for t in (x, xq, values))
@@ -192,3 +192,39 @@ def test_steady_spec_of_a_recipe_config_includes_nguard() -> None:
         want = stats.error_stats(x, q.dequantize(), spec.format, q.values)
         assert stats.tensor_stats(x, spec) == want, name
         assert ds.step == 1  # the statistics did not record into any state
+
+
+def _torch_percentages(x, xq, fmax, values):
+    """The torch definitions the pair functions had before the one kernel (float64)."""
+    a, b, v = x.double(), xq.double(), values.double()
+    nz = a != 0
+    under = 100.0 * int((nz & (b == 0)).sum()) / int(nz.sum()) if int(nz.sum()) else 0.0
+    clamped = (v.abs() == fmax) & (a.abs() > b.abs() * (1.0 + stats.SATURATION_TOL))
+    overflow = ~torch.isfinite(v) & torch.isfinite(a)
+    return under, 100.0 * int((clamped | overflow).sum()) / a.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_one_definition_of_underflow_and_saturation(dtype) -> None:
+    """clip_percentages, the pair functions and error_stats count the same elements as the
+    torch reference, NaN/Inf and the non-saturating cast included."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4096, generator=g) * torch.logspace(-12, 4, 4096)).to(dtype)
+    x[::97] = 0.0
+    x[5], x[6], x[7] = float("nan"), float("inf"), -float("inf")
+    for spec in ("e4m3", "e4m3:1x128", QuantSpec("e4m3", scaling=1.0, saturate=False)):
+        xq, values, fmt = stats.quantized_pair(x, spec)
+        want = _torch_percentages(x, xq, E4M3.max, values)
+        assert stats.clip_percentages(x, xq, fmt, values) == want
+        assert stats.underflow_pct(x, xq) == want[0]
+        assert stats.saturation_pct(x, xq, fmt, values) == want[1]
+        es = stats.error_stats(x, xq, fmt, values)
+        assert (es["underflow_pct"], es["saturation_pct"]) == want
+    assert math.isnan(stats.clip_percentages(x, x)[1])
+    with pytest.raises(ValueError, match="values shape"):
+        stats.clip_percentages(x, x, "e4m3", x[:3])
+
+
+def test_stats_fake_quant_is_a_deprecated_alias() -> None:
+    with pytest.warns(DeprecationWarning, match="quantized_pair"):
+        assert stats.fake_quant is stats.quantized_pair

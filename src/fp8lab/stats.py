@@ -34,7 +34,8 @@ scale rule: amax -> format max, OCP MX floor for ``mx``), and the shorthands ``m
 
 Also here: the pair functions on ``(x, xq)`` (`sqnr_db`, `cosine`, `rel_error`, `underflow_pct`,
 `saturation_pct`, `amax`, `dynamic_range`), `error_stats` (all of them for a pair),
-`block_stats` (per-block tensors), `what_if` (one tensor under several specs) and `fake_quant`.
+`block_stats` (per-block tensors), `what_if` (one tensor under several specs) and
+`quantized_pair` (the pair the statistics read; ``fake_quant`` is its deprecated name).
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ STAT_KEYS = (
 
 
 # ----------------------------------------------------------------------------- pair statistics
-def _f64(x: torch.Tensor) -> torch.Tensor:
+def _f64_check(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"expected a floating tensor, got dtype {x.dtype}")
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    _f64_check(x)
     return x.detach().to(torch.float64)
 
 
@@ -116,12 +121,7 @@ def rel_error(x: torch.Tensor, xq: torch.Tensor) -> float:
 
 def underflow_pct(x: torch.Tensor, xq: torch.Tensor) -> float:
     """Percentage of the nonzero elements of ``x`` that became 0 in ``xq`` (0 if none nonzero)."""
-    a, b = _pair(x, xq)
-    nz = a != 0
-    n = int(nz.sum())
-    if n == 0:
-        return 0.0
-    return 100.0 * int((nz & (b == 0)).sum()) / n
+    return clip_percentages(x, xq)[0]
 
 
 def saturation_pct(
@@ -137,16 +137,22 @@ def saturation_pct(
     value is ``+-max`` while ``|x| > |xq|`` (it was clamped), or when it overflowed to Inf/NaN
     from a finite input (non-saturating casts).
     """
-    f = get_format(fmt)
-    a, b = _pair(x, xq)
-    v = b if values is None else _f64(values)
-    if v.shape != a.shape:
-        raise ValueError(f"values shape {tuple(v.shape)} differs from x {tuple(a.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    clamped = (v.abs() == f.max) & (a.abs() > b.abs() * (1.0 + _SAT_TOL))
-    overflow = ~torch.isfinite(v) & torch.isfinite(a)
-    return 100.0 * int((clamped | overflow).sum()) / a.numel()
+    return clip_percentages(x, xq, fmt, values)[1]
+
+
+def clip_percentages(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    fmt: str | FloatFormat | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[float, float]:
+    """``(underflow_pct, saturation_pct)`` of a pair in one lean pass: fp8lab's one definition
+    of both percentages (`underflow_pct`, `saturation_pct`, `error_stats`, the watch and the
+    guard all count with `_clip_counts`). Saturation is NaN without ``fmt``."""
+    a, b, v = _flat_pair(x, xq, values)
+    fmax = math.inf if fmt is None else float(get_format(fmt).max)
+    nnz, nuf, nsat = _count_kernel(a, b, v, fmax, SATURATION_TOL)
+    return _percent(nnz, nuf, nsat, a.size, fmt is not None)
 
 
 def amax(x: torch.Tensor) -> float:
@@ -176,19 +182,11 @@ def error_stats(
     Same definitions as the pair functions, computed in one fused pass (numba, float64 sums)
     instead of one pass per statistic.
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(xq, torch.Tensor):
-        raise TypeError("error_stats expects torch tensors")
-    if not (x.is_floating_point() and xq.is_floating_point()):
-        raise TypeError(f"expected floating tensors, got {x.dtype} and {xq.dtype}")
-    if x.shape != xq.shape:
-        raise ValueError(f"x and xq shapes differ: {tuple(x.shape)} vs {tuple(xq.shape)}")
-    if values is not None and values.shape != x.shape:
-        raise ValueError(f"values shape {tuple(values.shape)} differs from x {tuple(x.shape)}")
-    n = x.numel()
-    a, b = _flat(x), _flat(xq)
-    v = b if values is None else _flat(values)
+    a, b, v = _flat_pair(x, xq, values)
+    n = a.size
     fmax = math.inf if fmt is None else float(get_format(fmt).max)
-    sxx, sdd, sxq, sqq, nnz, nuf, nsat, amx, mn, mx = _pair_kernel(a, b, v, fmax, _SAT_TOL)
+    sxx, sdd, sxq, sqq, nnz, nuf, nsat, amx, mn, mx = _pair_kernel(a, b, v, fmax, SATURATION_TOL)
+    under, sat = _percent(nnz, nuf, nsat, n, fmt is not None)
     if sdd == 0.0:
         sq = math.inf
     elif sxx == 0.0:
@@ -213,15 +211,22 @@ def error_stats(
         "sqnr_db": sq,
         "cosine": cos,
         "rel_error": rel,
-        "underflow_pct": 100.0 * nuf / nnz if nnz else 0.0,
-        "saturation_pct": math.nan if fmt is None else (100.0 * nsat / n if n else 0.0),
+        "underflow_pct": under,
+        "saturation_pct": sat,
         "nonzero_pct": 100.0 * nnz / n if n else 0.0,
         "numel": n,
     }
 
 
-# 2^-20 relative: above the float32 rounding noise of the de-scaling multiply (xq = v * s)
-_SAT_TOL = 2.0**-20
+#: an element counts as clamped when ``|x| > |xq| * (1 + SATURATION_TOL)``: 2^-20 relative is
+#: above the float32 rounding noise of the de-scaling multiply (xq = v * s)
+SATURATION_TOL = 2.0**-20
+
+
+def _percent(nnz: int, nuf: int, nsat: int, n: int, with_fmt: bool) -> tuple[float, float]:
+    """(underflow %, saturation %) from the counts of `_clip_counts` over ``n`` elements."""
+    under = 100.0 * nuf / nnz if nnz else 0.0
+    return under, (100.0 * nsat / n if n else 0.0) if with_fmt else math.nan
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -230,6 +235,51 @@ def _flat(t: torch.Tensor) -> np.ndarray:
     if t.dtype != torch.float64:
         t = t.to(torch.float32)
     return t.contiguous().reshape(-1).numpy()
+
+
+def _flat_pair(
+    x: torch.Tensor, xq: torch.Tensor, values: torch.Tensor | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x``, ``xq`` and ``values`` (default ``xq``) as flat arrays, checked (TypeError for
+    anything but floating tensors, ValueError for differing shapes)."""
+    for t in (x, xq) if values is None else (x, xq, values):
+        _f64_check(t)
+    if x.shape != xq.shape:
+        raise ValueError(f"x and xq shapes differ: {tuple(x.shape)} vs {tuple(xq.shape)}")
+    if values is not None and values.shape != x.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} differs from x {tuple(x.shape)}")
+    b = _flat(xq)
+    return _flat(x), b, (b if values is None else _flat(values))
+
+
+@njit(inline="always")
+def _clip_counts(a, b, vv, fmax, tol):  # pragma: no cover - compiled
+    """One element's ``(nonzero, underflowed, saturated)``, each 0 or 1: the one definition of
+    both percentages. ``a`` high precision, ``b`` dequantized, ``vv`` its scaled value (float64).
+    Underflowed: ``a`` nonzero (NaN counts) and ``b`` zero. Saturated: ``vv`` at +-``fmax`` while
+    ``|a| > |b| * (1 + tol)`` (clamped), or ``vv`` Inf/NaN from a finite ``a`` (overflowed)."""
+    nz = 1 if a != 0.0 else 0
+    uf = 1 if nz == 1 and b == 0.0 else 0
+    if np.isfinite(vv):
+        sat = 1 if abs(vv) == fmax and abs(a) > abs(b) * (1.0 + tol) else 0
+    else:
+        sat = 1 if np.isfinite(a) else 0
+    return nz, uf, sat
+
+
+@njit(cache=True)
+def _count_kernel(x, xq, v, fmax, tol):  # pragma: no cover - compiled
+    """``(nonzero, underflowed, saturated)`` over flat arrays: `_clip_counts` summed, without
+    `_pair_kernel`'s float64 sums (the guard's lean pass)."""
+    nnz = 0
+    nuf = 0
+    nsat = 0
+    for i in range(x.size):
+        nz, uf, sat = _clip_counts(np.float64(x[i]), np.float64(xq[i]), np.float64(v[i]), fmax, tol)
+        nnz += nz
+        nuf += uf
+        nsat += sat
+    return nnz, nuf, nsat
 
 
 @njit(cache=True)
@@ -255,19 +305,13 @@ def _pair_kernel(x, xq, v, fmax, tol):  # pragma: no cover - compiled
         aa = abs(a)
         if aa > amx:  # NaN never compares greater: ignored
             amx = aa
-        if a != 0.0:  # NaN counts as nonzero, as in the pair functions
-            nnz += 1
-            if b == 0.0:
-                nuf += 1
-            if np.isfinite(a):
-                mn = min(mn, aa)
-                mx = max(mx, aa)
-        vv = np.float64(v[i])
-        if np.isfinite(vv):
-            if abs(vv) == fmax and aa > abs(b) * (1.0 + tol):
-                nsat += 1
-        elif np.isfinite(a):
-            nsat += 1
+        if a != 0.0 and np.isfinite(a):
+            mn = min(mn, aa)
+            mx = max(mx, aa)
+        nz, uf, sat = _clip_counts(a, b, np.float64(v[i]), fmax, tol)
+        nnz += nz
+        nuf += uf
+        nsat += sat
     return sxx, sdd, sxq, sqq, nnz, nuf, nsat, amx, mn, mx
 
 
@@ -343,9 +387,10 @@ def steady_spec(spec: Any) -> Any:
     return spec
 
 
-def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
+def quantized_pair(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Quantize-dequantize ``x`` under ``spec`` with `fp8lab.quantize` (delayed specs as
-    `steady_spec`).
+    `steady_spec`): the pair (and scaled values) the statistics read. Not `fp8lab.fake_quant`
+    (which returns the dequantized tensor alone); ``stats.fake_quant`` is a deprecated alias.
 
     Returns ``(xq, values, format_name)``: ``xq`` the dequantized tensor (x's shape), ``values``
     the on-grid values in the scaled domain (same shape; used for the saturation count).
@@ -354,7 +399,7 @@ def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, 
 
     spec = steady_spec(spec)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError("fake_quant expects a floating torch.Tensor")
+        raise TypeError("quantized_pair expects a floating torch.Tensor")
     q = quantize(x.detach(), spec)
     return q.dequantize().reshape(x.shape), q.values.reshape(x.shape), spec.fmt.name
 
@@ -362,7 +407,7 @@ def fake_quant(x: torch.Tensor, spec: Any) -> tuple[torch.Tensor, torch.Tensor, 
 # ------------------------------------------------------------------------- tensor-level APIs
 def tensor_stats(x: torch.Tensor, spec: Any = "e4m3:tensor") -> dict[str, float]:
     """Every statistic of `STAT_KEYS` for ``x`` quantized under ``spec`` (see the docstring)."""
-    xq, values, fmt = fake_quant(x, spec)
+    xq, values, fmt = quantized_pair(x, spec)
     return error_stats(x, xq, fmt, values)
 
 
@@ -436,3 +481,17 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def __getattr__(name: str) -> Any:
+    # deprecated name of quantized_pair (fp8lab.fake_quant is the public quantize-dequantize)
+    if name == "fake_quant":
+        import warnings
+
+        warnings.warn(
+            "fp8lab.stats.fake_quant is deprecated: use fp8lab.stats.quantized_pair",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return quantized_pair
+    raise AttributeError(f"module 'fp8lab.stats' has no attribute {name!r}")

@@ -207,7 +207,7 @@ def inspect_file(
             "specs": {},
         }
         for sname, spec in specs:
-            xq, values, fmt = stats.fake_quant(t, spec)
+            xq, values, fmt = stats.quantized_pair(t, spec)
             s = stats.error_stats(t, xq, fmt, values)
             row = {
                 k: s[k]

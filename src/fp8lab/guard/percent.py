@@ -1,10 +1,10 @@
 """Underflow and saturation percentages of the FP8 GEMM operands, on the steps the guard samples
 (its ``saturation`` / ``underflow`` detectors, every ``every`` steps).
 
-One definition with `fp8lab.watch`: the two counts of `fp8lab.stats.error_stats` (which the
-watch's `fp8lab.observe.records.operand_row` runs), on the same three arrays -- the
-high-precision operand, the QTensor the GEMM consumed (dequantized) and its scaled values --
-with the same tolerance, so the numbers are equal (tested):
+One definition with `fp8lab.watch`: `fp8lab.stats.clip_percentages`, whose per-element counts
+are those of `fp8lab.stats.error_stats` (which the watch's `fp8lab.observe.records.operand_row`
+runs), on the same three arrays -- the high-precision operand, the QTensor the GEMM consumed
+(dequantized) and its scaled values --, so the numbers are equal (tested):
 
 - ``underflow_pct``: % of the nonzero elements of the high-precision operand that are 0 in the
   dequantized operand;
@@ -12,7 +12,7 @@ with the same tolerance, so the numbers are equal (tested):
   high-precision magnitude exceeds the dequantized one (clamped), or whose scaled value
   overflowed to Inf/NaN from a finite input. Exact for per-tensor and block scales alike.
 
-The pass is lean (`_counts`: two integer counts in float32, one numba loop) where the watch's
+The pass is lean (`clip_percentages`: three integer counts, one numba loop) where the watch's
 `error_stats` also accumulates float64 sums for SQNR, cosine and the dynamic range: the guard
 samples every 10 steps and has a 3 % overhead budget (docs/guard.md). Only quantized
 operands (a `QTensor`: high-precision roundings such as bf16 are left out) in their natural
@@ -25,55 +25,19 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
-from numba import njit
 
 from fp8lab.nn import on_operand
 from fp8lab.observe.records import NATURAL_OPERANDS
 from fp8lab.qtensor import QTensor
-from fp8lab.stats import _SAT_TOL  # the watch's clamp tolerance (error_stats)
+from fp8lab.stats import clip_percentages
 
 __all__ = ["operand_percentages", "percentages"]
 
 
-@njit(cache=True)
-def _counts(x: np.ndarray, xq: np.ndarray, v: np.ndarray, fmax: float, tol: float) -> tuple:
-    """(nonzero, underflowed, saturated) over flat arrays: `fp8lab.stats.error_stats`'s
-    ``nnz``, ``nuf`` and ``nsat`` (same comparisons, in the same float64)."""
-    nnz = 0
-    nuf = 0
-    nsat = 0
-    for i in range(x.size):
-        a = np.float64(x[i])
-        b = np.float64(xq[i])
-        if a != 0.0:  # NaN counts as nonzero, as in error_stats
-            nnz += 1
-            if b == 0.0:
-                nuf += 1
-        vv = np.float64(v[i])
-        if np.isfinite(vv):
-            if abs(vv) == fmax and abs(a) > abs(b) * (1.0 + tol):
-                nsat += 1
-        elif np.isfinite(a):
-            nsat += 1
-    return nnz, nuf, nsat
-
-
-def _flat(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.dtype != torch.float32:
-        t = t.float()
-    return t.contiguous().reshape(-1).numpy()
-
-
 def percentages(hp: torch.Tensor, q: QTensor) -> tuple[float, float]:
     """(underflow %, saturation %) of one quantized operand (see the module doc)."""
-    used = q.dequantize()
-    nnz, nuf, nsat = _counts(_flat(hp), _flat(used), _flat(q.values), float(q.spec.fmt.max),
-                             _SAT_TOL)  # fmt: skip
-    n = hp.numel()
-    return (100.0 * nuf / nnz if nnz else 0.0), (100.0 * nsat / n if n else 0.0)
+    return clip_percentages(hp, q.dequantize(), q.spec.fmt, q.values)
 
 
 class _Percentages:
