@@ -301,40 +301,30 @@ def _generic_one(a, neg, inf_bits, mbits, i, g, mode, seed, hyb16):
 
 
 @njit(cache=True, inline="always")
-def _generic32_one(u, i, g, mode, seed, hyb16):
-    u = np.int64(u)
-    return _generic_one(u & 0x7FFFFFFF, (u >> 31) != 0, 0x7F800000, 23, i, g, mode, seed, hyb16)
+def _generic_bits_one(u, i, g, mode, seed, hyb16, sign, inf_bits, mbits):
+    """One binary32 (``sign`` 31, ``inf_bits`` 0x7F800000, ``mbits`` 23) or binary64 (63,
+    0x7FF0000000000000, 52) bit pattern ``u`` (uint32 / uint64): its fields to `_generic_one`."""
+    v = np.uint64(u)
+    a = np.int64(v & ((np.uint64(1) << np.uint64(sign)) - np.uint64(1)))
+    neg = (v >> np.uint64(sign)) != 0
+    return _generic_one(a, neg, inf_bits, mbits, i, g, mode, seed, hyb16)
 
 
-@njit(cache=True, inline="always")
-def _generic64_one(u, i, g, mode, seed, hyb16):
-    a = np.int64(u & np.uint64(0x7FFFFFFFFFFFFFFF))
-    neg = (u >> np.uint64(63)) != 0
-    return _generic_one(a, neg, 0x7FF0000000000000, 52, i, g, mode, seed, hyb16)
-
-
-@njit(parallel=True, cache=True)
-def _cast_u32(src, dst, g, mode, seed, hyb16):
-    for i in prange(src.shape[0]):
-        dst[i] = _generic32_one(src[i], i, g, mode, seed, hyb16)
-
-
-@njit(cache=True)
-def _cast_u32_serial(src, dst, g, mode, seed, hyb16):
-    for i in range(src.shape[0]):
-        dst[i] = _generic32_one(src[i], i, g, mode, seed, hyb16)
+#: (sign bit, Inf bit pattern, stored mantissa bits) by source width: `_cast_bits`' fields
+_BITS32 = (31, 0x7F800000, 23)
+_BITS64 = (63, 0x7FF0000000000000, 52)
 
 
 @njit(parallel=True, cache=True)
-def _cast_u64(src, dst, g, mode, seed, hyb16):
+def _cast_bits(src, dst, g, mode, seed, hyb16, sign, inf_bits, mbits):
     for i in prange(src.shape[0]):
-        dst[i] = _generic64_one(src[i], i, g, mode, seed, hyb16)
+        dst[i] = _generic_bits_one(src[i], i, g, mode, seed, hyb16, sign, inf_bits, mbits)
 
 
 @njit(cache=True)
-def _cast_u64_serial(src, dst, g, mode, seed, hyb16):
+def _cast_bits_serial(src, dst, g, mode, seed, hyb16, sign, inf_bits, mbits):
     for i in range(src.shape[0]):
-        dst[i] = _generic64_one(src[i], i, g, mode, seed, hyb16)
+        dst[i] = _generic_bits_one(src[i], i, g, mode, seed, hyb16, sign, inf_bits, mbits)
 
 
 _U = np.uint32
@@ -599,13 +589,10 @@ def cast(
             (_cast_fast_serial if small else _cast_fast)(s32, d32, fast, mode, seed, hyb16)
         return dst
     d = dst.view(-1).numpy()
-    if src.dtype == torch.float64:
-        s = src.view(-1).numpy().view(np.uint64)
-        kernel = _cast_u64_serial if small else _cast_u64
-    else:
-        s = src.view(-1).numpy().view(np.uint32)
-        kernel = _cast_u32_serial if small else _cast_u32
-    kernel(s, d, generic, mode, seed, hyb16)
+    wide = src.dtype == torch.float64
+    s = src.view(-1).numpy().view(np.uint64 if wide else np.uint32)
+    kernel = _cast_bits_serial if small else _cast_bits
+    kernel(s, d, generic, mode, seed, hyb16, *(_BITS64 if wide else _BITS32))
     return dst
 
 
