@@ -80,13 +80,9 @@ class CollectiveBytes:
         return self.grad_reduce + self.amax_allreduce + self.fsdp_allgather
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "grad_reduce_bytes": self.grad_reduce,
-            "amax_allreduce_bytes": self.amax_allreduce,
-            "amax_allreduces": self.amax_allreduces,
-            "fsdp_allgather_bytes": self.fsdp_allgather,
-            "total_bytes": self.total,
-        }
+        """``<name>_bytes`` per byte count (``total_bytes`` last) and ``amax_allreduces``."""
+        names = ("grad_reduce", "amax_allreduce", "amax_allreduces", "fsdp_allgather", "total")
+        return {n if n == "amax_allreduces" else f"{n}_bytes": getattr(self, n) for n in names}
 
 
 def _copy_bytes(fmt: str, gran: tuple[int, int] | None, rule: str | None, o: int, i: int) -> int:

@@ -188,12 +188,7 @@ class LayerCost:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "layer_ms": self.layer_ms,
-            "gemm_ms": self.gemm_ms,
-            "quantize_ms": self.quantize_ms,
-            "bytes": self.bytes,
-        }
+        return {k: getattr(self, k) for k in ("layer_ms", "gemm_ms", "quantize_ms", "bytes")}
 
 
 # --------------------------------------------------------------------------- classes

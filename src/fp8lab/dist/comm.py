@@ -103,14 +103,9 @@ class CommResult:
     scales: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "precision": self.precision,
-            "ranks": self.ranks,
-            "messages": self.messages,
-            "underflow": self.underflow,
-            "overflow": self.overflow,
-            "bytes_per_rank": self.bytes_per_rank,
-        }
+        """The wire statistics (every field but ``out`` and ``scales``), in field order."""
+        keys = ("precision", "ranks", "messages", "underflow", "overflow", "bytes_per_rank")
+        return {k: getattr(self, k) for k in keys}
 
 
 def msamp_scale(amax: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:

@@ -152,11 +152,7 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self._scale,
-            "dynamic": self.dynamic,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
+            **{k: getattr(self, k) for k in _CONFIG},
             "growth_tracker": self._growth_tracker,
             "hysteresis_tracker": self._hysteresis_tracker,
             "skipped_steps": self.skipped_steps,
@@ -168,7 +164,7 @@ class LossScaler:
         if missing:
             raise ValueError(f"LossScaler state is missing {sorted(missing)}")
         self._scale = float(sd["scale"])
-        for k in ("dynamic", "growth_factor", "backoff_factor", "growth_interval", "hysteresis"):
+        for k in _CONFIG:
             if k in sd:
                 setattr(self, k, sd[k])
         self._growth_tracker = int(sd["growth_tracker"])
@@ -179,6 +175,10 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, scale={self._scale:g}, skipped={self.skipped_steps})"
+
+
+#: the scaler's configuration in its state_dict (restored when present)
+_CONFIG = ("dynamic", "growth_factor", "backoff_factor", "growth_interval", "hysteresis")
 
 
 def _grads(obj: Any) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,25 +84,11 @@ class GemmConfig:
         object.__setattr__(self, "accumulator", Accumulator.parse(self.accumulator))
         hp = None if self.high_precision is None else _precision(self.high_precision, "")
         object.__setattr__(self, "high_precision", hp)
-        cells = self.high_precision_roles
-        items = cells.items() if isinstance(cells, Mapping) else cells
-        pairs = []
-        for role, precision in items:
-            if role not in ROLES:
-                raise ValueError(f"high_precision_roles: role must be one of {ROLES}, got {role!r}")
-            pairs.append((role, _precision(precision, f" for {role}")))
-        object.__setattr__(self, "high_precision_roles", tuple(sorted(pairs)))
-        ov = self.overrides
-        items = ov.items() if isinstance(ov, Mapping) else ov
-        pairs = []
-        for role, spec in items:
-            if role not in ROLES:
-                raise ValueError(f"override role must be one of {ROLES}, got {role!r}")
-            s = _spec(spec, f"override for {role}")
-            if s is None:
-                raise ValueError(f"override for {role} must be a QuantSpec, got None")
-            pairs.append((role, s))
-        object.__setattr__(self, "overrides", tuple(sorted(pairs, key=lambda p: p[0])))
+        hp_roles = _by_role(self.high_precision_roles, "high_precision_roles: role",
+                            lambda role, p: _precision(p, f" for {role}"))  # fmt: skip
+        object.__setattr__(self, "high_precision_roles", tuple(sorted(hp_roles)))
+        overrides = _by_role(self.overrides, "override role", _override)
+        object.__setattr__(self, "overrides", tuple(sorted(overrides, key=lambda p: p[0])))
 
     def override(self, role: str) -> QuantSpec | None:
         for r, s in self.overrides:
@@ -137,6 +123,25 @@ class GemmConfig:
             overrides=dict(d.get("overrides", {})),
             high_precision_roles=dict(d.get("high_precision_roles", {})),
         )
+
+
+def _by_role(cells: Any, what: str, convert: Callable[[str, Any], Any]) -> list[tuple[str, Any]]:
+    """``cells`` (a mapping or pairs) as ``(role, convert(role, value))`` pairs; an unknown role
+    is a ValueError starting with ``what``."""
+    items = cells.items() if isinstance(cells, Mapping) else cells
+    pairs = []
+    for role, value in items:
+        if role not in ROLES:
+            raise ValueError(f"{what} must be one of {ROLES}, got {role!r}")
+        pairs.append((role, convert(role, value)))
+    return pairs
+
+
+def _override(role: str, spec: Any) -> QuantSpec:
+    s = _spec(spec, f"override for {role}")
+    if s is None:
+        raise ValueError(f"override for {role} must be a QuantSpec, got None")
+    return s
 
 
 def _precision(value: Any, what: str) -> str:
