@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fp8lab"
 #: top-level part of fp8lab -> layer (a module may import its own layer and those below)
 LAYERS: dict[str, int] = {
     "_bits": 0,
+    "_counters": 0,
     "_keys": 0,
     "_threads": 0,  # the numba kernels' thread policy (torch + numba only)
     "formats": 0,

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numba
 import torch
 
+from fp8lab._counters import read_counts
+
 __all__ = ["SERIAL_BELOW", "dispatch_counts", "parallel"]
 
 SERIAL_BELOW = 1 << 21
@@ -48,8 +50,4 @@ def parallel(work: int) -> bool:
 
 def dispatch_counts(reset: bool = False) -> dict[str, int]:
     """How many kernel calls took the serial and the parallel variant in this process."""
-    out = dict(_COUNTS)
-    if reset:
-        for k in _COUNTS:
-            _COUNTS[k] = 0
-    return out
+    return read_counts(_COUNTS, reset)

@@ -319,28 +319,6 @@ def block_amax(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tens
     return pt.reshape(nr, per, nc).amax(dim=1)
 
 
-def _scale_cast(
-    x2: torch.Tensor,
-    mult: torch.Tensor,
-    block: tuple[int, int],
-    spec: QuantSpec,
-    generator: torch.Generator | None,
-    out: torch.Tensor | None = None,
-    deq: torch.Tensor | None = None,
-    inv: torch.Tensor | None = None,
-    global_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C].
-
-    ``out``: a contiguous float32 [R, C] buffer for the values (else allocated). ``deq``: a
-    second buffer that receives ``values * inv[block] (* global_scale)``, bit for bit what
-    `QTensor.dequantize` computes, fused into the cast pass on the fast path.
-    """
-    m, k = resolve_block(block, tuple(x2.shape))
-    return scale_cast(x2, mult, m, k, _fast_params(spec), spec, generator, out, deq, inv,
-                      global_scale)  # fmt: skip
-
-
 def scale_cast(
     x2: torch.Tensor,
     mult: torch.Tensor,
@@ -354,8 +332,13 @@ def scale_cast(
     inv: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`_scale_cast` with the block ``(m, k)`` resolved and the fast path's grid ``g``
-    (`_fast_params`; None: the generic `fp8lab.cast`) given."""
+    """values = cast(x * mult[block]) for a contiguous float32 [R, C] tensor; float32 [R, C].
+
+    The block ``(m, k)`` is resolved; ``g``: the fast path's grid (`_fast_params`; None: the
+    generic `fp8lab.cast`). ``out``: a contiguous float32 [R, C] buffer for the values (else
+    allocated). ``deq``: a second buffer that receives ``values * inv[block] (* global_scale)``,
+    bit for bit what `QTensor.dequantize` computes, fused into the cast pass on the fast path.
+    """
     rows, cols = x2.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32)

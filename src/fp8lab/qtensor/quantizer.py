@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fp8lab._counters import read_counts
 from fp8lab.qtensor.kernels import _fast_params, block_amax, scale_cast
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
@@ -47,11 +48,7 @@ _RETILE_COUNTS = {"from_quantized": 0, "from_source": 0}
 
 def retile_counts(reset: bool = False) -> dict[str, int]:
     """How many re-tilings ran in this process, by source; ``reset=True`` zeroes the counters."""
-    out = dict(_RETILE_COUNTS)
-    if reset:
-        for k in _RETILE_COUNTS:
-            _RETILE_COUNTS[k] = 0
-    return out
+    return read_counts(_RETILE_COUNTS, reset)
 
 
 class Quantizer:
