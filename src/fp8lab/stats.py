@@ -137,12 +137,13 @@ def saturation_pct(
     value is ``+-max`` while ``|x| > |xq|`` (it was clamped), or when it overflowed to Inf/NaN
     from a finite input (non-saturating casts).
     """
-    return clip_percentages(x, xq, fmt, values)[1]
+    return clip_percentages(x, xq, fmt=fmt, values=values)[1]
 
 
 def clip_percentages(
     x: torch.Tensor,
     xq: torch.Tensor,
+    *,
     fmt: str | FloatFormat | None = None,
     values: torch.Tensor | None = None,
 ) -> tuple[float, float]:
@@ -334,9 +335,9 @@ def parse_spec(spec: Any) -> Any:
     through. A bare format name is a plain cast (fixed multiplier 1.0)."""
     from fp8lab.qtensor import QuantSpec
 
-    if isinstance(spec, QuantSpec):
-        return spec
     if not isinstance(spec, str):
+        if isinstance(spec, QuantSpec):
+            return spec
         raise TypeError(f"spec must be a spec string or a QuantSpec, got {type(spec).__name__}")
     s = spec.strip().lower()
     if s in _SHORTHANDS:

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fp8lab._keys import check_keys
+from fp8lab._keys import check_choice, check_keys
 
 __all__ = [
     "ACCUMULATOR_KINDS",
@@ -136,16 +136,9 @@ class Accumulator:
                     f"promote_every must be a positive multiple of group={self.group}, got {pe}"
                 )
             object.__setattr__(self, "promote_every", pe)
-        if self.rounding not in ACC_ROUNDINGS:
-            raise ValueError(
-                f"accumulator rounding must be one of {ACC_ROUNDINGS}, got {self.rounding!r}"
-            )
-        if self.out_rounding not in ACC_ROUNDINGS:
-            raise ValueError(
-                f"out_rounding must be one of {ACC_ROUNDINGS}, got {self.out_rounding!r}"
-            )
-        if self.c_entry not in C_ENTRIES:
-            raise ValueError(f"c_entry must be one of {C_ENTRIES}, got {self.c_entry!r}")
+        check_choice(self.rounding, ACC_ROUNDINGS, "accumulator rounding")
+        check_choice(self.out_rounding, ACC_ROUNDINGS, "out_rounding")
+        check_choice(self.c_entry, C_ENTRIES, "c_entry")
         if self.align_bits is not None and not 1 <= int(self.align_bits) <= 40:
             raise ValueError(
                 f"align_bits must be in [1, 40] or None (exact), got {self.align_bits}"

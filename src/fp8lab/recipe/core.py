@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8lab._keys import check_choice
 from fp8lab.gemm import Accumulator
 from fp8lab.qtensor import QuantSpec
 from fp8lab.recipe.config import (
@@ -120,21 +121,12 @@ class Recipe:
             elif not isinstance(v, GemmConfig):
                 raise TypeError(f"{g} must be a GemmConfig or dict, got {type(v).__name__}")
             object.__setattr__(self, g, v)
-        if self.save_for_backward not in SAVE_MODES:
-            raise ValueError(
-                f"save_for_backward must be one of {SAVE_MODES}, got {self.save_for_backward!r}"
-            )
-        if self.loss_scaling not in LOSS_SCALINGS:
-            raise ValueError(
-                f"loss_scaling must be one of {LOSS_SCALINGS}, got {self.loss_scaling!r}"
-            )
+        check_choice(self.save_for_backward, SAVE_MODES, "save_for_backward")
+        check_choice(self.loss_scaling, LOSS_SCALINGS, "loss_scaling")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ValueError(f"loss_scale must be finite and > 0, got {self.loss_scale}")
         object.__setattr__(self, "loss_scale", float(self.loss_scale))
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ValueError(
-                f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}"
-            )
+        check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         if self.master_weights not in ("fp32", "bf16", "fp16"):
             raise ValueError(
                 f"master_weights must be fp32, bf16 or fp16, got {self.master_weights!r}"

@@ -23,6 +23,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from fp8lab.report.training import _CSS, _SCRIPT
+from fp8lab.report.training import _fmt as _cell
 
 FIGURES = "figures"
 CELLS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"),
@@ -33,13 +34,7 @@ KIND_COLORS = {"recipe": "#d62728", "baseline": "black", "noise": "#7f7f7f",
 
 
 def _fmt(v: Any, spec: str = "+.3f") -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
+    return _cell(v, spec, blank_nonfinite=True)
 
 
 def _gap_curve(val: list, base: dict[int, float | None]) -> tuple[list[int], list[float]]:

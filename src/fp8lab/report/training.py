@@ -48,8 +48,10 @@ def _nan(v: float | None) -> float:
     return math.nan if v is None else v
 
 
-def _fmt(v: Any, spec: str = ".4f") -> str:
-    if v is None:
+def _fmt(v: Any, spec: str = ".4f", blank_nonfinite: bool = False) -> str:
+    """A table cell: "—" for None (and for Inf/NaN with ``blank_nonfinite``), yes/no, floats
+    formatted with ``spec``."""
+    if v is None or (blank_nonfinite and isinstance(v, float) and not math.isfinite(v)):
         return "—"
     if isinstance(v, bool):
         return "yes" if v else "no"
