@@ -14,6 +14,7 @@ fired), ``skip_batches`` and ``escalations``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -70,10 +71,37 @@ class GuardRun:
         self.findings: list[Any] = []
         self.pending: list[dict[str, Any]] = []  # events not yet attached to a metrics record
         self.effective_recipe = recipe
+        self._rows: contextlib.ExitStack | None = None  # the step's operand percentages
 
     @property
     def acts(self) -> bool:
         return self.guard.policy != "off"
+
+    # ------------------------------------------------------------------ TrainStep hooks
+    def before_forward(self, ctx: Any) -> None:
+        """Remember the scaling state; on the steps that measure them, collect the per-operand
+        underflow / saturation % (per-rank numbers under torchrun: `agree` settles them)."""
+        self.before_step()
+        if self.recipe is not None and self.wants_rows(ctx.step):
+            from fp8lab.guard.percent import operand_percentages
+
+            self._rows = contextlib.ExitStack()
+            ctx.extra["guard_rows"] = self._rows.enter_context(operand_percentages())
+
+    def after_backward(self, ctx: Any) -> None:
+        self.on_error(ctx)
+
+    def on_error(self, ctx: Any) -> None:
+        if self._rows is not None:
+            self._rows.close()
+            self._rows = None
+
+    def before_optimizer_step(self, ctx: Any) -> bool:
+        """Run the detectors; False (veto the update) when the guard acts on a finding."""
+        return not self.check(ctx.step, ctx.loss_value, ctx.grad_norm, ctx.extra.get("guard_rows"))
+
+    def on_checkpoint(self, ctx: Any, state: dict[str, Any]) -> None:
+        state.update(self.checkpoint_extra())
 
     # ------------------------------------------------------------------ per step
     def wants_rows(self, step: int) -> bool:

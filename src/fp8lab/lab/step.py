@@ -1,0 +1,211 @@
+"""One training step with public hooks: `TrainStep`.
+
+``TrainStep(loss_fn, optimizer, scaler, clip, hooks)`` runs forward, loss scaling, backward,
+unscale, clipping, the optimizer step, the scaler update and ``zero_grad`` on one batch, the
+arithmetic of the lab's loop (`fp8lab.lab.train.train_run` runs its steps through it, so a
+hook-free step is bit-identical to the lab's). It takes no lab configuration: a loss function,
+an optimizer, an optional `fp8lab.optim.LossScaler` and a clip value, so a user's own loop (or
+the debugger's replay on a model copy) can run it.
+
+Hooks are objects with any subset of these methods, called in list order with the step's
+`StepContext` (like Lightning callbacks):
+
+- ``before_forward(ctx)``: before the forward pass (may replace ``ctx.batch``, e.g. a rank's
+  shard, or set ``ctx.loss_mult``, a factor on the loss for backward divided out of the
+  gradients again by whoever set it);
+- ``after_forward(ctx)``: ``ctx.loss`` is set (may replace it, e.g. a fault injection);
+- ``after_backward(ctx)``: the gradients exist, still scaled by the loss scale;
+- ``before_optimizer_step(ctx)``: unscaled and clipped, ``ctx.grad_norm`` and
+  ``ctx.found_inf`` set; returning ``False`` vetoes the update (the anomaly guard's "block"),
+  every hook is called either way;
+- ``after_optimizer_step(ctx)``: the update was applied or not (``ctx.skipped``), the scaler
+  updated; the gradients still exist (``zero_grad`` follows);
+- ``on_checkpoint(ctx, state)``: `TrainStep.checkpoint` asks each hook for what it adds to a
+  checkpoint (``state``: the dict being saved, updated in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["HOOKS", "StepContext", "TrainStep", "WatchHook"]
+
+#: the hook methods a TrainStep calls, in the order of a step (``on_checkpoint`` on demand)
+HOOKS = (
+    "before_forward",
+    "after_forward",
+    "after_backward",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "on_checkpoint",
+    "on_error",
+)
+
+#: what a loss function returns: the loss tensor to backpropagate, or (that tensor, the loss to
+#: report), e.g. a data-parallel rank's local loss and the global batch's
+LossFn = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, float]"]
+
+
+@dataclass
+class StepContext:
+    """What a hook sees of one step. ``step``: the 0-based step index; ``batch``: the batch the
+    loss function receives; ``loss``: the loss tensor backpropagated (after ``after_forward``);
+    ``global_loss``: the loss to report when it is not ``loss`` (data parallel); ``loss_scale``:
+    the scaler's scale of this step (1.0 without one); ``loss_mult``: an extra factor on the loss
+    for backward; ``grad_norm``: the global gradient norm before clipping (NaN when the
+    gradients are not finite); ``found_inf``: the scaler found non-finite gradients;
+    ``vetoed``: a hook vetoed the update; ``skipped``: the update was not applied;
+    ``time_s``: the step's wall time; ``extra``: scratch space for hooks."""
+
+    step: int
+    batch: Any
+    loss: torch.Tensor | None = None
+    global_loss: float | None = None
+    loss_scale: float = 1.0
+    loss_mult: float = 1.0
+    grad_norm: float = float("nan")
+    found_inf: bool = False
+    vetoed: bool = False
+    skipped: bool = True
+    time_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loss_value(self) -> float:
+        """The loss as a float: ``global_loss`` when set, else ``loss``."""
+        if self.global_loss is not None:
+            return self.global_loss
+        return float("nan") if self.loss is None else float(self.loss.detach())
+
+
+class TrainStep:
+    """One training step (see the module doc for the hooks).
+
+    ``loss_fn(batch)``: runs the model, returns the loss (or ``(loss, reported_loss)``);
+    ``optimizer``: None runs no update (gradients are kept: ``zero_grad`` is skipped too, for a
+    replay that reads them); ``scaler``: an `fp8lab.optim.LossScaler` or None; ``clip``: the
+    max global gradient norm (0 = off); ``params``: the parameters clipped and measured (default
+    the optimizer's)."""
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: Any = None,
+        scaler: Any = None,
+        clip: float = 0.0,
+        hooks: Sequence[Any] = (),
+        params: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if params is None:
+            if optimizer is None:
+                raise ValueError("TrainStep without an optimizer needs params")
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.loss_fn, self.optimizer, self.scaler = loss_fn, optimizer, scaler
+        self.clip = float(clip)
+        self.params = list(params)
+        self.hooks = list(hooks)
+
+    def _call(self, name: str, ctx: StepContext) -> bool:
+        """Call hook method ``name`` on every hook that has it; False when one returned False."""
+        ok = True
+        for h in self.hooks:
+            fn = getattr(h, name, None)
+            if fn is not None and fn(ctx) is False:
+                ok = False
+        return ok
+
+    def __call__(self, step: int, batch: Any) -> StepContext:
+        """Run step ``step`` on ``batch``; return its context."""
+        t0 = time.perf_counter()
+        scaler = self.scaler
+        ctx = StepContext(step, batch, loss_scale=scaler.get_scale() if scaler is not None else 1.0)
+        try:
+            self._run(ctx)
+        except BaseException:
+            self._call("on_error", ctx)  # hooks close what they opened (operand collectors)
+            raise
+        ctx.time_s = time.perf_counter() - t0
+        return ctx
+
+    def _run(self, ctx: StepContext) -> None:
+        scaler = self.scaler
+        self._call("before_forward", ctx)
+        out = self.loss_fn(ctx.batch)
+        ctx.loss, ctx.global_loss = out if isinstance(out, tuple) else (out, None)
+        self._call("after_forward", ctx)
+        (ctx.loss * (ctx.loss_scale * ctx.loss_mult)).backward()
+        self._call("after_backward", ctx)
+        self._unscale_and_clip(ctx)
+        ctx.vetoed = not self._call("before_optimizer_step", ctx)
+        if self.optimizer is not None:
+            if not ctx.found_inf and math.isfinite(ctx.grad_norm) and not ctx.vetoed:
+                self.optimizer.step()
+                ctx.skipped = bool(getattr(self.optimizer, "last_step_skipped", False))
+            if scaler is not None:
+                scaler.update()
+        self._call("after_optimizer_step", ctx)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _unscale_and_clip(self, ctx: StepContext) -> None:
+        """Unscale the gradients (the scaler's found_inf), then the norm and clipping."""
+        from fp8lab.optim import clip_grad_norm_, grad_norm
+
+        ctx.found_inf = (
+            bool(self.scaler.unscale_(self.optimizer)) if self.scaler is not None else False
+        )
+        if ctx.found_inf:
+            ctx.grad_norm = float(grad_norm(self.params))
+        elif self.clip > 0:
+            ctx.grad_norm = float(clip_grad_norm_(self.params, self.clip))
+        else:
+            ctx.grad_norm = float(grad_norm(self.params))
+
+    def checkpoint(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Let every hook add to the checkpoint ``state`` (``on_checkpoint(ctx, state)``)."""
+        ctx = StepContext(step, None)
+        for h in self.hooks:
+            fn = getattr(h, "on_checkpoint", None)
+            if fn is not None:
+                fn(ctx, state)
+        return state
+
+
+class WatchHook:
+    """`fp8lab.observe.sample` as a hook: every ``every`` steps (0 = never) the operand
+    statistics of the step's forward and backward go to ``rows`` (``step``: steps done)."""
+
+    def __init__(self, model: torch.nn.Module, every: int) -> None:
+        self.model, self.every = model, every
+        self.rows: list[dict[str, Any]] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def before_forward(self, ctx: StepContext) -> None:
+        self.rows = []
+        if self.every > 0 and (ctx.step + 1) % self.every == 0:
+            self._stack = contextlib.ExitStack()
+            self.rows = self._stack.enter_context(sample_rows(self.model, True, ctx.step + 1))
+
+    def after_backward(self, ctx: StepContext) -> None:
+        self.on_error(ctx)
+
+    def on_error(self, ctx: StepContext) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+def sample_rows(model: torch.nn.Module, enabled: bool, step: int) -> Any:
+    """``fp8lab.observe.sample``: the rows of this step's operands (the watch records), or []."""
+    if not enabled:
+        return contextlib.nullcontext([])
+    from fp8lab.observe import sample
+
+    return sample(model, step)
