@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8lab import get_format, stats
-from fp8lab.qtensor import QuantSpec
+from fp8lab.qtensor import QuantSpec, quantize
 from fp8lab.scaling.delayed import DelayedScaling
 
 E4M3 = get_format("e4m3")
@@ -215,14 +215,15 @@ def test_one_definition_of_underflow_and_saturation(dtype) -> None:
     for spec in ("e4m3", "e4m3:1x128", QuantSpec("e4m3", scaling=1.0, saturate=False)):
         xq, values, fmt = stats.quantized_pair(x, spec)
         want = _torch_percentages(x, xq, E4M3.max, values)
-        assert stats.clip_percentages(x, xq, fmt=fmt, values=values) == want
+        q = quantize(x, stats.steady_spec(spec))
+        assert stats.clip_percentages(x, q) == want  # the guard's lean pass
         assert stats.underflow_pct(x, xq) == want[0]
         assert stats.saturation_pct(x, xq, fmt, values) == want[1]
         es = stats.error_stats(x, xq, fmt, values)
         assert (es["underflow_pct"], es["saturation_pct"]) == want
-    assert math.isnan(stats.clip_percentages(x, x)[1])
+    assert math.isnan(stats.error_stats(x, x)["saturation_pct"])
     with pytest.raises(ValueError, match="values shape"):
-        stats.clip_percentages(x, x, fmt="e4m3", values=x[:3])
+        stats.saturation_pct(x, x, "e4m3", x[:3])
 
 
 def test_stats_fake_quant_is_a_deprecated_alias() -> None:

@@ -121,7 +121,7 @@ def rel_error(x: torch.Tensor, xq: torch.Tensor) -> float:
 
 def underflow_pct(x: torch.Tensor, xq: torch.Tensor) -> float:
     """Percentage of the nonzero elements of ``x`` that became 0 in ``xq`` (0 if none nonzero)."""
-    return clip_percentages(x, xq)[0]
+    return _clip_percentages(x, xq, None, None)[0]
 
 
 def saturation_pct(
@@ -137,19 +137,21 @@ def saturation_pct(
     value is ``+-max`` while ``|x| > |xq|`` (it was clamped), or when it overflowed to Inf/NaN
     from a finite input (non-saturating casts).
     """
-    return clip_percentages(x, xq, fmt=fmt, values=values)[1]
+    return _clip_percentages(x, xq, fmt, values)[1]
 
 
-def clip_percentages(
-    x: torch.Tensor,
-    xq: torch.Tensor,
-    *,
-    fmt: str | FloatFormat | None = None,
-    values: torch.Tensor | None = None,
-) -> tuple[float, float]:
-    """``(underflow_pct, saturation_pct)`` of a pair in one lean pass: fp8lab's one definition
-    of both percentages (`underflow_pct`, `saturation_pct`, `error_stats`, the watch and the
-    guard all count with `_clip_counts`). Saturation is NaN without ``fmt``."""
+def clip_percentages(x: torch.Tensor, q: Any) -> tuple[float, float]:
+    """``(underflow_pct, saturation_pct)`` of ``x`` quantized as ``q`` (a `fp8lab.QTensor` of
+    ``x``'s shape: its dequantized values, scaled values and format) in one lean pass.
+
+    fp8lab's one definition of both percentages: `underflow_pct`, `saturation_pct`,
+    `error_stats` (the watch's records) and this function (the guard's) all count with one
+    per-element function, `_clip_counts`."""
+    return _clip_percentages(x, q.dequantize(), q.spec.fmt, q.values)
+
+
+def _clip_percentages(x: Any, xq: Any, fmt: Any, values: Any) -> tuple[float, float]:
+    """`clip_percentages` of a pair (saturation NaN without ``fmt``; ``values`` None: ``xq``)."""
     a, b, v = _flat_pair(x, xq, values)
     fmax = math.inf if fmt is None else float(get_format(fmt).max)
     nnz, nuf, nsat = _count_kernel(a, b, v, fmax, SATURATION_TOL)

@@ -37,7 +37,7 @@ __all__ = ["operand_percentages", "percentages"]
 
 def percentages(hp: torch.Tensor, q: QTensor) -> tuple[float, float]:
     """(underflow %, saturation %) of one quantized operand (see the module doc)."""
-    return clip_percentages(hp, q.dequantize(), fmt=q.spec.fmt, values=q.values)
+    return clip_percentages(hp, q)
 
 
 class _Percentages:
