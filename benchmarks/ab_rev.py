@@ -44,15 +44,16 @@ def run(src: Path, script: Path, args: list[str]) -> str:
 
 
 def numbers(text: str) -> dict[str, list[float]]:
-    """label -> the numbers on its line (the label: the line's text before its first number)."""
+    """label -> the numbers on its line: the label is the line's leading words up to the first
+    word that is a number (so ``deepseek-v3`` and ``fp32`` stay labels)."""
     rows: dict[str, list[float]] = {}
     for line in text.splitlines():
-        m = NUM.search(line)
-        if m is None:
+        words = line.replace("|", " ").split()
+        k = next((i for i, w in enumerate(words) if NUM.fullmatch(w.rstrip("x%"))), None)
+        if k is None or k == 0:
             continue
-        label = line[: m.start()].strip(" |:")
-        if label:
-            rows[label] = [float(v) for v in NUM.findall(line[m.start() :])]
+        vals = [float(w.rstrip("x%")) for w in words[k:] if NUM.fullmatch(w.rstrip("x%"))]
+        rows[" ".join(words[:k])] = vals
     return rows
 
 
