@@ -260,12 +260,12 @@ def test_stats_are_the_watch_records_of_the_consumed_operands(qcorpus, tmp_path,
     import fp8lab
     from fp8lab import stats
     from fp8lab.formats import cast, get_format
-    from fp8lab.lab import train as train_mod
+    from fp8lab.lab import step as step_mod
     from fp8lab.nn import collect_operands
     from fp8lab.observe import FIELDS, read_records
 
     seen = {}
-    orig = train_mod._collect
+    orig = step_mod.sample_rows
 
     @contextmanager
     def spy(model, enabled, step):  # the lab's sampler plus an independent copy of the operands
@@ -278,7 +278,7 @@ def test_stats_are_the_watch_records_of_the_consumed_operands(qcorpus, tmp_path,
                 yield rows
             seen[step] = dict(ops)
 
-    monkeypatch.setattr(train_mod, "_collect", spy)
+    monkeypatch.setattr(step_mod, "sample_rows", spy)
     train_run(fp8lab.get_recipe(name), QTINY, qcorpus, tmp_path)
     rows = read_records(tmp_path / "stats.jsonl")
     assert {r["step"] for r in rows} == set(seen) == {4, 8}

@@ -19,25 +19,19 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from fp8lab.lab import checkpoint as ckpt
+from fp8lab.lab.checkpoint import CHECKPOINT, CHECKPOINTS, checkpoint_config, mismatch_message
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.inject import Injector
-from fp8lab.lab.train import (
-    CHECKPOINT,
-    CHECKPOINTS,
-    LabConfig,
+from fp8lab.lab.loop import (
     LoopState,
     _data_parallel,
     _guard_run,
-    _load_checkpoint,
-    _train_step,
-    build_model,
-    checkpoint_config,
-    make_optimizer,
-    mismatch_message,
+    make_step,
     read_metrics,
+    train_step,
 )
+from fp8lab.lab.train import LabConfig, build_model, make_optimizer
 
 __all__ = ["replay_step"]
 
@@ -45,18 +39,13 @@ __all__ = ["replay_step"]
 def _load(path: Path) -> dict[str, Any]:
     """A checkpoint's contents; ValueError naming the file and the fix when it cannot be read
     (truncated, corrupt, or not fp8lab's), as `fp8lab compare` says on resume."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # zip errors, EOFError, UnpicklingError, OSError, ...
-        text = str(exc).strip()
-        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
-        if path.parent.name == CHECKPOINTS:  # a kept older checkpoint: replay can do without
-            fix = (f"delete {path} (replay then starts from an earlier checkpoint or the "
-                   "initial weights)")  # fmt: skip
-        else:
-            fix = (f"restore it, or delete the run folder {path.parent} and rerun the same "
-                   "`fp8lab compare` command to train the run again")  # fmt: skip
-        raise ValueError(f"{path}: corrupt or truncated checkpoint ({reason}); {fix}") from None
+    if path.parent.name == CHECKPOINTS:  # a kept older checkpoint: replay can do without
+        fix = (f"delete {path} (replay then starts from an earlier checkpoint or the "
+               "initial weights)")  # fmt: skip
+    else:
+        fix = (f"restore it, or delete the run folder {path.parent} and rerun the same "
+               "`fp8lab compare` command to train the run again")  # fmt: skip
+    state = ckpt.read(path, f"; {fix}", check=False)
     if not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state):
         raise ValueError(f"{path}: not an fp8lab run checkpoint")
     return state
@@ -123,23 +112,23 @@ def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
     guard_cfg = dict(newest.get("guard_config") or AnomalyGuard().to_dict())
     grun = _guard_run({**guard_cfg, "policy": "off"}, model, opt, scaler, recipe)
     if start is not None:
-        st = _load_checkpoint(start[0], ckpt_cfg, model, opt, scaler, prepare=grun.prepare_load)
+        loop = ckpt.load(start[0], ckpt_cfg, model, opt, scaler, prepare=grun.prepare_load)
+        st = LoopState(**loop)
     else:  # from the initial weights; the final run's sticky loop fields still hold
         loop = newest["loop"]
         st = LoopState(skip_batches=list(loop.get("skip_batches", [])))
         st.injected = _undone_faults(loop.get("guard_events", []), loop.get("injected", []))
         grun.apply_escalations(list(loop.get("escalations", [])))
     injector = Injector(model, cfg.inject)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    tokens = tc.batch_size * cfg.model.block_size
     dp = _data_parallel(model, "world", "fp32")
+    ts, watch = make_step(model, opt, scaler, injector, st, tc.grad_clip, tc.stats_every,
+                          recipe, dp, grun)  # fmt: skip
     try:
         while True:
             batch = st.cursor
             while batch in st.skip_batches:
                 batch += 1
-            rec, _ = _train_step(model, opt, scaler, injector, params, corpus, cfg, recipe, st,
-                                 tokens, dp, grun)  # fmt: skip
+            rec, _ = train_step(ts, watch, st, corpus, cfg)
             if st.step - 1 == step:
                 break
             grun.monitor.accept()
