@@ -18,6 +18,7 @@ from typing import Any
 import typer
 
 from fp8lab.cli._common import clear_errors, console
+from fp8lab.lab.checkpoint import CheckpointError  # the one unreadable-checkpoint error
 
 DEFAULT_SPECS = ("e4m3:tensor", "e4m3:128x128", "mxfp8")
 
@@ -40,10 +41,6 @@ READS = (
     "save the tensors with safetensors.torch.save_file(state_dict, 'model.safetensors') "
     "where the file is trusted"
 )
-
-
-class CheckpointError(ValueError):
-    """The file cannot be read as a checkpoint."""
 
 
 def _is_safetensors(path: Path) -> bool:

@@ -76,6 +76,16 @@ def _undone_faults(events: list[dict[str, Any]], injected: list[str]) -> list[st
     return out
 
 
+def _start(paths: list[Path], step: int) -> tuple[Path, int] | None:
+    """The newest checkpoint at or before ``step`` and its steps done (None: none)."""
+    start = None
+    for p in paths:
+        done = int(_load(p)["loop"]["step"])
+        if done <= step and (start is None or done > start[1]):
+            start = (p, done)
+    return start
+
+
 def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
     """Replay step ``step`` (0-based) of the run in ``run_dir`` (``OUT/runs/RECIPE``); return
     ``{recipe, step, record_step, start_step, checkpoint, batch, loss, grad_norm, record,
@@ -97,11 +107,7 @@ def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
     why = mismatch_message(newest["config"], ckpt_cfg)
     if why:
         raise ValueError(f"{run}: cannot replay here: {why}")
-    start = None
-    for p in paths:
-        done = int(_load(p)["loop"]["step"])
-        if done <= step and (start is None or done > start[1]):
-            start = (p, done)
+    start = _start(paths, step)
     tc = cfg.train
     model = build_model(cfg.model, recipe, tc.seed)
     opt = make_optimizer(model, recipe, tc)
