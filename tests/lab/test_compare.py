@@ -380,6 +380,7 @@ def test_rerun_of_a_finished_comparison_starts_no_process_and_builds_once(
     text, tmp_path, monkeypatch
 ):
     import fp8lab.lab.compare as lab_compare
+    import fp8lab.lab.pool as lab_pool
     from fp8lab.lab import models
 
     names = ["bf16", "te-delayed"]
@@ -388,7 +389,7 @@ def test_rerun_of_a_finished_comparison_starts_no_process_and_builds_once(
     def no_process(*a, **k):
         raise AssertionError("a worker process was started for a finished run")
 
-    monkeypatch.setattr(lab_compare.mp, "get_context", no_process)
+    monkeypatch.setattr(lab_pool.mp, "get_context", no_process)
     reads, real_read = [], lab_compare.read_metrics
     monkeypatch.setattr(lab_compare, "read_metrics", lambda d: reads.append(d) or real_read(d))
     events = []

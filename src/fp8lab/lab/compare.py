@@ -39,11 +39,8 @@ import csv
 import errno
 import json
 import math
-import multiprocessing as mp
-import queue
-import traceback
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +51,7 @@ from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.pool import Callback, Job, WorkerPool, set_threads
 from fp8lab.lab.train import (
     CHECKPOINT,
     ConfigMismatchError,
@@ -87,7 +85,6 @@ DEFAULT_BASELINE = "bf16"
 #: the GPU of the "predicted step time" column (fp8lab.cost): the most widely rented FP8 GPU,
 #: priced with the Hopper calibration (H200 NVL, held-out residuals within 1.5 %)
 DEFAULT_COST_DEVICE = "h100"
-Callback = Callable[[dict[str, Any]], None]
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -281,22 +278,6 @@ def model_memory(
 
 
 # ----------------------------------------------------------------------------- running
-def set_threads(threads: int) -> None:
-    """Limit torch's and numba's thread pools (0 = leave both alone).
-
-    Both matter: recipes running in parallel processes each start numba's pool too, and an
-    oversubscribed pool makes the parallel cast kernels several times slower on 2 cores.
-    """
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
-    if threads == 0:
-        return
-    import numba
-
-    torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-
-
 def _guard_dict(guard: Any) -> dict[str, Any]:
     """A guard as plain data for a worker process (an AnomalyGuard or its dict)."""
     return guard if isinstance(guard, dict) else guard.to_dict()
@@ -309,31 +290,12 @@ def _named(name: str, emit: Callback) -> Callback:
     return lambda ev: emit({**ev, "recipe": name})
 
 
-def _worker(
-    name: str, cfg_dict: dict, run_dir: str, threads: int, events: Any, guard: Any = None
-) -> None:
-    """Child process: train one recipe, forward every event to the parent's queue."""
-
-    try:
-        set_threads(threads)
-        cfg = LabConfig.from_dict(cfg_dict)
-        corpus = load_corpus(cfg.data, cfg.model.block_size)
-        train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=_named(name, events.put),
-                  guard=guard)  # fmt: skip
-    except BaseException as exc:  # reported to the parent, which raises
-        events.put(
-            {
-                "event": "error",
-                "recipe": name,
-                "message": f"{type(exc).__name__}: {exc}",
-                "text": str(exc),
-                # an expected error (bad input, full disk) is raised again as such in the parent
-                "kind": "value" if isinstance(exc, ValueError) else "os" if isinstance(exc, OSError)
-                else "other",
-                "errno": getattr(exc, "errno", None),
-                "traceback": traceback.format_exc(),
-            }
-        )  # fmt: skip
+def _train_job(name: str, cfg_dict: dict, run_dir: str, events: Any, guard: Any = None) -> None:
+    """A worker's job (`fp8lab.lab.pool.WorkerPool`): train one recipe, events to the parent."""
+    cfg = LabConfig.from_dict(cfg_dict)
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    train_run(resolve_recipe(name), cfg, corpus, run_dir, callback=_named(name, events.put),
+              guard=guard)  # fmt: skip
 
 
 def _read_own_config(path: Path) -> dict[str, Any] | None:
@@ -430,17 +392,7 @@ def run_recipes(
     OSError (e.g. a full disk) naming the recipe, anything else as RuntimeError."""
     emit = callback or (lambda e: None)
     corpus = corpus or load_corpus(cfg.data, cfg.model.block_size)
-    # finished runs are read back here, without starting a process or building a model
-    todo = []
-    for name in names:
-        run = finished_run(config_for(cfg, name), name, out, corpus)
-        if run is None:
-            todo.append(name)
-            continue
-        s = run["summary"]
-        emit({"event": "start", "recipe": name, "step": s["steps_done"], "steps": cfg.train.steps})
-        emit({"event": "end", **s, "recipe": name})
-    names = todo
+    names = _unfinished(cfg, names, out, corpus, emit)
     if not names:
         return
     if jobs <= 1:
@@ -450,69 +402,31 @@ def run_recipes(
                       callback=_named(name, emit),
                       guard=guard, **(dist or {}))  # fmt: skip
         return
-    ctx = mp.get_context("spawn")
     gd = None if guard is None else _guard_dict(guard)  # plain data for the worker processes
-    events = ctx.Manager().Queue()
     # longest first, so that the slow recipe overlaps with the others instead of running last
-    pending = sorted(names, key=lambda n: -relative_cost(resolve_recipe(n)))
-    running: dict[str, Any] = {}
-    errors: list[dict] = []
+    order = sorted(names, key=lambda n: -schedule_cost(resolve_recipe(n)))
+    todo = [Job(n, _train_job, {"name": n, "cfg_dict": config_for(cfg, n).to_dict(),
+                                "run_dir": str(run_dir(out, n)), "guard": gd})
+            for n in order]  # fmt: skip
+    with WorkerPool(jobs, threads, label="recipe") as pool:
+        pool.run(todo, emit)
 
-    def handle(ev: dict) -> None:
-        if ev["event"] == "error":
-            errors.append(ev)
-        else:
-            emit(ev)
 
-    try:
-        while pending or running:
-            while pending and len(running) < jobs and not errors:
-                name = pending.pop(0)
-                p = ctx.Process(
-                    target=_worker,
-                    args=(
-                        name,
-                        config_for(cfg, name).to_dict(),
-                        str(run_dir(out, name)),
-                        threads,
-                        events,
-                        gd,
-                    ),
-                    daemon=True,
-                )
-                p.start()
-                running[name] = p
-            if errors:
-                break
-            try:
-                handle(events.get(timeout=0.2))
-                continue
-            except queue.Empty:
-                pass
-            for name, p in list(running.items()):
-                if not p.is_alive():
-                    p.join()
-                    del running[name]
-                    if p.exitcode != 0:
-                        errors.append({"recipe": name, "message": f"exit code {p.exitcode}"})
-        while True:  # what the last processes sent before exiting
-            try:
-                handle(events.get_nowait())
-            except queue.Empty:
-                break
-    finally:  # an error or an interrupt: stop the other runs (their checkpoints stay)
-        for p in running.values():
-            p.terminate()
-            p.join()
-    if errors:
-        first = next((e for e in errors if "traceback" in e), errors[0])
-        if first.get("kind") == "value":
-            raise ValueError(f"recipe {first['recipe']!r}: {first['text']}")
-        if first.get("kind") == "os":
-            raise OSError(first["errno"], f"recipe {first['recipe']!r}: {first['text']}")
-        raise RuntimeError(
-            f"recipe {first['recipe']!r} failed: {first['message']}\n{first.get('traceback', '')}"
-        )
+def _unfinished(
+    cfg: LabConfig, names: Sequence[str], out: Path, corpus: Corpus, emit: Callback
+) -> list[str]:
+    """The recipes of ``names`` still to train; a finished run is read back here (its start and
+    end events emitted), without starting a process or building a model."""
+    todo = []
+    for name in names:
+        run = finished_run(config_for(cfg, name), name, out, corpus)
+        if run is None:
+            todo.append(name)
+            continue
+        s = run["summary"]
+        emit({"event": "start", "recipe": name, "step": s["steps_done"], "steps": cfg.train.steps})
+        emit({"event": "end", **s, "recipe": name})
+    return todo
 
 
 def finished_run(cfg: LabConfig, name: str, out: Path, corpus: Corpus) -> dict[str, Any] | None:
@@ -537,8 +451,9 @@ def finished_run(cfg: LabConfig, name: str, out: Path, corpus: Corpus) -> dict[s
     return run
 
 
-def relative_cost(recipe: Any) -> float:
-    """Rough cost of a recipe's training step relative to fp32 (for scheduling only; measured by
+def schedule_cost(recipe: Any) -> float:
+    """Rough cost of a recipe's training step relative to fp32 (to start the slow runs first;
+    not the cost model's or the debugger's remedy cost; measured by
     benchmarks/bench_train_step.py): limited-precision accumulation, emulated with float64
     K-group GEMMs, ~3x; MX blocks ~1.2-1.7x; others ~1.2x."""
     gemms = [getattr(recipe, g) for g in ("fprop", "dgrad", "wgrad")]

@@ -12,8 +12,9 @@ other probe. Two additions, both built on the runner's own resume:
   (:func:`convert_checkpoint`: the weights and optimizer moments are kept, the scaling state and
   loss scaler are the new recipe's fresh ones) and writes it as the probe's own.
 
-:func:`run_tasks` runs module-level functions ``jobs`` at a time in spawned processes (or in this
-process for ``jobs=1``), forwarding their progress events.
+:class:`TaskPool` (the lab's one pool, `fp8lab.lab.pool.WorkerPool`) runs module-level functions
+``jobs`` at a time in spawned processes (or in this process for ``jobs=1``), forwarding their
+progress events.
 
 Under torchrun (``torch.distributed`` initialized with more than one rank) there is no pool: every
 rank runs the same tasks in the same order in its own process (``jobs`` > 1 is refused), each
@@ -27,11 +28,8 @@ after each task (:func:`barrier`), so a file rank 0 wrote is there when the othe
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import queue
 import shutil
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ import torch
 
 from fp8lab.dist.runtime import check_global_batch, check_jobs, rank, world_size
 from fp8lab.lab.data import Corpus, load_corpus
+from fp8lab.lab.pool import Callback, Job, WorkerPool
 from fp8lab.lab.train import (
     CHECKPOINT,
     LabConfig,
@@ -50,7 +49,6 @@ from fp8lab.lab.train import (
     train_run,
 )
 
-Callback = Callable[[dict[str, Any]], None]
 SNAPSHOTS = "snapshots"
 
 
@@ -281,88 +279,32 @@ def run_probe(
     return result.summary
 
 
-def _init_worker(threads: int) -> None:
-    from fp8lab.lab.compare import set_threads
+def _job(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Job:
+    """A task as a named `fp8lab.lab.pool.Job`: a probe by its name, a screen by its snapshot."""
+    spec = kwargs.get("spec")
+    name = spec.name if isinstance(spec, ProbeSpec) else Path(kwargs.get("snapshot", "")).stem
+    return Job(name or fn.__name__, fn, kwargs)
 
-    set_threads(threads)
 
-
-class TaskPool:
-    """Runs module-level functions ``fn(**kwargs, events=queue)``, ``jobs`` at a time in spawned
-    processes kept for the pool's life (one start-up, not one per stage), or here, one after
-    another, for ``jobs`` 1. Use as a context manager."""
+class TaskPool(WorkerPool):
+    """The lab's `fp8lab.lab.pool.WorkerPool` for the debugger's tasks ``(fn, kwargs)`` (called
+    ``fn(**kwargs, events=...)``): ``jobs`` spawned workers kept for the pool's life (one
+    start-up, not one per stage), or this process for ``jobs`` 1 (under torchrun: a barrier
+    after each task, so rank 0's files are written). A failed task's error names it (probe
+    ``'name'``). Use as a context manager."""
 
     def __init__(self, jobs: int = 1, threads: int = 0) -> None:
         check_jobs(jobs, "tasks", dist_world()[1])
-        self.jobs, self.threads = jobs, threads
-        self._pool: Any = None
-        self._manager: Any = None
-        self._events: Any = None
+        super().__init__(jobs, threads, label="probe", after_each=barrier)
 
-    def __enter__(self) -> TaskPool:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(terminate=exc_type is not None)
-
-    def close(self, terminate: bool = False) -> None:
-        """Shut the workers down; ``terminate``: stop running probes now (an error or an
-        interrupt; their checkpoints stay, a rerun resumes them)."""
-        if self._pool is not None:
-            if terminate:
-                for p in list(getattr(self._pool, "_processes", {}).values()):
-                    p.terminate()
-            self._pool.shutdown(wait=not terminate, cancel_futures=True)
-            self._pool = None
-        if self._manager is not None:
-            self._manager.shutdown()
-            self._manager = None
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._manager = ctx.Manager()
-        self._events = self._manager.Queue()
-        self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx,
-                                         initializer=_init_worker, initargs=(self.threads,))  # fmt: skip
-
-    def run(
+    def run(  # type: ignore[override]
         self,
-        tasks: Sequence[tuple[Callable[..., Any], dict[str, Any]]],
+        tasks: Sequence[tuple[Callable[..., Any], dict[str, Any]] | Job],
         callback: Callback | None = None,
     ) -> list[Any]:
         """Results in task order; events go to ``callback``; the first error is raised."""
-        emit = callback or (lambda e: None)
-        if self.jobs <= 1 or (len(tasks) <= 1 and self._pool is None):
-            _init_worker(self.threads)
-
-            class _Direct:
-                def put(self, ev: dict[str, Any]) -> None:
-                    emit(ev)
-
-            out = []
-            for fn, kw in tasks:
-                out.append(fn(**kw, events=_Direct()))
-                barrier()  # torchrun: rank 0's files of this task are written
-            return out
-        if self._pool is None:
-            self._start()
-        events = self._events
-        results: list[Any] = [None] * len(tasks)
-        futures = {self._pool.submit(fn, **kw, events=events): i
-                   for i, (fn, kw) in enumerate(tasks)}  # fmt: skip
-        pending = set(futures)
-        try:
-            while pending:
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(events, emit)
-                for fut in done:
-                    results[futures[fut]] = fut.result()  # raises the task's error
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-        _drain(events, emit)
-        return results
+        jobs = [t if isinstance(t, Job) else _job(*t) for t in tasks]
+        return super().run(jobs, callback)
 
 
 def run_tasks(
@@ -374,11 +316,3 @@ def run_tasks(
     """:class:`TaskPool` for one batch of tasks."""
     with TaskPool(jobs, threads) as pool:
         return pool.run(tasks, callback)
-
-
-def _drain(events: Any, emit: Callback) -> None:
-    while True:
-        try:
-            emit(events.get_nowait())
-        except queue.Empty:
-            return
