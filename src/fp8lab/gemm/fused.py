@@ -206,6 +206,15 @@ def _fused_general_serial(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_b
                      floor_p, gpp)  # fmt: skip
 
 
+@njit(cache=True, inline="always")
+def _four_terms(xa, xb, r, nzk, q, n0, w):  # pragma: no cover - numba
+    """The K elements ``nzk[q:q+4]`` of row ``r``: their four ``xa[r, k]`` and the four row
+    slices ``xb[k, n0:n0+w]`` (row slices: 2-D indexing is 4x slower)."""
+    k1, k2, k3, k4 = nzk[q], nzk[q + 1], nzk[q + 2], nzk[q + 3]
+    c = slice(n0, n0 + w)
+    return xa[r, k1], xa[r, k2], xa[r, k3], xa[r, k4], xb[k1, c], xb[k2, c], xb[k3, c], xb[k4, c]
+
+
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fast_job(
     job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
@@ -247,16 +256,7 @@ def _fast_job(
                 big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
             q = 0
             while q + 4 <= nz:
-                p1, p2, p3, p4 = (
-                    pa[r, nzk[q]],
-                    pa[r, nzk[q + 1]],
-                    pa[r, nzk[q + 2]],
-                    pa[r, nzk[q + 3]],
-                )
-                b1 = pb[nzk[q], n0 : n0 + w]  # (row slices: 2-D indexing is 4x slower)
-                b2 = pb[nzk[q + 1], n0 : n0 + w]
-                b3 = pb[nzk[q + 2], n0 : n0 + w]
-                b4 = pb[nzk[q + 3], n0 : n0 + w]
+                p1, p2, p3, p4, b1, b2, b3, b4 = _four_terms(pa, pb, r, nzk, q, n0, w)
                 for j in range(w):
                     bp = max(big_p[j], p1 * b1[j])
                     bp = max(bp, p2 * b2[j])
@@ -278,16 +278,7 @@ def _fast_job(
                 s[j] = np.float32(np.int32(cin[j] * scl[j]))
             q = 0
             while q + 4 <= nz:
-                a1, a2, a3, a4 = (
-                    va[r, nzk[q]],
-                    va[r, nzk[q + 1]],
-                    va[r, nzk[q + 2]],
-                    va[r, nzk[q + 3]],
-                )
-                b1 = vb[nzk[q], n0 : n0 + w]
-                b2 = vb[nzk[q + 1], n0 : n0 + w]
-                b3 = vb[nzk[q + 2], n0 : n0 + w]
-                b4 = vb[nzk[q + 3], n0 : n0 + w]
+                a1, a2, a3, a4, b1, b2, b3, b4 = _four_terms(va, vb, r, nzk, q, n0, w)
                 for j in range(w):
                     sc = scl[j]
                     t = s[j] + np.float32(np.int32(a1 * b1[j] * sc))
