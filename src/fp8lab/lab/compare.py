@@ -51,6 +51,7 @@ from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.noise import late_gap_pct
 from fp8lab.lab.pool import Callback, Job, WorkerPool, set_threads
 from fp8lab.lab.train import (
     CHECKPOINT,
@@ -485,19 +486,9 @@ NOISE_FACTOR = 2.0
 NOISE_PAIR = ("fp32", "bf16")
 
 
-def _pair_noise(metrics: dict[str, list[dict[str, Any]]], baseline: str) -> float | None:
-    """The largest |gap| of fp32 vs bf16 over the evaluations of the second half of the run."""
-    a, b = NOISE_PAIR
-    va, vb, vbase = ({r["step"]: r.get("val_loss") for r in metrics[n] if "val_loss" in r}
-                     for n in (a, b, baseline))  # fmt: skip
-    steps = sorted(set(va) & set(vb) & set(vbase))
-    last = steps[-1] if steps else 0
-    gaps = []
-    for t in (t for t in steps if 2 * t >= last):
-        if None in (va[t], vb[t], vbase[t]) or not vbase[t]:
-            return None
-        gaps.append(abs(100.0 * (va[t] - vb[t]) / vbase[t]))
-    return max(gaps) if gaps else None
+def _val_curve(records: list[dict[str, Any]]) -> dict[int, float | None]:
+    """A run's validation curve ``{step: val_loss}`` from its metrics records."""
+    return {r["step"]: r.get("val_loss") for r in records if "val_loss" in r}
 
 
 def noise_estimate(
@@ -516,7 +507,9 @@ def noise_estimate(
     available or a loss is not finite. Gaps up to ``factor`` times it are not ranked. (2) alone
     is a lower bound: FP8 recipes perturb a run more than bf16 rounding does."""
     a, b = NOISE_PAIR
-    pair = _pair_noise(metrics, baseline) if a in names and b in names else None
+    pair = None
+    if a in names and b in names:  # the lab's one noise rule
+        pair = late_gap_pct(*(_val_curve(metrics[n]) for n in (a, b, baseline)))
     seeds = None
     finals = list((replica_finals or {}).values())
     if finals and base_final and None not in finals:
