@@ -101,10 +101,10 @@ def test_screening_scores_a_cell_that_explains_everything(tmp_path, text):
     json.dumps(rows)  # plain data
 
 
-def test_adam_update_is_the_step_the_optimizer_takes(tmp_path, text):
-    """The screening's error space: AdamUpdate of the replayed gradient, times the learning
-    rate, is the weight change of the recorded step (after weight decay)."""
-    from fp8lab.lab.debug.attribution import AdamUpdate
+def test_optimizer_update_is_the_step_the_optimizer_takes(tmp_path, text):
+    """The screening's error space: the optimizer's own update of the replayed gradient, times
+    the learning rate, is the weight change of the recorded step (after weight decay)."""
+    from fp8lab.lab.debug.attribution import OptimizerUpdate
 
     cfg = _cfg(text)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
@@ -114,7 +114,7 @@ def test_adam_update_is_the_step_the_optimizer_takes(tmp_path, text):
     after = load_state(snapshot_path(tmp_path / "r", 4))["model"]
     replay = StepReplay(rec, cfg, corpus, state)
     _, g = replay.gradient()
-    u = AdamUpdate(state["optimizer"], replay.params, cfg.train.grad_clip)(g)
+    u = OptimizerUpdate(replay, cfg.train.grad_clip)(g)
     lr = cfg.train.lr_at(replay.step)
     names = {id(p): n for n, p in replay.model.named_parameters()}
     before = state["model"]

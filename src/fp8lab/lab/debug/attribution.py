@@ -15,9 +15,11 @@ bit for bit, and applying the optimizer gives the next checkpoint's weights). Sc
   opposite in the other GEMM do not cancel there, as a sum of cell scores would);
 
 and scores each cell by the share of the error it removes, ``(e_R - e_c) / e_R``, where the error
-``e_x = |u(g_x) - u(g_B)|`` is measured in the space training applies: ``u`` is the AdamW update
-the checkpoint's optimizer would make from that gradient (:class:`AdamUpdate`: the saved first
-and second moments and step count, gradient clipping as the run clips). A raw gradient-norm
+``e_x = |u(g_x) - u(g_B)|`` is measured in the space training applies: ``u`` is the update the
+checkpoint's optimizer makes from that gradient (:class:`OptimizerUpdate`: the optimizer's own
+``step()`` from the saved moments and step count, after the run's own gradient clipping). The
+replayed step itself is the lab's `fp8lab.lab.step.TrainStep` with the run's fault hook. A raw
+gradient-norm
 error is dominated by whichever entries have the largest gradients (e.g. the weight columns that
 meet outlier activations), which Adam divides by their equally large second moments; the update
 error weighs every parameter as the optimizer does. The raw gradient-norm errors are kept
@@ -37,7 +39,8 @@ import torch
 from fp8lab.lab.data import Corpus, get_batch, load_corpus
 from fp8lab.lab.debug.runner import load_state, load_weights, rebatch, replay_parallel
 from fp8lab.lab.debug.variants import CELLS, ROLE_GEMMS, with_cells_hp
-from fp8lab.lab.inject import Injector
+from fp8lab.lab.inject import InjectionHook, Injector
+from fp8lab.lab.step import StepContext, TrainStep
 from fp8lab.lab.train import LabConfig, build_model, make_optimizer
 
 
@@ -86,28 +89,24 @@ class StepReplay:
             scaler.load_state_dict(self._scaler_state)
         return scaler
 
-    def _backward(self, scaler: Any) -> tuple[float, bool]:
-        """The training step's forward and backward, as ``fp8lab.lab.train`` runs them."""
-        x, y = self.batch
-        self.injector.set_step(self.step)
-        mult = self.injector.grad_multiplier(self.step)
-        loss_scale = scaler.get_scale() if scaler is not None else 1.0
-        if self.dp is None:
-            _, loss = self.model(x, y)
-            loss_v = float(loss.detach())
-        else:  # this rank's shard of the global batch; gradients summed over the ranks
-            loss, loss_v, _ = self.dp.loss(*self.dp.shard(x, y))
-        (loss * (loss_scale * mult)).backward()
-        if mult != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(mult)
-        found_inf = scaler.unscale_(self.opt) if scaler is not None else False
-        return loss_v, bool(found_inf)
+    def _train_step(self, scaler: Any, clip: float, hooks: Sequence[Any] = ()) -> TrainStep:
+        """The lab's training step on this replay's model, optimizer and scaler, with the run's
+        planted gradient spike of this step (its NaN fault is not replayed: a NaN gradient
+        attributes nothing)."""
+
+        def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            if self.dp is None:
+                return self.model(*batch)[1]
+            loss, loss_all, _ = self.dp.loss(*self.dp.shard(*batch))
+            return loss, loss_all  # this rank's shard; the global batch's loss reported
+
+        faults = InjectionHook(self.injector, self.params, [f"nan@{self.step}"])
+        return TrainStep(loss_fn, self.opt, scaler, clip, [faults, *hooks], self.params)
 
     def gradient(self, switched: dict[str, Any] | None = None) -> tuple[float, torch.Tensor]:
-        """(loss, flat gradient of every parameter) of the replayed step. ``switched``: layer ->
-        the recipe that layer runs instead (its delayed-scaling state carried over)."""
+        """(loss, flat gradient of every parameter) of the replayed step: unscaled, before
+        clipping, no update. ``switched``: layer -> the recipe that layer runs instead (its
+        delayed-scaling state carried over)."""
         scaler = self._reset()
         mods = []
         for layer, rec in (switched or {}).items():
@@ -115,42 +114,42 @@ class StepReplay:
             mods.append((mod, mod.recipe))
             mod.set_recipe(rec, keep_state=True)
             rebatch(self.dp, mod)
+        grab = _GradientOnly(self.params)
         try:
-            loss, _ = self._backward(scaler)
-            flat = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                for p in self.params
-            ])  # fmt: skip
+            ctx = self._train_step(scaler, 0.0, [grab])(self.step, self.batch)
         finally:
             for mod, rec in mods:
                 mod.set_recipe(rec)
                 rebatch(self.dp, mod)
-        return loss, flat
+        return ctx.loss_value, grab.flat  # type: ignore[return-value]
 
     def full_step(self) -> dict[str, Any]:
         """Replay the whole training step (clipping, optimizer, loss scaler); return the loss,
         the gradient norm before clipping and the model state after the step."""
-        import math as _m
-
-        from fp8lab.optim import clip_grad_norm_, grad_norm
-
         tc = self.cfg.train
         scaler = self._reset()
         self.opt.load_state_dict(self.state["optimizer"])
-        lr = tc.lr_at(self.step)
         for g in self.opt.param_groups:
-            g["lr"] = lr
-        loss, found_inf = self._backward(scaler)
-        gnorm = float(grad_norm(self.params)) if found_inf else float("nan")
-        if not found_inf:
-            gnorm = (float(clip_grad_norm_(self.params, tc.grad_clip)) if tc.grad_clip > 0
-                     else float(grad_norm(self.params)))  # fmt: skip
-            if _m.isfinite(gnorm):
-                self.opt.step()
-        if scaler is not None:
-            scaler.update()
-        self.opt.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": gnorm, "model": self.model.state_dict()}
+            g["lr"] = tc.lr_at(self.step)
+        ctx = self._train_step(scaler, tc.grad_clip)(self.step, self.batch)
+        return {"loss": ctx.loss_value, "grad_norm": ctx.grad_norm,
+                "model": self.model.state_dict()}  # fmt: skip
+
+
+class _GradientOnly:
+    """A `TrainStep` hook that takes the unscaled gradients (before clipping: the step clips
+    with 0) as one flat float32 vector and vetoes the update."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params
+        self.flat: torch.Tensor | None = None
+
+    def before_optimizer_step(self, ctx: StepContext) -> bool:
+        self.flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            for p in self.params
+        ])  # fmt: skip
+        return False
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,58 +157,44 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return v if math.isfinite(v) else math.inf
 
 
-class AdamUpdate:
-    """The AdamW update of one step at a checkpoint, as a function of the flat gradient.
+class OptimizerUpdate:
+    """The update a checkpoint's optimizer makes from a flat gradient ``g``: its own ``step()``
+    from the checkpoint's state (moments, step count, moment storage), after the run's own
+    gradient clipping (`fp8lab.optim.clip_grad_norm_` at ``grad_clip``), with the learning rate
+    1 and no weight decay (one learning rate for every parameter and the same decay at the same
+    weights do not change shares of an error): ``u(g) = w - w'`` on the fp32 master weights.
+    A non-finite gradient gives a non-finite update (the step would be skipped). The replay's
+    parameters are changed by it: `StepReplay.gradient` restores them before every replay."""
 
-    ``u(g) = m'/(1 - b1^t) / (sqrt(v'/(1 - b2^t)) + eps)`` with ``m' = b1 m + (1 - b1) g`` and
-    ``v' = b2 v + (1 - b2) g^2`` per element (``m``, ``v``, ``t - 1`` from the checkpoint's
-    optimizer state; a parameter without state starts from zero moments), after the run's
-    global-norm gradient clipping. The learning rate (one for every parameter) and the weight
-    decay (the same at the same weights) are left out: they do not change shares of an error.
-    A non-finite gradient gives a non-finite update (the step would be skipped)."""
-
-    def __init__(self, optimizer_state: dict[str, Any], params: Sequence[torch.Tensor],
-                 grad_clip: float = 0.0) -> None:  # fmt: skip
-        saved = optimizer_state.get("state", {})
-        # per parameter: (numel, m, v, t after this step, beta1, beta2, eps)
-        self.parts: list[tuple[int, torch.Tensor | None, torch.Tensor | None, float, float,
-                               float, float]] = []  # fmt: skip
-        ids = [idx for group in optimizer_state["param_groups"] for idx in group["params"]]
-        if len(ids) != len(params):
-            raise ValueError(
-                f"optimizer state covers {len(ids)} parameters, the model has {len(params)}"
-            )
-        i = 0
-        for group in optimizer_state["param_groups"]:
-            b1, b2 = group["betas"]
-            for idx in group["params"]:
-                st = saved.get(idx, saved.get(str(idx), {}))
-                if "exp_avg" in st:  # kept as saved (float32); float64 per call, per tensor
-                    m = st["exp_avg"].reshape(-1)
-                    v = st["exp_avg_sq"].reshape(-1)
-                    t = float(st["step"]) + 1
-                else:
-                    m = v = None
-                    t = 1.0
-                self.parts.append((params[i].numel(), m, v, t, b1, b2, group["eps"]))
-                i += 1
+    def __init__(self, replay: StepReplay, grad_clip: float = 0.0) -> None:
+        self.opt, self.params = replay.opt, replay.params
+        self.saved = replay.state["optimizer"]
         self.grad_clip = grad_clip
+        if len(self.params) != sum(len(g["params"]) for g in self.saved["param_groups"]):
+            raise ValueError("the optimizer state does not cover the replay's parameters")
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.double()
+        from fp8lab.optim import clip_grad_norm_
+
+        if not bool(torch.isfinite(g).all()):
+            return torch.full_like(g, math.inf, dtype=torch.float64)
+        opt = self.opt
+        opt.load_state_dict(self.saved)  # the saved hyperparameters too (restored below)
+        for group in opt.param_groups:
+            group["lr"], group["weight_decay"] = 1.0, 0.0
+        for p, gi in zip(self.params, torch.split(g, [p.numel() for p in self.params]),
+                         strict=True):  # fmt: skip
+            p.grad = gi.reshape(p.shape).to(p.dtype)
         if self.grad_clip > 0:
-            norm = float(torch.linalg.vector_norm(g))
-            coef = self.grad_clip / (norm + 1e-6)
-            if math.isfinite(norm) and coef < 1.0:
-                g = g * coef
-        out = []
-        for gi, (_, m0, v0, t, b1, b2, eps) in zip(
-            torch.split(g, [p[0] for p in self.parts]), self.parts, strict=True
-        ):
-            m = (1 - b1) * gi if m0 is None else b1 * m0.double() + (1 - b1) * gi
-            v = (1 - b2) * gi * gi if v0 is None else b2 * v0.double() + (1 - b2) * gi * gi
-            out.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
-        return torch.cat(out)
+            clip_grad_norm_(self.params, self.grad_clip)
+        before = [opt.master_weight(p).detach().float().clone() for p in self.params]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after = [opt.master_weight(p).detach().float() for p in self.params]
+        u = torch.cat([(b - a).reshape(-1) for b, a in zip(before, after, strict=True)]).double()
+        for group, saved in zip(opt.param_groups, self.saved["param_groups"], strict=True):
+            group["lr"], group["weight_decay"] = saved["lr"], saved["weight_decay"]
+        return u
 
 
 def screen_snapshot(
@@ -224,7 +209,7 @@ def screen_snapshot(
 ) -> dict[str, Any]:
     """Screen every (layer, cell) at one checkpoint (see the module doc). Returns ``{"step",
     "loss", "err_r", "err_r_raw", "rows": [{layer, gemm, role, err, err_raw}]}`` (``err``:
-    |u(g_c) - u(g_B)|, the AdamW update error; ``err_raw``: |g_c - g_B|)."""
+    |u(g_c) - u(g_B)|, the optimizer update error; ``err_raw``: |g_c - g_B|)."""
     import time
 
     from fp8lab.recipe import Recipe
@@ -239,7 +224,7 @@ def screen_snapshot(
     b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
     loss_r, g_r = r.gradient()
     _, g_b = b.gradient()
-    update = AdamUpdate(state["optimizer"], r.params, cfg.train.grad_clip)
+    update = OptimizerUpdate(r, cfg.train.grad_clip)
     u_b = update(g_b)
     err_r, err_r_raw = _err(update(g_r), u_b), _err(g_r, g_b)
     todo = [(layer, g, ro) for layer in layers for g, ro in cells
