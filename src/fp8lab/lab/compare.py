@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.dist.ddp import comm_summary
 from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
@@ -594,66 +595,30 @@ def summarize_comparison(
     runs = {n: json.loads((run_dir(out, n) / "run.json").read_text()) for n in names}
     if metrics is None:
         metrics = {n: read_metrics(run_dir(out, n)) for n in names}
-    base_val = {r["step"]: r["val_loss"] for r in metrics[baseline] if "val_loss" in r}
     base_final = runs[baseline]["summary"]["final_val_loss"]
     vocab = cfg.model.vocab_size
     if user_model is None and not models.is_builtin(cfg.model):  # unconverted: memory model
         with torch.random.fork_rng(devices=[]):
             user_model = models.build(cfg.model, cfg.train.seed)
-
-    def memory(recipe: Any) -> dict[str, float]:
-        bs, T = cfg.train.batch_size, cfg.model.block_size
-        if user_model is None:
-            return simulated_memory(cfg.model, bs, recipe)
-        v = models.vocab_size_of(user_model, cfg.model)
-        return model_memory(user_model, v, bs, T, recipe)
-
     predicted = predicted_steps(cfg, names, device, user_model)
-    from fp8lab.dist.ddp import comm_summary
-
-    base_diverged = _diverged(runs[baseline]["summary"], runs[baseline].get("vocab_size", vocab))
-    rep_finals = {}
-    for r in replicas:
-        rs = json.loads((run_dir(out, r) / "run.json").read_text())["summary"]
-        rep_finals[r] = None if _diverged(rs, vocab) else rs["final_val_loss"]
-    # a diverged run says nothing about the noise; a diverged baseline: there is no gap at all
-    healthy = [n for n in names if not _diverged(runs[n]["summary"],
-                                                 runs[n].get("vocab_size", vocab))]  # fmt: skip
-    noise = noise_estimate(metrics, healthy, baseline, rep_finals, base_final)
-    if base_diverged:
-        noise["rel_gap_pct"] = None
+    diverged = {n: _diverged(runs[n]["summary"], runs[n].get("vocab_size", vocab)) for n in names}
+    noise = _noise(out, metrics, baseline, replicas, base_final, vocab, diverged)
     table: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for n in names:
         s = runs[n]["summary"]
-        gaps = [
-            _rel_gap(r["val_loss"], base_val.get(r["step"]))
-            for r in metrics[n]
-            if "val_loss" in r and r["step"] in base_val
-        ]
-        diverged = _diverged(s, runs[n].get("vocab_size", vocab))
-        no_gap = diverged or base_diverged
-        finite_gaps = [g for g in gaps if g is not None]
-        table[n] = {
-            "final_train_loss": s["final_train_loss"],
-            "final_val_loss": s["final_val_loss"],
-            "rel_gap_pct": None if no_gap else _rel_gap(s["final_val_loss"], base_final),
-            "max_rel_gap_pct": max(finite_gaps) if finite_gaps and not no_gap else None,
-            "skipped_steps": s["skipped_steps"],
-            "tokens_per_s": s["tokens_per_s"],
-            "diverged": diverged,
-            "predicted_step_ms": predicted[n]["ms"],
-            # actions of the anomaly guard (fp8lab.guard): [] for a clean or unguarded run
-            "guard_events": s.get("guard_events", []),
-            # under torchrun: ranks, amax group, gradient communication (null on one process)
-            "distributed": comm_summary(metrics[n]),
-        }
+        no_gap = diverged[n] or diverged[baseline]  # a diverged baseline: no gap at all
+        table[n] = _recipe_row(s, metrics[n], metrics[baseline], base_final, no_gap)
+        table[n].update(diverged=diverged[n], predicted_step_ms=predicted[n]["ms"])
+        table[n]["guard_events"] = s.get("guard_events", [])  # the anomaly guard's actions
+        # under torchrun: ranks, amax group, gradient communication (null on one process)
+        table[n]["distributed"] = comm_summary(metrics[n])
         recipe = resolve_recipe(n)
         details[n] = {
             "spikes": s["spikes"],
             "steps_done": s["steps_done"],
             "step_time_ms": s["step_time_ms"],
-            "memory_bytes": memory(recipe),
+            "memory_bytes": _memory(cfg, user_model, recipe),
             "settings": recipe_settings(recipe),
             "negative_control": n == NEGATIVE_CONTROL,
             "predicted_step": {"device": device, **predicted[n]},
@@ -664,13 +629,66 @@ def summarize_comparison(
     return {
         "schema_version": SCHEMA_VERSION,
         "baseline": baseline,
-        "baseline_diverged": base_diverged,
+        "baseline_diverged": diverged[baseline],
         "device": device,
         "machine": machine if machine is not None else machine_of_runs(),
         "noise": noise,
         "recipes": table,
         "details": details,
     }
+
+
+def _recipe_row(
+    s: dict[str, Any],
+    records: list[dict[str, Any]],
+    base_records: list[dict[str, Any]],
+    base_final: float | None,
+    no_gap: bool,
+) -> dict[str, Any]:
+    """A recipe's ``--json`` row up to ``tokens_per_s`` (gaps null when ``no_gap``)."""
+    base_val = {r["step"]: r["val_loss"] for r in base_records if "val_loss" in r}
+    gaps = [_rel_gap(r["val_loss"], base_val.get(r["step"])) for r in records
+            if "val_loss" in r and r["step"] in base_val]  # fmt: skip
+    finite_gaps = [g for g in gaps if g is not None]
+    return {
+        "final_train_loss": s["final_train_loss"],
+        "final_val_loss": s["final_val_loss"],
+        "rel_gap_pct": None if no_gap else _rel_gap(s["final_val_loss"], base_final),
+        "max_rel_gap_pct": max(finite_gaps) if finite_gaps and not no_gap else None,
+        "skipped_steps": s["skipped_steps"],
+        "tokens_per_s": s["tokens_per_s"],
+    }
+
+
+def _memory(cfg: LabConfig, user_model: Any, recipe: Any) -> dict[str, float]:
+    """Simulated memory of a recipe's training (the built-in GPT or the user's model)."""
+    bs, T = cfg.train.batch_size, cfg.model.block_size
+    if user_model is None:
+        return simulated_memory(cfg.model, bs, recipe)
+    v = models.vocab_size_of(user_model, cfg.model)
+    return model_memory(user_model, v, bs, T, recipe)
+
+
+def _noise(
+    out: Path,
+    metrics: dict[str, list[dict[str, Any]]],
+    baseline: str,
+    replicas: Sequence[str],
+    base_final: float | None,
+    vocab: int,
+    diverged: dict[str, bool],
+) -> dict[str, Any]:
+    """`noise_estimate` of the healthy runs and the seed replicas (a diverged run says nothing
+    about the noise; a diverged baseline: no estimate)."""
+    rep_finals = {}
+    for r in replicas:
+        rs = json.loads((run_dir(out, r) / "run.json").read_text())["summary"]
+        rep_finals[r] = None if _diverged(rs, vocab) else rs["final_val_loss"]
+    healthy = [n for n, d in diverged.items() if not d]
+    noise = noise_estimate(metrics, healthy, baseline, rep_finals, base_final)
+    if diverged[baseline]:
+        noise["rel_gap_pct"] = None
+    return noise
 
 
 JSON_KEYS = ("schema_version", "baseline", "baseline_diverged", "device", "machine", "noise",
