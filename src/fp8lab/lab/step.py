@@ -158,9 +158,10 @@ class TrainStep:
         """Unscale the gradients (the scaler's found_inf), then the norm and clipping."""
         from fp8lab.optim import clip_grad_norm_, grad_norm
 
-        ctx.found_inf = (
-            bool(self.scaler.unscale_(self.optimizer)) if self.scaler is not None else False
-        )
+        # without an optimizer (a replay) the scaler unscales the step's parameters; it is not
+        # updated either, so such a step needs a fresh scaler (or one loaded from a state)
+        target = self.optimizer if self.optimizer is not None else self.params
+        ctx.found_inf = bool(self.scaler.unscale_(target)) if self.scaler is not None else False
         if ctx.found_inf:
             ctx.grad_norm = float(grad_norm(self.params))
         elif self.clip > 0:
