@@ -53,12 +53,22 @@ def test_variant_on_top_of_a_layered_recipe_keeps_its_rules(layers):
 
 def test_fake_quant_keeps_grids_and_uses_current_scaling():
     r = get_recipe("deepseek-v3")
-    fq = variants.fake_quant(get_recipe("te-delayed"))
+    fq = variants.fake_quant_recipe(get_recipe("te-delayed"))
     assert all(getattr(fq, role).scaling == "max" for role in variants.ROLES)
     assert fq.input.format == "e4m3" and fq.grad_output.format == "e5m2"
-    fq2 = variants.fake_quant(r)
+    fq2 = variants.fake_quant_recipe(r)
     assert fq2.input.block == r.input.block
     assert all(fq2.gemm(g).accumulator.kind == "fp32" for g in ("fprop", "dgrad", "wgrad"))
+
+
+def test_fake_quant_is_a_deprecated_alias_of_fake_quant_recipe():
+    r = get_recipe("te-delayed")
+    with pytest.deprecated_call():
+        old = variants.fake_quant(r)
+    assert old.fingerprint() == variants.fake_quant_recipe(r).fingerprint()
+    from fp8lab.recipe.layers import LAYER_KEYS
+
+    assert variants.LAYER_KEYS is LAYER_KEYS  # one definition, still importable here
 
 
 def test_relative_cost_proxy(layers):

@@ -49,6 +49,7 @@ from fp8lab.lab.debug.runner import (
     snapshot_path,
 )
 from fp8lab.lab.debug.verdict import decide
+from fp8lab.lab.noise import late_gap_pct
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 
 Callback = Callable[[dict[str, Any]], None]
@@ -274,7 +275,7 @@ def _stage_gap(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float,
     ctx.base_val = dict(bp.val)
     curves = {n: (ctx.probes["baseline"].val if f"noise-{n}" not in ctx.probes
                   else ctx.probes[f"noise-{n}"].val) for n in NOISE_PAIR}  # fmt: skip
-    ctx.noise = _noise(curves["fp32"], curves["bf16"], steps)
+    ctx.noise = late_gap_pct(curves["fp32"], curves["bf16"], bp.val)
     vocab = _vocab(cfg)
     base_diverged = bool(bp.summary.get("diverged")) or ctx.base_final is None
     rp = ctx.probes["recipe"]
@@ -308,7 +309,7 @@ def _stage_screen(ctx: _Ctx, state: dict[str, Any]) -> tuple[list, list]:
     emit({"event": "stage", "stage": "screen",
           "text": "recovery, fake quantization and one-step attribution"})  # fmt: skip
     r_dir = out / "probes" / "recipe"
-    fq = variants.per_layer(rec, all_layers, variants.fake_quant, "fake-quant")
+    fq = variants.per_layer(rec, all_layers, variants.fake_quant_recipe, "fake-quant")
     # a diverged R stops early: only the checkpoints it reached exist
     screen_steps = [t for t in screen_steps if snapshot_path(r_dir, t).exists()]
     state["screen_steps"] = screen_steps
@@ -521,16 +522,6 @@ def _remedy_words(name: str, role: str, gemm: str | None, layers: Sequence[str])
         "high-precision-cells": f"{role} of {gemm} in high precision on {where}",
         "high-precision-role": f"{role} in high precision in every GEMM on {where}",
     }[name]
-
-
-def _noise(fp32: list, bf16: list, steps: int) -> float | None:
-    """Largest |relative gap| between the fp32 and bf16 validation curves over the second half
-    of the run (at least the final point)."""
-    a = dict(fp32)
-    pts = [(s, v, a.get(s)) for s, v in bf16 if s in a]
-    late = [p for p in pts if p[0] >= steps / 2] or pts[-1:]
-    gaps = [abs(g) for s, v, w in late for g in [_rel(w, v)] if g is not None]
-    return max(gaps) if gaps else None
 
 
 def _vocab(cfg: LabConfig) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe
+from fp8lab.recipe.layers import LAYER_KEYS
 
 #: every (gemm, role) cell of a Linear, in screening order
 CELLS: tuple[tuple[str, str], ...] = tuple((g, r) for g in GEMMS for r, _ in GEMM_OPERANDS[g])
@@ -26,9 +27,6 @@ CELLS: tuple[tuple[str, str], ...] = tuple((g, r) for g in GEMMS for r, _ in GEM
 ROLE_GEMMS: dict[str, tuple[str, ...]] = {
     r: tuple(g for g in GEMMS if r in dict(GEMM_OPERANDS[g])) for r in ROLES
 }
-#: the keys of a recipe a layer rule may change
-LAYER_KEYS = ("input", "weight", "grad_output", "fprop", "dgrad", "wgrad", "save_for_backward",
-              "attention")  # fmt: skip
 
 
 def converted_layers(model: torch.nn.Module) -> list[str]:
@@ -186,7 +184,17 @@ def e5m2_gradients(recipe: Recipe) -> Recipe:
 
 
 def fake_quant(recipe: Recipe) -> Recipe:
-    """Fake quantization: operands on the same grids (format, blocks, rounding) with current
+    """Deprecated alias of :func:`fake_quant_recipe` (``fake_quant`` is the quantize-dequantize
+    function of `fp8lab.qtensor`)."""
+    import warnings
+
+    warnings.warn("fp8lab.lab.debug.variants.fake_quant is deprecated: use fake_quant_recipe",
+                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    return fake_quant_recipe(recipe)
+
+
+def fake_quant_recipe(recipe: Recipe) -> Recipe:
+    """The fake-quantization recipe of ``recipe``: operands on the same grids (format, blocks, rounding) with current
     scaling, every GEMM accumulated in fp32 (the sim then runs an fp32 GEMM of the dequantized
     operands)."""
     from fp8lab.gemm import Accumulator
