@@ -30,13 +30,7 @@ CONCEPTS = {
 #: parts still being done by their owners while this test was written: non-strict xfail
 #: (flip to strict, or drop, once each is done)
 PENDING: dict[str, str] = {
-    "fake_quant": "lab/debug/variants.fake_quant is renamed by its owner (D2)",
-    "relative_cost": "lab/compare.relative_cost vs lab/debug/remedies.relative_cost (D2)",
-    "CheckpointError": "lab/train.py and cli/inspect.py: one in lab/checkpoint.py (B2)",
-    "LAYER_KEYS": "lab/debug/variants.LAYER_KEYS is renamed by its owner (D2)",
-    "pool": "lab/compare.py and lab/debug/runner.py start their own pools (D2: lab/pool.py)",
     "long_functions": "lab/ and cli/ functions over 80 lines (B2, D2)",
-    "train_lines": "lab/train.py splits into loop, step and checkpoint (B2)",
 }
 
 
