@@ -1,8 +1,12 @@
 """The anomaly guard inside the lab's training loop (`fp8lab.lab.train.train_run(guard=...)`):
 last-good snapshots, skip, rollback and escalation. Detectors: `fp8lab.guard`; docs/guard.md.
 
-Per step the loop calls `GuardRun.check` after backward and clipping (True: do not apply this
-update) and `GuardRun.after_step` once the step is counted. A rollback restores model (weights
+`GuardRun` is a `fp8lab.lab.step.TrainStep` hook: ``before_forward`` remembers the scaling state
+(and collects the operand percentages on the steps that measure them), ``before_optimizer_step``
+runs the detectors (`GuardRun.check`) and vetoes the update when the guard acts, ``on_checkpoint``
+adds its state. A loop (the lab's `fp8lab.lab.loop.run_loop`, or a user's) calls
+`GuardRun.after_step` once the step is counted, and on ``"rollback"`` drops the abandoned steps'
+records. A rollback restores model (weights
 and delayed-scaling state), optimizer, loss scaler, torch RNG, the loop's counters and data
 cursor and the detectors' statistics from the newest snapshot at or before the offending step
 (the n-th rollback within ``window`` steps goes n snapshots back), then restarts the flagged
@@ -14,7 +18,6 @@ fired), ``skip_batches`` and ``escalations``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from typing import Any
@@ -23,6 +26,7 @@ import torch
 
 from fp8lab.dist.runtime import agree_any, world_size
 from fp8lab.guard import AnomalyGuard, Finding, GuardMonitor, Snapshots, current_scaling_rule
+from fp8lab.lab.step import ScopedHook
 
 __all__ = ["STICKY", "GuardRun", "agree"]
 
@@ -57,8 +61,9 @@ def agree(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-class GuardRun:
-    """The guard of one `train_run` (see the module doc)."""
+class GuardRun(ScopedHook):
+    """The guard of one `train_run` (see the module doc); a `fp8lab.lab.step.TrainStep` hook
+    (the step's detectors and veto), the loop calling `after_step` (skip, rollback, escalation)."""
 
     def __init__(
         self, guard: AnomalyGuard, model: torch.nn.Module, opt: Any, scaler: Any, recipe: Any
@@ -71,7 +76,6 @@ class GuardRun:
         self.findings: list[Any] = []
         self.pending: list[dict[str, Any]] = []  # events not yet attached to a metrics record
         self.effective_recipe = recipe
-        self._rows: contextlib.ExitStack | None = None  # the step's operand percentages
 
     @property
     def acts(self) -> bool:
@@ -85,16 +89,7 @@ class GuardRun:
         if self.recipe is not None and self.wants_rows(ctx.step):
             from fp8lab.guard.percent import operand_percentages
 
-            self._rows = contextlib.ExitStack()
-            ctx.extra["guard_rows"] = self._rows.enter_context(operand_percentages())
-
-    def after_backward(self, ctx: Any) -> None:
-        self.on_error(ctx)
-
-    def on_error(self, ctx: Any) -> None:
-        if self._rows is not None:
-            self._rows.close()
-            self._rows = None
+            ctx.extra["guard_rows"] = self.enter(operand_percentages())
 
     def before_optimizer_step(self, ctx: Any) -> bool:
         """Run the detectors; False (veto the update) when the guard acts on a finding."""

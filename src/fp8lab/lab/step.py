@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HOOKS", "StepContext", "TrainStep", "WatchHook"]
+__all__ = ["HOOKS", "ScopedHook", "StepContext", "TrainStep", "WatchHook"]
 
 #: the hook methods a TrainStep calls, in the order of a step (``on_checkpoint`` on demand)
 HOOKS = (
@@ -179,20 +179,16 @@ class TrainStep:
         return state
 
 
-class WatchHook:
-    """`fp8lab.observe.sample` as a hook: every ``every`` steps (0 = never) the operand
-    statistics of the step's forward and backward go to ``rows`` (``step``: steps done)."""
+class ScopedHook:
+    """Base of hooks that hold a context manager (an operand collector) open over the forward
+    and backward: `enter` it in ``before_forward``; it closes after backward, or on an error."""
 
-    def __init__(self, model: torch.nn.Module, every: int) -> None:
-        self.model, self.every = model, every
-        self.rows: list[dict[str, Any]] = []
-        self._stack: contextlib.ExitStack | None = None
+    _stack: contextlib.ExitStack | None = None
 
-    def before_forward(self, ctx: StepContext) -> None:
-        self.rows = []
-        if self.every > 0 and (ctx.step + 1) % self.every == 0:
-            self._stack = contextlib.ExitStack()
-            self.rows = self._stack.enter_context(sample_rows(self.model, True, ctx.step + 1))
+    def enter(self, cm: Any) -> Any:
+        """Enter ``cm`` until the end of this step's backward; return what it yields."""
+        self._stack = contextlib.ExitStack()
+        return self._stack.enter_context(cm)
 
     def after_backward(self, ctx: StepContext) -> None:
         self.on_error(ctx)
@@ -201,6 +197,20 @@ class WatchHook:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+
+
+class WatchHook(ScopedHook):
+    """`fp8lab.observe.sample` as a hook: every ``every`` steps (0 = never) the operand
+    statistics of the step's forward and backward go to ``rows`` (``step``: steps done)."""
+
+    def __init__(self, model: torch.nn.Module, every: int) -> None:
+        self.model, self.every = model, every
+        self.rows: list[dict[str, Any]] = []
+
+    def before_forward(self, ctx: StepContext) -> None:
+        self.rows = []
+        if self.every > 0 and (ctx.step + 1) % self.every == 0:
+            self.rows = self.enter(sample_rows(self.model, True, ctx.step + 1))
 
 
 def sample_rows(model: torch.nn.Module, enabled: bool, step: int) -> Any:
