@@ -9,7 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -17,6 +17,13 @@ import typer
 BAD_INPUT = 2
 #: exit code after Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
+
+# options several commands share, declared once (typer reads the Annotated metadata; each
+# command gives its own default in its signature)
+#: --out: the output directory
+OutDir = Annotated[Path, typer.Option("--out", help="Output directory.")]
+#: --quiet: no progress on stderr
+Quiet = Annotated[bool, typer.Option("--quiet", help="No progress output.")]
 
 
 def fail(message: str) -> typer.Exit:

