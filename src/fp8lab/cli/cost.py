@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, fail
+from fp8lab.cli._common import clear_errors, console, fail, fitted_tables
 
 DEFAULT_RECIPES = "bf16,te-delayed,te-current,mxfp8,deepseek-v3,nvfp4"
 
@@ -187,18 +187,9 @@ def _json(dev: Any, priced: dict, coll: dict, dist: dict | None) -> str:
 
 
 def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -> None:
-    from fp8lab.cli._common import fitted_tables
-
+    """The terminal tables: per GEMM, per tensor, per precision, collectives and totals."""
     con = console()
-
-    def show(title: str, columns: list[tuple[str, str]], rows: list[list[str]], keys=1) -> None:
-        # whole cells at any width: constant columns to a caption, the rest folded (_common)
-        for t in fitted_tables(title, columns, rows, con.width, keys=keys):
-            con.print(t)
-
-    costs = priced["costs"]
-    layers = priced["layers"]
-    names = list(costs)
+    costs, layers = priced["costs"], priced["layers"]
     con.print(
         f"{dev.name}: {dev.description}; peaks (dense TFLOPS) "
         + ", ".join(f"{k} {v:g}" for k, v in dev.peak_tflops.items())
@@ -209,6 +200,22 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
     con.print(f"{work.header}; scenario {scenario}")
     if layers != work.layers:
         con.print("per-layer recipe rules: every Linear is priced; 'layer' = the whole model")
+    tables = [_gemm_table(costs), *_ledger_tables(costs)]
+    if coll:
+        tables.append(_collective_table(coll))
+    tables.append(_totals_table(priced))
+    for title, columns, rows, keys in tables:
+        # whole cells at any width: constant columns to a caption, the rest folded (_common)
+        for t in fitted_tables(title, columns, rows, con.width, keys=keys):
+            con.print(t)
+
+
+#: a table to print: title, (column, justify) pairs, rows, leading key columns
+_Table = tuple[str, list[tuple[str, str]], list[list[str]], int]
+
+
+def _gemm_table(costs: dict[str, Any]) -> _Table:
+    names = list(costs)
     rows = []
     for i, gc in enumerate(costs[names[0]].gemms):
         cells = []
@@ -216,12 +223,14 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
             c = costs[r].gemms[i]
             cells.append(f"{c.ms * 1e3:.4g} {c.cls} {c.bound[0]}")
         rows.append([gc.name, f"{gc.m}x{gc.k}x{gc.n}", *cells])
-    show(
-        "Per-GEMM time (µs; GEMM kernel, its class and bound: c/m)",
-        [("GEMM", "left"), ("M x K x N", "left"), *((r, "right") for r in names)],
-        rows,
-        keys=2,
-    )
+    return ("Per-GEMM time (µs; GEMM kernel, its class and bound: c/m)",
+            [("GEMM", "left"), ("M x K x N", "left"), *((r, "right") for r in names)],
+            rows, 2)  # fmt: skip
+
+
+def _ledger_tables(costs: dict[str, Any]) -> list[_Table]:
+    """Bytes of the quantization passes: per tensor, and per precision for each recipe."""
+    names = list(costs)
     ledgers = {r: costs[r].ledger() for r in names}
     tensors = sorted({t for lg in ledgers.values() for t in lg})
     rows = []
@@ -233,39 +242,37 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
             wr = sum(v for k, v in row.items() if k.startswith("written")) / 1e6
             cells.append(f"{rd:.0f}+{wr:.0f}" if row else "-")
         rows.append([t, *cells])
-    show(
-        "Per-tensor bytes ledger (MB read + written by its quantization passes)",
-        [("tensor", "left"), *((r, "right") for r in names)],
-        rows,
-    )
+    per_tensor = ("Per-tensor bytes ledger (MB read + written by its quantization passes)",
+                  [("tensor", "left"), *((r, "right") for r in names)], rows, 1)  # fmt: skip
     keys = sorted({k for lg in ledgers.values() for row in lg.values() for k in row})
     rows = []
     for r in names:
         tot_r = {k: sum(row.get(k, 0) for row in ledgers[r].values()) for k in keys}
         rows.append([r, *(f"{tot_r[k] / 1e6:.1f}" for k in keys)])
-    show(
-        "Quantization bytes per layer by precision (MB)",
-        [("recipe", "left"), *((k.replace(":", " "), "right") for k in keys)],
-        rows,
+    per_precision = ("Quantization bytes per layer by precision (MB)",
+                     [("recipe", "left"), *((k.replace(":", " "), "right") for k in keys)],
+                     rows, 1)  # fmt: skip
+    return [per_tensor, per_precision]
+
+
+def _collective_table(coll: dict[str, Any]) -> _Table:
+    first = next(iter(coll.values()))
+    how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (
+        (", FSDP, FP8 all-gather" if first.fp8_allgather else ", FSDP") if first.fsdp else ""
     )
-    if coll:
-        first = next(iter(coll.values()))
-        how = f"{first.ranks} ranks, grad-comm {first.grad_comm}" + (
-            (", FSDP, FP8 all-gather" if first.fp8_allgather else ", FSDP") if first.fsdp else ""
-        )
-        labels = [("gradient " + ("reduce-scatter" if first.fsdp else "all-reduce"), "grad_reduce"),
-                  ("amax all-reduces", "amax_allreduce"), ("FSDP weight all-gathers", "fsdp_allgather"),
-                  ("total", "total")]  # fmt: skip
-        rows = [
-            [label, *(f"{getattr(cb, attr) / 1e6:.4g}" for cb in coll.values())]
-            for label, attr in labels
-        ]
-        rows.append(["amax all-reduce calls", *(str(cb.amax_allreduces) for cb in coll.values())])
-        show(
-            f"Collective bytes ledger (MB one rank sends per step, whole model; {how})",
-            [("collective", "left"), *((r, "right") for r in coll)],
-            rows,
-        )
+    labels = [("gradient " + ("reduce-scatter" if first.fsdp else "all-reduce"), "grad_reduce"),
+              ("amax all-reduces", "amax_allreduce"), ("FSDP weight all-gathers", "fsdp_allgather"),
+              ("total", "total")]  # fmt: skip
+    rows = [
+        [label, *(f"{getattr(cb, attr) / 1e6:.4g}" for cb in coll.values())]
+        for label, attr in labels
+    ]
+    rows.append(["amax all-reduce calls", *(str(cb.amax_allreduces) for cb in coll.values())])
+    return (f"Collective bytes ledger (MB one rank sends per step, whole model; {how})",
+            [("collective", "left"), *((r, "right") for r in coll)], rows, 1)  # fmt: skip
+
+
+def _totals_table(priced: dict) -> _Table:
     cols = ("recipe", "layer ms", "GEMM ms", "quantize ms", "quantize %", "speedup vs bf16",
             "model ms", "GB moved")  # fmt: skip
     rows = [
@@ -276,97 +283,118 @@ def _tables(dev: Any, priced: dict, work: Workload, scenario: str, coll: dict) -
             f"{c.quantize_ms:.4g}",
             f"{100 * c.quantize_ms / c.layer_ms:.1f}",
             f"{priced['bf16_ms'] / c.layer_ms:.2f}x",
-            f"{c.layer_ms * layers:.4g}",
+            f"{c.layer_ms * priced['layers']:.4g}",
             f"{c.bytes / 1e9:.2f}",
         ]
-        for r, c in costs.items()
+        for r, c in priced["costs"].items()
     ]
-    show("Per-layer totals", [(c, "left" if c == "recipe" else "right") for c in cols], rows)
+    return ("Per-layer totals", [(c, "left" if c == "recipe" else "right") for c in cols], rows, 1)
+
+
+# ----------------------------------------------------------------------------- options
+Recipes = Annotated[str, typer.Option(
+    "--recipes",
+    help="Comma-separated recipes: presets, the lab's negative control, or recipe "
+    ".toml/.json files (per-layer rules are priced per Linear).",
+)]  # fmt: skip
+Device = Annotated[str, typer.Option("--device", help="h100, h200, h200-nvl, b200, b300.")]
+Model = Annotated[str | None, typer.Option(
+    "--model",
+    help="Price a model's quantized Linears: gpt (the lab's GPT), MODULE:FACTORY, "
+    "path/to/file.py:FACTORY or hf:CONFIG.json (as fp8lab compare --model).",
+)]  # fmt: skip
+Hidden = Annotated[int | None, typer.Option("--hidden", help="Hidden size (default 4096).")]
+Ffn = Annotated[int | None, typer.Option("--ffn", help="FFN size (default 16384).")]
+Layers = Annotated[int | None, typer.Option("--layers", help="Layers (default 24).")]
+Tokens = Annotated[int | None, typer.Option(
+    "--tokens", help="Tokens per step, micro-batch x sequence (default 15872)."
+)]  # fmt: skip
+Scenario = Annotated[str, typer.Option("--scenario", help="training or te-benchmark (see above).")]
+Ranks = Annotated[int | None, typer.Option(
+    "--ranks", help="Data-parallel ranks: add the collective bytes per rank and step."
+)]  # fmt: skip
+GradComm = Annotated[str | None, typer.Option(
+    "--grad-comm",
+    help="Gradient reduction precision: fp32 (default), bf16, fp8, fp8-msamp (as fp8lab comm-sim).",
+)]  # fmt: skip
+Fsdp = Annotated[bool, typer.Option(
+    "--fsdp", help="FSDP2: weights all-gathered (fwd + bwd; bf16), gradients reduce-scattered."
+)]  # fmt: skip
+Fp8Allgather = Annotated[bool, typer.Option(
+    "--fp8-allgather", help="With --fsdp: quantized weights all-gathered as FP8/FP4 codes + scales."
+)]  # fmt: skip
+AmaxGroup = Annotated[str | None, typer.Option(
+    "--amax-group",
+    help="world (default: delayed-scaling amaxes all-reduced, one batched all-reduce "
+    "per step) or none (local amaxes).",
+)]  # fmt: skip
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the totals as JSON.")]
+
+
+def cost(
+    recipes: Recipes = DEFAULT_RECIPES,
+    device: Device = "h200",
+    model: Model = None,
+    hidden: Hidden = None,
+    ffn: Ffn = None,
+    layers: Layers = None,
+    tokens: Tokens = None,
+    scenario: Scenario = "training",
+    ranks: Ranks = None,
+    grad_comm: GradComm = None,
+    fsdp: Fsdp = False,
+    fp8_allgather: Fp8Allgather = False,
+    amax_group: AmaxGroup = None,
+    json_out: JsonOut = False,
+) -> None:
+    """``fp8lab cost``: validate, price, then print the JSON or the tables."""
+    names = [r.strip() for r in recipes.split(",") if r.strip()]
+    if not names:
+        raise fail("--recipes is empty")
+    with clear_errors():
+        dist = _dist(ranks, grad_comm, fsdp, fp8_allgather, amax_group)
+        given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
+        work = _workload(model, given)
+        dev, priced = _price(names, device, work, scenario)
+        coll = _collectives(priced, work, dist)
+    for r, why in priced["skipped"].items():
+        typer.echo(f"skipped {r}: {why}", err=True)
+    if json_out:
+        typer.echo(_json(dev, priced, coll, dist))
+    else:
+        _tables(dev, priced, work, scenario, coll)
+
+
+def _dist(
+    ranks: int | None,
+    grad_comm: str | None,
+    fsdp: bool,
+    fp8_allgather: bool,
+    amax_group: str | None,
+) -> dict[str, Any] | None:
+    """The collective options (None without --ranks); ValueError on a bad one or combination."""
+    flags = (grad_comm is not None, fsdp, fp8_allgather, amax_group is not None)
+    if ranks is None and any(flags):
+        raise ValueError(
+            "--grad-comm, --fsdp, --fp8-allgather and --amax-group need --ranks N "
+            "(data-parallel ranks)"
+        )
+    if ranks is None:
+        return None
+    if ranks < 1:
+        raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    from fp8lab.dist.ddp import check_options
+
+    dist = {
+        "ranks": ranks,
+        "grad_comm": grad_comm or "fp32",
+        "fsdp": fsdp,
+        "fp8_allgather": fp8_allgather,
+        "amax_group": amax_group or "world",
+    }
+    check_options(dist["amax_group"], dist["grad_comm"], fsdp, fp8_allgather)
+    return dist
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("cost", help=HELP)
-    def cost(
-        recipes: str = typer.Option(
-            DEFAULT_RECIPES,
-            "--recipes",
-            help="Comma-separated recipes: presets, the lab's negative control, or recipe "
-            ".toml/.json files (per-layer rules are priced per Linear).",
-        ),
-        device: str = typer.Option("h200", "--device", help="h100, h200, h200-nvl, b200, b300."),
-        model: str | None = typer.Option(
-            None,
-            "--model",
-            help="Price a model's quantized Linears: gpt (the lab's GPT), MODULE:FACTORY, "
-            "path/to/file.py:FACTORY or hf:CONFIG.json (as fp8lab compare --model).",
-        ),
-        hidden: int | None = typer.Option(None, "--hidden", help="Hidden size (default 4096)."),
-        ffn: int | None = typer.Option(None, "--ffn", help="FFN size (default 16384)."),
-        layers: int | None = typer.Option(None, "--layers", help="Layers (default 24)."),
-        tokens: int | None = typer.Option(
-            None, "--tokens", help="Tokens per step, micro-batch x sequence (default 15872)."
-        ),
-        scenario: str = typer.Option(
-            "training", "--scenario", help="training or te-benchmark (see above)."
-        ),
-        ranks: int | None = typer.Option(
-            None, "--ranks", help="Data-parallel ranks: add the collective bytes per rank and step."
-        ),
-        grad_comm: str | None = typer.Option(
-            None,
-            "--grad-comm",
-            help="Gradient reduction precision: fp32 (default), bf16, fp8, "
-            "fp8-msamp (as fp8lab comm-sim).",
-        ),
-        fsdp: bool = typer.Option(
-            False,
-            "--fsdp",
-            help="FSDP2: weights all-gathered (fwd + bwd; bf16), gradients reduce-scattered.",
-        ),
-        fp8_allgather: bool = typer.Option(
-            False,
-            "--fp8-allgather",
-            help="With --fsdp: quantized weights all-gathered as FP8/FP4 codes + scales.",
-        ),
-        amax_group: str | None = typer.Option(
-            None,
-            "--amax-group",
-            help="world (default: delayed-scaling amaxes all-reduced, one batched all-reduce "
-            "per step) or none (local amaxes).",
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print the totals as JSON."),
-    ) -> None:
-        names = [r.strip() for r in recipes.split(",") if r.strip()]
-        if not names:
-            raise fail("--recipes is empty")
-        with clear_errors():
-            dist = None
-            flags = (grad_comm is not None, fsdp, fp8_allgather, amax_group is not None)
-            if ranks is None and any(flags):
-                raise ValueError(
-                    "--grad-comm, --fsdp, --fp8-allgather and --amax-group need --ranks N "
-                    "(data-parallel ranks)"
-                )
-            if ranks is not None:
-                if ranks < 1:
-                    raise ValueError(f"--ranks must be >= 1, got {ranks}")
-                from fp8lab.dist.ddp import check_options
-
-                dist = {
-                    "ranks": ranks,
-                    "grad_comm": grad_comm or "fp32",
-                    "fsdp": fsdp,
-                    "fp8_allgather": fp8_allgather,
-                    "amax_group": amax_group or "world",
-                }
-                check_options(dist["amax_group"], dist["grad_comm"], fsdp, fp8_allgather)
-            given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
-            work = _workload(model, given)
-            dev, priced = _price(names, device, work, scenario)
-            coll = _collectives(priced, work, dist)
-        for r, why in priced["skipped"].items():
-            typer.echo(f"skipped {r}: {why}", err=True)
-        if json_out:
-            typer.echo(_json(dev, priced, coll, dist))
-        else:
-            _tables(dev, priced, work, scenario, coll)
+    app.command("cost", help=HELP)(cost)
