@@ -53,12 +53,22 @@ _SUBMODULES = {"formats", "scaling", "qtensor", "gemm", "recipe", "nn", "optim",
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
+def _install_amax_reduction(module: str) -> None:
+    # A public name beyond the formats installs TE's default amax all-reduce (fp8lab.dist), so
+    # delayed scaling under torchrun reduces over the world without `import fp8lab.dist`; the
+    # scaling layer never communicates itself. The formats alone stay torch-free and quick.
+    if module != "fp8lab.formats":
+        importlib.import_module("fp8lab.dist.amax")
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        _install_amax_reduction(_EXPORTS[name])
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
+        _install_amax_reduction(f"fp8lab.{name}")
         return importlib.import_module(f"fp8lab.{name}")
     raise AttributeError(f"module 'fp8lab' has no attribute {name!r}")
 

@@ -328,6 +328,20 @@ def test_distributed_max_reduction(tmp_path):
     assert s0["amax_history"].tolist() == [0.0, 0.0, 0.0, 7.0]
 
 
+def test_public_api_installs_the_default_amax_reduction():
+    """`fp8lab.<name>` beyond the formats installs dist's all-reduce (the scaling layer never
+    communicates; the distributed test above relies on it); the formats alone do not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fp8lab; fp8lab.FloatFormat; assert 'fp8lab.dist' not in sys.modules; "
+        "fp8lab.DelayedScaling; from fp8lab.scaling.delayed import amax_reduction_installed; "
+        "assert amax_reduction_installed()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_config_is_frozen_hashable_plain_data_and_state_is_apart():
     import dataclasses
 
