@@ -227,3 +227,35 @@ def fitted_tables(
         return out
     finally:
         probe.file.close()
+
+
+#: what Ctrl-C prints for a command that resumes from its checkpoints
+INTERRUPTED_RESUME = "interrupted; rerun the same command to resume"
+
+
+def command_line() -> str:
+    """The command as typed (``fp8lab ...``, shell-quoted), for a report's header."""
+    import shlex
+
+    return "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def stop_on_sigterm() -> None:
+    """A plain ``kill`` unwinds like Ctrl-C, so worker processes are stopped and checkpoints
+    stay."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def lab_config(path: Path | None, extra: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
+    """The `fp8lab.lab.train.LabConfig` of ``--config`` (the defaults without one) and its
+    ``extra`` tables; ValueError naming the file on any other table."""
+    from fp8lab.lab.train import LabConfig
+
+    cfg, rest = LabConfig.from_toml(path) if path else (LabConfig(), {})
+    unknown = sorted(set(rest) - set(extra))
+    if unknown:
+        valid = " ".join(f"[{t}]" for t in ("model", "data", "train", "inject", *extra))
+        raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {valid}")
+    return cfg, rest

@@ -7,8 +7,6 @@ them (``fp8lab.report.training``), draws progress and turns bad input into exit 
 from __future__ import annotations
 
 import json
-import shlex
-import signal
 import sys
 import textwrap
 import time
@@ -19,11 +17,15 @@ from typing import Annotated, Any
 import typer
 
 from fp8lab.cli._common import (
+    INTERRUPTED_RESUME,
     OutDir,
     Quiet,
     clear_errors,
+    command_line,
     console,
     fitted_tables,
+    lab_config,
+    stop_on_sigterm,
     with_run_options,
 )
 from fp8lab.lab.compare import DEFAULT_BASELINE, DEFAULT_RECIPES
@@ -53,7 +55,7 @@ it are not ranked. Exit code 2 on bad input; Ctrl-C stops and keeps the checkpoi
 (rerun the same command to resume).
 """
 
-INTERRUPTED = "interrupted; rerun the same command to resume"
+INTERRUPTED = INTERRUPTED_RESUME
 
 
 def _progress(enabled: bool):
@@ -465,13 +467,8 @@ def _config(
 ) -> tuple[Any, list[str], str, int]:  # fmt: skip
     """The configuration the options give: (LabConfig, recipe names, baseline, jobs); the
     options win over the [compare] table of --config, which wins over the defaults."""
-    from fp8lab.lab.train import LabConfig
-
-    cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
-    section = _compare_table(rest.pop("compare", {}), str(config))
-    if rest:
-        raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
-                         "[model] [data] [train] [inject] [compare]")  # fmt: skip
+    cfg, rest = lab_config(config, extra=("compare",))
+    section = _compare_table(rest.get("compare", {}), str(config))
     if recipes is not None:
         names = [r.strip() for r in recipes.split(",") if r.strip()]
     else:
@@ -530,17 +527,15 @@ def _run(
     tensorboard: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """Train and write the report with progress on stderr; the summary."""
-    # a plain `kill` unwinds like Ctrl-C, so worker processes are stopped too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    stop_on_sigterm()
     bars = not quiet and sys.stderr.isatty()
     progress, on_event = _progress(bars)
     if not quiet and not bars:
         on_event = _line_progress()
     tb = _tensorboard(out, on_event) if tensorboard else None
-    command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with clear_errors(INTERRUPTED), progress:
         return compare_and_report(plan.cfg, plan.names, plan.base, out, jobs=plan.jobs,
-                                  threads=threads, callback=tb or on_event, command=command,
+                                  threads=threads, callback=tb or on_event, command=command_line(),
                                   device=device, guard=plan.guard, dist=plan.dist,
                                   noise_seeds=noise_seeds)  # fmt: skip
 

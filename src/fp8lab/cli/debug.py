@@ -7,16 +7,23 @@ report (``fp8lab.report.debug``), prints progress per probe and turns bad input 
 from __future__ import annotations
 
 import json
-import shlex
-import signal
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, fail, with_run_options
+from fp8lab.cli._common import (
+    INTERRUPTED_RESUME,
+    OutDir,
+    Quiet,
+    clear_errors,
+    command_line,
+    fail,
+    lab_config,
+    stop_on_sigterm,
+    with_run_options,
+)
 
 HELP = """Find which operand of which GEMM of which layer makes a low-precision run drift from
 its baseline, and test remedies, on a CPU. Seven stages: (1) gap of R to the baseline, and the
@@ -75,124 +82,138 @@ def _list_scenarios() -> None:
         typer.echo(f"{s.name:<20} {s.description}")
 
 
+Recipe = Annotated[str | None, typer.Option(
+    "--recipe",
+    help="The recipe that drifts: a preset, 'e4m3-unscaled-grads', or "
+    "a recipe .toml/.json file (per-layer [[layer]] rules allowed).",
+    show_default=False,
+)]  # fmt: skip
+Baseline = Annotated[str, typer.Option("--baseline", help="The reference recipe.")]
+Scenario = Annotated[str | None, typer.Option(
+    "--scenario",
+    help="Plant a built-in fault (see --list-scenarios) instead of --recipe.",
+    show_default=False,
+)]  # fmt: skip
+ListScenarios = Annotated[bool, typer.Option(
+    "--list-scenarios", help="List the built-in scenarios and exit.")]  # fmt: skip
+Model = Annotated[str | None, typer.Option(
+    "--model",
+    help="The model, as for fp8lab compare: 'gpt', MODULE:FACTORY, "
+    "path/to/file.py:FACTORY or hf:CONFIG.json.",
+    show_default=False,
+)]  # fmt: skip
+Data = Annotated[list[Path] | None, typer.Option(
+    "--data", help="Text file or folder to train on (repeatable).")]  # fmt: skip
+Config = Annotated[Path | None, typer.Option(
+    "--config", help="TOML file with [model] [data] [train] [inject] tables.")]  # fmt: skip
+Overrides = Annotated[list[str] | None, typer.Option(
+    "--set",
+    help="Override one config value, SECTION.KEY=VALUE (repeatable), as for fp8lab compare.",
+)]  # fmt: skip
+Steps = Annotated[int | None, typer.Option("--steps", min=4, help="Training steps per probe.")]
+Layers = Annotated[str | None, typer.Option(
+    "--layers",
+    help="Comma list of globs: search only these converted layers (default all).",
+    show_default=False,
+)]  # fmt: skip
+Checkpoints = Annotated[int, typer.Option(
+    "--checkpoints", min=1, max=20, help="Checkpoints of R screened by replay.")]  # fmt: skip
+Jobs = Annotated[int, typer.Option(
+    "--jobs",
+    min=1,
+    help="Probes trained at once (processes); 1 under torchrun, where every rank "
+    "trains each probe in turn (torchrun --nproc-per-node N -m fp8lab debug ...).",
+)]  # fmt: skip
+Threads = Annotated[int, typer.Option(
+    "--threads", min=0, help="torch and numba threads per process (0 = defaults).")]  # fmt: skip
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+
+def debug_cmd(
+    recipe: Recipe = None,
+    baseline: Baseline = "bf16",
+    scenario: Scenario = None,
+    list_scenarios: ListScenarios = False,
+    model: Model = None,
+    data: Data = None,
+    config: Config = None,
+    overrides: Overrides = None,
+    steps: Steps = None,
+    layers: Layers = None,
+    checkpoints: Checkpoints = 3,
+    out: OutDir = Path("runs/debug"),
+    jobs: Jobs = 1,
+    threads: Threads = 0,
+    json_out: JsonOut = False,
+    quiet: Quiet = False,
+) -> None:
+    """``fp8lab debug`` (help: `HELP`): validate the options, run the method, render."""
+    from fp8lab.lab.debug import run_debug
+    from fp8lab.report.debug import write_report
+
+    if list_scenarios:
+        _list_scenarios()
+        return
+    with clear_errors():
+        rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
+                                                   steps, data, layers, jobs)  # fmt: skip
+    main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
+    stop_on_sigterm()
+    t0 = time.perf_counter()
+    with clear_errors(INTERRUPTED_RESUME):
+        result = run_debug(rec, cfg, out, baseline=baseline, jobs=jobs, threads=threads,
+                           layers=globs, checkpoints=checkpoints,
+                           callback=_progress(quiet or not main), scenario=scenario)  # fmt: skip
+        if rank_ctx is not None:
+            from fp8lab.dist.runtime import leave_group
+
+            leave_group()  # the ranks' shared work is done
+        if not main:
+            return
+        write_report(out, result, command=command_line(), expect=expect)
+    _render(result, out, json_out, t0)
+
+
+def _setup(
+    recipe: str | None, scenario: str | None, config: Path | None, overrides: list[str] | None,
+    model: str | None, steps: int | None, data: Any, layers: str | None, jobs: int,
+) -> tuple[Any, Any, Any, list[str] | None, Any]:  # fmt: skip
+    """Check the options before any training: (recipe, LabConfig, the planted fault's
+    expectation, layer globs, the torchrun rank context)."""
+    from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
+    from fp8lab.lab.debug.scenarios import get_scenario, plant
+
+    if (recipe is None) == (scenario is None):
+        raise fail("give exactly one of --recipe and --scenario (--list-scenarios "
+                   "lists the scenarios)")  # fmt: skip
+    cfg, _ = lab_config(config)
+    if scenario is not None:
+        cfg = cfg.replace_train(**get_scenario(scenario).train)
+    cfg = with_run_options(cfg, overrides, model, steps, data)
+    expect = None
+    if scenario is not None:
+        rec, cfg, expect = plant(scenario, cfg)
+    else:
+        rec = recipe
+    globs = [g.strip() for g in layers.split(",") if g.strip()] if layers else None
+    if layers is not None and not globs:
+        raise ValueError("--layers: no glob given")
+    check_jobs(jobs, "probes")  # under torchrun every rank runs each probe in turn
+    check_global_batch(cfg.train.batch_size)
+    return rec, cfg, expect, globs, init_from_env()
+
+
+def _render(result: Any, out: Path, json_out: bool, t0: float) -> None:
+    """The result on stdout: JSON, or the verdict, the fix and the report's path."""
+    if json_out:
+        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+        return
+    typer.echo(result.verdict)
+    if result.fix:
+        typer.echo(f"\nfix: {result.fix}  (fp8lab compare --recipes {result.fix})")
+    typer.echo(f"report: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("debug", help=HELP)
-    def debug_cmd(
-        recipe: str | None = typer.Option(
-            None,
-            "--recipe",
-            help="The recipe that drifts: a preset, 'e4m3-unscaled-grads', or "
-            "a recipe .toml/.json file (per-layer [[layer]] rules allowed).",
-            show_default=False,
-        ),
-        baseline: str = typer.Option("bf16", "--baseline", help="The reference recipe."),
-        scenario: str | None = typer.Option(
-            None,
-            "--scenario",
-            help="Plant a built-in fault (see --list-scenarios) instead of --recipe.",
-            show_default=False,
-        ),
-        list_scenarios: bool = typer.Option(
-            False, "--list-scenarios", help="List the built-in scenarios and exit."
-        ),
-        model: str | None = typer.Option(
-            None,
-            "--model",
-            help="The model, as for fp8lab compare: 'gpt', MODULE:FACTORY, "
-            "path/to/file.py:FACTORY or hf:CONFIG.json.",
-            show_default=False,
-        ),
-        data: list[Path] = typer.Option(
-            None, "--data", help="Text file or folder to train on (repeatable)."
-        ),
-        config: Path | None = typer.Option(
-            None, "--config", help="TOML file with [model] [data] [train] [inject] tables."
-        ),
-        overrides: list[str] = typer.Option(
-            None,
-            "--set",
-            help="Override one config value, SECTION.KEY=VALUE (repeatable), as "
-            "for fp8lab compare.",
-        ),
-        steps: int | None = typer.Option(None, "--steps", min=4, help="Training steps per probe."),
-        layers: str | None = typer.Option(
-            None,
-            "--layers",
-            help="Comma list of globs: search only these converted layers (default all).",
-            show_default=False,
-        ),
-        checkpoints: int = typer.Option(
-            3, "--checkpoints", min=1, max=20, help="Checkpoints of R screened by replay."
-        ),
-        out: Path = typer.Option(Path("runs/debug"), "--out", help="Output directory."),
-        jobs: int = typer.Option(
-            1,
-            "--jobs",
-            min=1,
-            help="Probes trained at once (processes); 1 under torchrun, where every rank "
-            "trains each probe in turn (torchrun --nproc-per-node N -m fp8lab debug ...).",
-        ),
-        threads: int = typer.Option(
-            0, "--threads", min=0, help="torch and numba threads per process (0 = defaults)."
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
-    ) -> None:
-        from fp8lab.lab.debug import run_debug
-        from fp8lab.lab.debug.scenarios import get_scenario, plant
-        from fp8lab.lab.train import LabConfig
-        from fp8lab.report.debug import write_report
-
-        if list_scenarios:
-            _list_scenarios()
-            return
-        with clear_errors():
-            if (recipe is None) == (scenario is None):
-                raise fail("give exactly one of --recipe and --scenario (--list-scenarios "
-                           "lists the scenarios)")  # fmt: skip
-            cfg, rest = LabConfig.from_toml(config) if config else (LabConfig(), {})
-            if rest:
-                raise ValueError(f"{config}: unknown table(s) {sorted(rest)}; valid: "
-                                 "[model] [data] [train] [inject]")  # fmt: skip
-            if scenario is not None:
-                cfg = cfg.replace_train(**get_scenario(scenario).train)
-            cfg = with_run_options(cfg, overrides, model, steps, data)
-            expect = None
-            if scenario is not None:
-                rec, cfg, expect = plant(scenario, cfg)
-            else:
-                rec = recipe
-            globs = [g.strip() for g in layers.split(",") if g.strip()] if layers else None
-            if layers is not None and not globs:
-                raise ValueError("--layers: no glob given")
-            from fp8lab.dist.runtime import (
-                check_global_batch,
-                check_jobs,
-                init_from_env,
-                leave_group,
-            )
-
-            check_jobs(jobs, "probes")  # under torchrun every rank runs each probe in turn
-            check_global_batch(cfg.train.batch_size)
-            rank_ctx = init_from_env()
-        main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        command = "fp8lab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        t0 = time.perf_counter()
-        with clear_errors("interrupted; rerun the same command to resume"):
-            result = run_debug(rec, cfg, out, baseline=baseline, jobs=jobs, threads=threads,
-                               layers=globs, checkpoints=checkpoints,
-                               callback=_progress(quiet or not main),
-                               scenario=scenario)  # fmt: skip
-            if rank_ctx is not None:
-                leave_group()  # the ranks' shared work is done
-            if not main:
-                return
-            write_report(out, result, command=command, expect=expect)
-        if json_out:
-            typer.echo(json.dumps(result.to_json(), allow_nan=False))
-            return
-        typer.echo(result.verdict)
-        if result.fix:
-            typer.echo(f"\nfix: {result.fix}  (fp8lab compare --recipes {result.fix})")
-        typer.echo(f"report: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
+    """Register ``fp8lab debug`` on ``app``."""
+    app.command("debug", help=HELP)(debug_cmd)
