@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn.state import delayed_states
-
 __all__ = [
     "DistContext",
     "agree_any",
@@ -135,6 +133,10 @@ def agree_any(flag: bool, group: Any = None) -> bool:
 def gather_scaling_states(model: torch.nn.Module) -> list[dict[str, dict[str, torch.Tensor]]]:
     """Every rank's delayed-scaling ``state_dict`` by state name, in rank order (plain tensors,
     loadable with ``weights_only=True``). Collective; without torch.distributed: this process's."""
+    # imported here so that this module needs nothing of fp8lab: dist.amax (installed while
+    # fp8lab.nn is being imported) reads rank and world size from it
+    from fp8lab.nn.state import delayed_states
+
     mine = {k: ds.state_dict() for k, ds in delayed_states(model).items()}
     if not is_distributed():
         return [mine]
