@@ -53,7 +53,7 @@ from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.noise import late_gap_pct
-from fp8lab.lab.pool import Callback, Job, WorkerPool, set_threads
+from fp8lab.lab.pool import Callback, Job, WorkerPool, check_count, set_threads
 from fp8lab.lab.train import (
     CHECKPOINT,
     ConfigMismatchError,
@@ -764,12 +764,9 @@ def run_comparison(
                              f"runs/{run_dir(Path(), n).name}; rename one file")  # fmt: skip
     if baseline not in names:
         names.insert(0, baseline)
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
-    if not isinstance(noise_seeds, int) or isinstance(noise_seeds, bool) or noise_seeds < 0:
-        raise ValueError(f"noise_seeds must be an integer >= 0, got {noise_seeds!r}")
+    check_count("jobs", jobs, 1)
+    check_count("threads", threads, 0, " (0 = the defaults)")
+    check_count("noise_seeds", noise_seeds, 0)
     if any(split_replica(n)[1] is not None for n in names):
         raise ValueError(f"a recipe name may not end in {SEED_SEP}N (a seed replica's name)")
     replicas = [seed_replica(baseline, cfg.train.seed + i) for i in range(1, noise_seeds + 1)]
@@ -806,18 +803,8 @@ def run_comparison(
     )
 
 
-def compare(
-    cfg: LabConfig,
-    recipes: Sequence[str] = DEFAULT_RECIPES,
-    baseline: str = DEFAULT_BASELINE,
-    out_dir: str | Path = "runs/compare",
-    jobs: int = 1,
-    threads: int = 0,
-    callback: Callback | None = None,
-    device: str = DEFAULT_COST_DEVICE,
-    noise_seeds: int = 0,
-) -> dict[str, Any]:
-    """:func:`run_comparison`, returning only the summary (see :func:`summarize_comparison`).
-    The report is not written here: ``fp8lab.report.training.write_report`` does that."""
-    return run_comparison(cfg, recipes, baseline, out_dir, jobs, threads, callback, device,
-                          noise_seeds=noise_seeds).summary  # fmt: skip
+def compare(cfg: LabConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """:func:`run_comparison` (the same arguments), returning only the summary (see
+    :func:`summarize_comparison`). The report is not written here:
+    ``fp8lab.report.training.write_report`` does that."""
+    return run_comparison(cfg, *args, **kwargs).summary

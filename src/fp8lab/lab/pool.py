@@ -34,14 +34,19 @@ import torch
 Callback = Callable[[dict[str, Any]], None]
 
 
+def check_count(name: str, value: Any, minimum: int, note: str = "") -> None:
+    """ValueError unless ``value`` is an integer (not a bool) >= ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{note}, got {value!r}")
+
+
 def set_threads(threads: int) -> None:
     """Limit torch's and numba's thread pools (0 = leave both alone).
 
     Both matter: jobs running in parallel processes each start numba's pool too, and an
     oversubscribed pool makes the parallel cast kernels several times slower on 2 cores.
     """
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0 = the defaults), got {threads!r}")
+    check_count("threads", threads, 0, " (0 = the defaults)")
     if threads == 0:
         return
     import numba
