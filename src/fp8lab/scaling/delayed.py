@@ -487,7 +487,8 @@ class DelayedScaling:
                 st.group.defer_update(self, fmt)
                 return st.scale.clone()
             red = _REDUCTION.reducer
-            if red is not None and self.cfg.reduce_amax and self.measuring and _REDUCTION.active():
+            # active() first: torch's own check, no further fp8lab call when no group is up
+            if red is not None and _REDUCTION.active() and self.cfg.reduce_amax and self.measuring:
                 red.defer_update(self, fmt)
                 return st.scale.clone()
         if not self.measuring:
