@@ -332,21 +332,12 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print the totals as JSON.
 
 
 def cost(
-    recipes: Recipes = DEFAULT_RECIPES,
-    device: Device = "h200",
-    model: Model = None,
-    hidden: Hidden = None,
-    ffn: Ffn = None,
-    layers: Layers = None,
-    tokens: Tokens = None,
-    scenario: Scenario = "training",
-    ranks: Ranks = None,
-    grad_comm: GradComm = None,
-    fsdp: Fsdp = False,
-    fp8_allgather: Fp8Allgather = False,
-    amax_group: AmaxGroup = None,
+    recipes: Recipes = DEFAULT_RECIPES, device: Device = "h200", model: Model = None,
+    hidden: Hidden = None, ffn: Ffn = None, layers: Layers = None, tokens: Tokens = None,
+    scenario: Scenario = "training", ranks: Ranks = None, grad_comm: GradComm = None,
+    fsdp: Fsdp = False, fp8_allgather: Fp8Allgather = False, amax_group: AmaxGroup = None,
     json_out: JsonOut = False,
-) -> None:
+) -> None:  # fmt: skip
     """``fp8lab cost``: validate, price, then print the JSON or the tables."""
     names = [r.strip() for r in recipes.split(",") if r.strip()]
     if not names:

@@ -130,23 +130,12 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.
 
 
 def debug_cmd(
-    recipe: Recipe = None,
-    baseline: Baseline = "bf16",
-    scenario: Scenario = None,
-    list_scenarios: ListScenarios = False,
-    model: Model = None,
-    data: Data = None,
-    config: Config = None,
-    overrides: Overrides = None,
-    steps: Steps = None,
-    layers: Layers = None,
-    checkpoints: Checkpoints = 3,
-    out: OutDir = Path("runs/debug"),
-    jobs: Jobs = 1,
-    threads: Threads = 0,
-    json_out: JsonOut = False,
-    quiet: Quiet = False,
-) -> None:
+    recipe: Recipe = None, baseline: Baseline = "bf16", scenario: Scenario = None,
+    list_scenarios: ListScenarios = False, model: Model = None, data: Data = None,
+    config: Config = None, overrides: Overrides = None, steps: Steps = None,
+    layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
+    jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
+) -> None:  # fmt: skip
     """``fp8lab debug`` (help: `HELP`): validate the options, run the method, render."""
     from fp8lab.lab.debug import run_debug
     from fp8lab.report.debug import write_report
