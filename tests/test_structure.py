@@ -27,11 +27,9 @@ CONCEPTS = {
     "LAYER_KEYS": "the per-layer recipe override keys (fp8lab.recipe.layers)",
 }
 
-#: parts still being done by their owners while this test was written: non-strict xfail
-#: (flip to strict, or drop, once each is done)
-PENDING: dict[str, str] = {
-    "long_functions": "lab/ and cli/ functions over 80 lines (B2, D2)",
-}
+#: parts still being done by their owners: key -> reason, a non-strict xfail (empty: every part
+#: of issue 23 is done; a new entry needs its reason)
+PENDING: dict[str, str] = {}
 
 
 def _rel(path: Path) -> str:
