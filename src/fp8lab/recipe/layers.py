@@ -29,19 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8lab.recipe.config import GEMMS, ROLES
+
 __all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "set_preset_lookup"]
 
-#: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs)
-LAYER_KEYS = (
-    "input",
-    "weight",
-    "grad_output",
-    "fprop",
-    "dgrad",
-    "wgrad",
-    "save_for_backward",
-    "attention",
-)
+#: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs): its operand
+#: roles, its GEMMs, what it saves for the backward and its attention matmuls
+LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention")
 #: whole-model keys, set at the file's top level only
 _GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale")
 
