@@ -162,9 +162,10 @@ class OptimizerUpdate:
     from the checkpoint's state (moments, step count, moment storage), after the run's own
     gradient clipping (`fp8lab.optim.clip_grad_norm_` at ``grad_clip``), with the learning rate
     1 and no weight decay (one learning rate for every parameter and the same decay at the same
-    weights do not change shares of an error): ``u(g) = w - w'`` on the fp32 master weights.
-    A non-finite gradient gives a non-finite update (the step would be skipped). The replay's
-    parameters are changed by it: `StepReplay.gradient` restores them before every replay."""
+    weights do not change shares of an error), taken from zero weights, so that the new weights
+    are exactly ``-u(g)`` (no cancellation against the weights). A non-finite gradient gives a
+    non-finite update (the step would be skipped). Runs on the replay's optimizer and
+    parameters and puts both back as they were (weights, moments, learning rate, decay)."""
 
     def __init__(self, replay: StepReplay, grad_clip: float = 0.0) -> None:
         self.opt, self.params = replay.opt, replay.params
@@ -174,27 +175,37 @@ class OptimizerUpdate:
             raise ValueError("the optimizer state does not cover the replay's parameters")
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        from fp8lab.optim import clip_grad_norm_
-
         if not bool(torch.isfinite(g).all()):
             return torch.full_like(g, math.inf, dtype=torch.float64)
+        kept = [p.detach().clone() for p in self.params]
+        try:
+            return self._update(g)
+        finally:
+            with torch.no_grad():
+                for p, k in zip(self.params, kept, strict=True):
+                    p.copy_(k)
+            self.opt.load_state_dict(self.saved)
+            self.opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _update(self, g: torch.Tensor) -> torch.Tensor:
+        from fp8lab.optim import clip_grad_norm_
+
         opt = self.opt
-        opt.load_state_dict(self.saved)  # the saved hyperparameters too (restored below)
+        # fp8lab's AdamW may keep fp32 masters apart; torch's AdamW steps the parameters
+        master = getattr(opt, "master_weight", lambda p: p)
+        opt.load_state_dict(self.saved)
         for group in opt.param_groups:
             group["lr"], group["weight_decay"] = 1.0, 0.0
         for p, gi in zip(self.params, torch.split(g, [p.numel() for p in self.params]),
                          strict=True):  # fmt: skip
+            p.zero_()
+            master(p).zero_()
             p.grad = gi.reshape(p.shape).to(p.dtype)
         if self.grad_clip > 0:
             clip_grad_norm_(self.params, self.grad_clip)
-        before = [opt.master_weight(p).detach().float().clone() for p in self.params]
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        after = [opt.master_weight(p).detach().float() for p in self.params]
-        u = torch.cat([(b - a).reshape(-1) for b, a in zip(before, after, strict=True)]).double()
-        for group, saved in zip(opt.param_groups, self.saved["param_groups"], strict=True):
-            group["lr"], group["weight_decay"] = saved["lr"], saved["weight_decay"]
-        return u
+        return -torch.cat([master(p).reshape(-1) for p in self.params]).double()
 
 
 def screen_snapshot(

@@ -26,7 +26,7 @@ import fnmatch
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,9 @@ from fp8lab.lab.debug.runner import (
 )
 from fp8lab.lab.debug.verdict import decide
 from fp8lab.lab.noise import late_gap_pct
+from fp8lab.lab.pool import Callback
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 
-Callback = Callable[[dict[str, Any]], None]
 CONFIG_FILE = "debug.json"
 NOISE_PAIR = ("fp32", "bf16")
 #: share of the gap a layer subset must close in group testing (the verdict asks 70 %)
