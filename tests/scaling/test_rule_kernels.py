@@ -106,3 +106,13 @@ def test_fused_scale_kernels_on_nan_amax():
 def test_unknown_mx_rule_is_refused():
     with pytest.raises(ValueError, match="mx_round"):
         mx_rule_scales(torch.ones(2), "mx_round", "e4m3")
+
+
+def test_max_kernel_options_are_max_scales():
+    # max_rule_scales binds its keywords to max_scale's signature: same defaults, same refusals
+    amax = torch.tensor([0.5, 3.0])
+    assert same_bits(max_rule_scales(amax, "e4m3")[0], rules.max_scale(amax, "e4m3"))
+    with pytest.raises(TypeError):
+        max_rule_scales(amax, "e4m3", marginn=1)
+    with pytest.raises(TypeError):
+        max_rule_scales(amax, "e4m3", 2)  # margin is keyword-only, as in max_scale

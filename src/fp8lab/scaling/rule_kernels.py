@@ -9,6 +9,7 @@ rule over the whole float32 range.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,27 +20,31 @@ from numba import njit
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import FloatFormat, get_format
-from fp8lab.scaling.rules import FLT_MAX
+from fp8lab.scaling.rules import max_scale
 
 __all__ = ["MX_RULES", "max_rule_scales", "mx_rule_scales"]
 
 MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
+_MAX_SCALE = inspect.signature(max_scale)  # max_rule_scales' options are max_scale's
 _MX_MODE = {"mx_floor": 0, "mx_ceil": 1, "mx_even": 2, "mx_rceil": 3}
 
 
 def max_rule_scales(
-    amax: torch.Tensor,
-    fmt: str | FloatFormat,
-    *,
-    margin: int = 0,
-    epsilon: float = 0.0,
-    value_for_inf: float = FLT_MAX,
+    amax: torch.Tensor, fmt: str | FloatFormat, **options: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, 1/scale)`` of `fp8lab.scaling.rules.max_scale` (float32, ``amax``'s shape)."""
+    """``(scale, 1/scale)`` of `fp8lab.scaling.rules.max_scale` (float32, ``amax``'s shape);
+    ``options``: max_scale's keywords (``margin``, ``epsilon``, ``value_for_inf``), bound to its
+    signature (its defaults; an unknown keyword is a TypeError)."""
+    o = _MAX_SCALE.bind(amax, fmt, **options)
+    o.apply_defaults()
     f = get_format(fmt)
     a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
-    scaled_max = np.float32(f.max * 2.0 ** (-int(margin)))
-    args = (scaled_max, np.float32(epsilon), np.float32(value_for_inf))
+    scaled_max = np.float32(f.max * 2.0 ** (-int(o.arguments["margin"])))
+    args = (
+        scaled_max,
+        np.float32(o.arguments["epsilon"]),
+        np.float32(o.arguments["value_for_inf"]),
+    )
     return _run(_max_rule_scales, a, args, amax.shape)
 
 
