@@ -7,6 +7,7 @@ data-parallel gradients at every ``--grad-comm`` precision and every ``--ranks``
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 
@@ -22,18 +23,22 @@ overflow of the rounded partial sums (fractions of message elements), bytes one 
 step (data + scales), relative to fp32.
 """
 
-_RANKS = typer.Option("2,4,8,16", "--ranks", help="Comma list of simulated ranks, each 1..1024.")
-_GRAD_COMM = typer.Option(
-    "fp32,bf16,fp8,fp8-msamp", "--grad-comm", help="Comma list of fp32|bf16|fp8|fp8-msamp."
-)
-_NUMEL = typer.Option(65536, "--numel", help="Gradient elements per rank.")
-_BUCKET = typer.Option(
-    None, "--bucket-numel", help="Elements per bucket (each bucket reduced and scaled alone)."
-)
-_SPREAD = typer.Option(2.0, "--spread", help="Log-normal sigma of the magnitudes (natural log).")
-_SHARED = typer.Option(0.5, "--shared", help="Correlation of the ranks' gradients, 0..1.")
-_SEED = typer.Option(0, "--seed", help="Random seed of the synthetic gradients.")
-_JSON = typer.Option(False, "--json", help="Print the rows as JSON instead of a table.")
+Ranks = Annotated[str, typer.Option("--ranks", help="Comma list of simulated ranks, each 1..1024.")]
+GradComm = Annotated[str, typer.Option(
+    "--grad-comm", help="Comma list of fp32|bf16|fp8|fp8-msamp."
+)]  # fmt: skip
+Numel = Annotated[int, typer.Option("--numel", help="Gradient elements per rank.")]
+Bucket = Annotated[int | None, typer.Option(
+    "--bucket-numel", help="Elements per bucket (each bucket reduced and scaled alone)."
+)]  # fmt: skip
+Spread = Annotated[float, typer.Option(
+    "--spread", help="Log-normal sigma of the magnitudes (natural log)."
+)]  # fmt: skip
+Shared = Annotated[float, typer.Option(
+    "--shared", help="Correlation of the ranks' gradients, 0..1."
+)]  # fmt: skip
+Seed = Annotated[int, typer.Option("--seed", help="Random seed of the synthetic gradients.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")]
 
 
 def _ranks(value: str) -> list[int]:
@@ -80,36 +85,38 @@ def _table(rows: list[dict]) -> None:
         con.print(t)
 
 
+def comm_sim_command(
+    ranks: Ranks = "2,4,8,16",
+    grad_comm: GradComm = "fp32,bf16,fp8,fp8-msamp",
+    numel: Numel = 65536,
+    bucket_numel: Bucket = None,
+    spread: Spread = 2.0,
+    shared: Shared = 0.5,
+    seed: Seed = 0,
+    json_out: Json = False,
+) -> None:
+    from fp8lab.cli._common import fail
+
+    try:
+        if numel < 1:
+            raise ValueError(f"--numel must be >= 1, got {numel}")
+        if bucket_numel is not None and bucket_numel < 1:
+            raise ValueError(f"--bucket-numel must be >= 1, got {bucket_numel}")
+        if not 0.0 <= shared <= 1.0:
+            raise ValueError(f"--shared must be in [0, 1], got {shared}")
+        from fp8lab.dist.comm import study
+
+        rows = study(
+            _ranks(ranks), _grad_comms(grad_comm), numel, bucket_numel=bucket_numel,
+            spread=spread, shared=shared, seed=seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if json_out:
+        typer.echo(json.dumps({"rows": rows}))
+    else:
+        _table(rows)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("comm-sim", help=HELP)
-    def comm_sim_command(
-        ranks: str = _RANKS,
-        grad_comm: str = _GRAD_COMM,
-        numel: int = _NUMEL,
-        bucket_numel: int | None = _BUCKET,
-        spread: float = _SPREAD,
-        shared: float = _SHARED,
-        seed: int = _SEED,
-        json_out: bool = _JSON,
-    ) -> None:
-        from fp8lab.cli._common import fail
-
-        try:
-            if numel < 1:
-                raise ValueError(f"--numel must be >= 1, got {numel}")
-            if bucket_numel is not None and bucket_numel < 1:
-                raise ValueError(f"--bucket-numel must be >= 1, got {bucket_numel}")
-            if not 0.0 <= shared <= 1.0:
-                raise ValueError(f"--shared must be in [0, 1], got {shared}")
-            from fp8lab.dist.comm import study
-
-            rows = study(
-                _ranks(ranks), _grad_comms(grad_comm), numel, bucket_numel=bucket_numel,
-                spread=spread, shared=shared, seed=seed,
-            )  # fmt: skip
-        except ValueError as exc:
-            raise fail(str(exc)) from None
-        if json_out:
-            typer.echo(json.dumps({"rows": rows}))
-        else:
-            _table(rows)
+    app.command("comm-sim", help=HELP)(comm_sim_command)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -163,108 +163,110 @@ def _run_with_progress(configs: list[Any], quiet: bool) -> list[Any]:
         return run_many(configs, progress=lambda n: progress.advance(task, n))
 
 
-# the options, one constant each, so that the command's signature reads as a list
-_LENGTH = typer.Option("1024", "--length", help="Vector length(s), e.g. 128,1024,4096.")
-_SAMPLES = typer.Option(200, "--samples", help="Vector pairs per run.")
-_SEED = typer.Option(0, "--seed", help="RNG seed (runs of one length share vectors).")
-_SIGMA = typer.Option(0.01, "--sigma", help="Std of the vector elements.")
-_RHO = typer.Option("0", "--rho", help="Correlation(s) in [0, 1).")
-_CORRELATION_MODEL = typer.Option(
-    "exact",
+# the options as Annotated aliases (typer reads them), so that the signature reads as a list
+Length = Annotated[str, typer.Option("--length", help="Vector length(s), e.g. 128,1024,4096.")]
+Samples = Annotated[int, typer.Option("--samples", help="Vector pairs per run.")]
+Seed = Annotated[int, typer.Option("--seed", help="RNG seed (runs of one length share vectors).")]
+Sigma = Annotated[float, typer.Option("--sigma", help="Std of the vector elements.")]
+Rho = Annotated[str, typer.Option("--rho", help="Correlation(s) in [0, 1).")]
+CorrelationModel = Annotated[str, typer.Option(
     "--correlation-model",
     help="exact: b = rho*z1 + sqrt(1-rho^2)*z2 (corr = rho); "
     "simple: the simfloat notebook's b = rho*z1 + (1-rho)*z2.",
-)
-_FORMAT = typer.Option("e4m3", "--format", help="Element format(s).")
-_ROUNDING = typer.Option("nearest_even", "--rounding", help="Element rounding.")
-_SCALING = typer.Option(
-    "auto", "--scaling", help="Fixed factor(s) (1, 64, 128) or auto (amax -> target)."
-)
-_BLOCK = typer.Option("none", "--block", help="Per-block dynamic scaling: none, 512, 128, 64.")
-_SCALE_TARGET = typer.Option(
-    None, "--scale-target", help="Value amax maps to (default: the format's max)."
-)
-_SCALE_RULE = typer.Option(
-    "exact",
+)]  # fmt: skip
+Format = Annotated[str, typer.Option("--format", help="Element format(s).")]
+Rounding = Annotated[str, typer.Option("--rounding", help="Element rounding.")]
+Scaling = Annotated[str, typer.Option(
+    "--scaling", help="Fixed factor(s) (1, 64, 128) or auto (amax -> target)."
+)]  # fmt: skip
+Block = Annotated[str, typer.Option(
+    "--block", help="Per-block dynamic scaling: none, 512, 128, 64."
+)]  # fmt: skip
+ScaleTarget = Annotated[float | None, typer.Option(
+    "--scale-target", help="Value amax maps to (default: the format's max)."
+)]  # fmt: skip
+ScaleRule = Annotated[str, typer.Option(
     "--scale-rule",
     help="How auto scaling turns amax into a scale: exact (target/amax in float64, "
     "the notebook's) or a rule of fp8lab.scaling: max, pow2_down, pow2_up, mx_floor, "
     "mx_ceil, mx_even, mx_rceil (with --block 32: MX).",
-)
-_ACCUMULATOR = typer.Option(
-    DEFAULT_ACCUMULATOR,
+)]  # fmt: skip
+Accumulator = Annotated[str, typer.Option(
     "--accumulator",
     help="Format of products and running sum, rounded after every addition (e.g. "
     "e4m3, e8m8, bf16, fp32; fp64 = exact), or a tensor-core model of fp8lab.gemm "
     "summing MMA groups (limited; GPU names such as h100, h200, ada, l40s, b200, "
     "b200-tcgen05).",
-)
-_ACC_ROUNDING = typer.Option(
-    None, "--acc-rounding", help="Rounding of a format accumulator (default: --rounding)."
-)
-_PROMOTE_EVERY = typer.Option(
-    "none", "--promote-every", help="Promote the partial sum to float64 every N: none, 512, 128."
-)
-_SATURATE = typer.Option(True, "--saturate/--no-saturate", help="Clamp overflow to +-max.")
-_POOLED = typer.Option(
-    False, "--pooled", help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2)."
-)
-_JSON = typer.Option(False, "--json", help="Print the runs as JSON.")
-_PLOT = typer.Option(None, "--plot", help="Write histograms to this PNG.")
-_PRESET = typer.Option(
-    None,
+)]  # fmt: skip
+AccRounding = Annotated[str | None, typer.Option(
+    "--acc-rounding", help="Rounding of a format accumulator (default: --rounding)."
+)]  # fmt: skip
+PromoteEvery = Annotated[str, typer.Option(
+    "--promote-every", help="Promote the partial sum to float64 every N: none, 512, 128."
+)]  # fmt: skip
+Saturate = Annotated[bool, typer.Option(
+    "--saturate/--no-saturate", help="Clamp overflow to +-max."
+)]  # fmt: skip
+Pooled = Annotated[bool, typer.Option(
+    "--pooled", help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2)."
+)]  # fmt: skip
+Json = Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")]
+Plot = Annotated[Path | None, typer.Option("--plot", help="Write histograms to this PNG.")]
+Preset = Annotated[str | None, typer.Option(
     "--preset",
     help="A named study (writes figures + table + JSON to --out): seed000 (every figure "
     "of the blog article '从DeepSeek V3看FP8训练的挑战'), or seed000-asrun (as its "
     "simfloat notebook ran them, bugs included).",
-)
-_OUT = typer.Option(Path("out/snr"), "--out", help="Output directory of --preset.")
+)]  # fmt: skip
+Out = Annotated[Path, typer.Option("--out", help="Output directory of --preset.")]
+
+
+def snr_command(
+    length: Length = "1024",
+    samples: Samples = 200,
+    seed: Seed = 0,
+    sigma: Sigma = 0.01,
+    rho: Rho = "0",
+    correlation_model: CorrelationModel = "exact",
+    fmt: Format = "e4m3",
+    rounding: Rounding = "nearest_even",
+    scaling: Scaling = "auto",
+    block: Block = "none",
+    scale_target: ScaleTarget = None,
+    scale_rule: ScaleRule = "exact",
+    accumulator: Accumulator = DEFAULT_ACCUMULATOR,
+    acc_rounding: AccRounding = None,
+    promote_every: PromoteEvery = "none",
+    saturate: Saturate = True,
+    pooled: Pooled = False,
+    json_out: Json = False,
+    plot: Plot = None,
+    preset: Preset = None,
+    out: Out = Path("out/snr"),
+) -> None:
+    try:
+        # unwritable outputs are refused before minutes of work
+        if plot is not None:
+            check_plot_path(plot)
+        if preset is not None:
+            check_out_dir(out)
+            _run_preset(preset, samples, seed, out, json_out, pooled)
+            return
+        configs = build_configs(
+            length=length, samples=samples, seed=seed, sigma=sigma, rho=rho,
+            correlation_model=correlation_model, format=fmt, rounding=rounding,
+            scaling=scaling, block=block, scale_target=scale_target, scale_rule=scale_rule,
+            accumulator=accumulator, acc_rounding=acc_rounding,
+            promote_every=promote_every, saturate=saturate,
+        )  # fmt: skip
+        results = _run_with_progress(configs, json_out)
+    except (ValueError, TypeError) as exc:
+        raise fail(str(exc)) from None
+    _report(results, pooled, json_out, plot)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("snr", help=HELP)
-    def snr_command(
-        length: str = _LENGTH,
-        samples: int = _SAMPLES,
-        seed: int = _SEED,
-        sigma: float = _SIGMA,
-        rho: str = _RHO,
-        correlation_model: str = _CORRELATION_MODEL,
-        fmt: str = _FORMAT,
-        rounding: str = _ROUNDING,
-        scaling: str = _SCALING,
-        block: str = _BLOCK,
-        scale_target: float | None = _SCALE_TARGET,
-        scale_rule: str = _SCALE_RULE,
-        accumulator: str = _ACCUMULATOR,
-        acc_rounding: str | None = _ACC_ROUNDING,
-        promote_every: str = _PROMOTE_EVERY,
-        saturate: bool = _SATURATE,
-        pooled: bool = _POOLED,
-        json_out: bool = _JSON,
-        plot: Path | None = _PLOT,
-        preset: str | None = _PRESET,
-        out: Path = _OUT,
-    ) -> None:
-        try:
-            # unwritable outputs are refused before minutes of work
-            if plot is not None:
-                check_plot_path(plot)
-            if preset is not None:
-                check_out_dir(out)
-                _run_preset(preset, samples, seed, out, json_out, pooled)
-                return
-            configs = build_configs(
-                length=length, samples=samples, seed=seed, sigma=sigma, rho=rho,
-                correlation_model=correlation_model, format=fmt, rounding=rounding,
-                scaling=scaling, block=block, scale_target=scale_target, scale_rule=scale_rule,
-                accumulator=accumulator, acc_rounding=acc_rounding,
-                promote_every=promote_every, saturate=saturate,
-            )  # fmt: skip
-            results = _run_with_progress(configs, json_out)
-        except (ValueError, TypeError) as exc:
-            raise fail(str(exc)) from None
-        _report(results, pooled, json_out, plot)
+    app.command("snr", help=HELP)(snr_command)
 
 
 def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None) -> None:
