@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -178,33 +178,39 @@ def plot(formats: list[Any], path: Path) -> None:
     plt.close(fig)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("formats", help=HELP)
-    def formats(
-        names: list[str] | None = typer.Argument(None, help="Formats to show (default: all)."),
-        json_out: bool = typer.Option(False, "--json", help="Print the formats as JSON."),
-        plot_path: Path | None = typer.Option(
-            None,
-            "--plot",
-            help="Write a PNG of relative precision vs magnitude (default formats: "
-            + ", ".join(DEFAULT_PLOT)
-            + ").",
-        ),
-    ) -> None:
-        from fp8lab.formats import format_names, get_format
+NamesArg = Annotated[list[str] | None, typer.Argument(help="Formats to show (default: all).")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the formats as JSON.")]
+PlotPath = Annotated[Path | None, typer.Option(
+    "--plot",
+    help="Write a PNG of relative precision vs magnitude (default formats: "
+                + ", ".join(DEFAULT_PLOT)
+                + ").",
+)]  # fmt: skip
 
-        with clear_errors():
-            fmts = [get_format(n) for n in (names or format_names())]
-            if plot_path is not None:
-                check_plot_path(plot_path)
-        rows = [describe(f) for f in fmts]
-        if json_out:
-            typer.echo(json.dumps(rows, indent=2))
-        else:
-            _table(rows)
+
+def formats(
+    names: NamesArg = None,
+    json_out: JsonOut = False,
+    plot_path: PlotPath = None,
+) -> None:
+    from fp8lab.formats import format_names, get_format
+
+    with clear_errors():
+        fmts = [get_format(n) for n in (names or format_names())]
         if plot_path is not None:
-            chosen = fmts if names else [get_format(n) for n in DEFAULT_PLOT]
-            with clear_errors():
-                plot(chosen, plot_path)
-            if not json_out:
-                typer.echo(f"wrote {plot_path}")
+            check_plot_path(plot_path)
+    rows = [describe(f) for f in fmts]
+    if json_out:
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        _table(rows)
+    if plot_path is not None:
+        chosen = fmts if names else [get_format(n) for n in DEFAULT_PLOT]
+        with clear_errors():
+            plot(chosen, plot_path)
+        if not json_out:
+            typer.echo(f"wrote {plot_path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("formats", help=HELP)(formats)

@@ -13,7 +13,7 @@ import fnmatch
 import json
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -322,32 +322,46 @@ def _parse_block(value: str | None) -> tuple[int, int] | None:
     return (m, k)
 
 
+FileArg = Annotated[Path, typer.Argument(help="Checkpoint (.safetensors or torch.save file).")]
+Spec = Annotated[list[str], typer.Option(
+    "--spec",
+    help="Spec string (repeatable), e.g. e4m3:128x128, mxfp8.",
+)]  # fmt: skip
+Recipe = Annotated[list[str], typer.Option(
+    "--recipe",
+    help="Recipe name (repeatable); its weight spec is used.",
+)]  # fmt: skip
+Tensors = Annotated[str | None, typer.Option(
+    "--tensors",
+    help="Only tensors whose name matches this glob.",
+)]  # fmt: skip
+PerBlock = Annotated[str | None, typer.Option(
+    "--per-block",
+    help="Add per-block worst SQNR over MxK blocks, e.g. 128x128.",
+)]  # fmt: skip
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+
+
+def inspect_command(
+    file: FileArg,
+    spec: Spec = [],  # noqa: B006 (typer always passes a fresh list)
+    recipe: Recipe = [],  # noqa: B006 (typer always passes a fresh list)
+    tensors: Tensors = None,
+    per_block: PerBlock = None,
+    json_out: JsonOut = False,
+) -> None:
+    with clear_errors():
+        try:
+            specs = resolve_specs(list(spec), list(recipe))
+            report = inspect_file(file, specs, tensors, _parse_block(per_block))
+        except (TypeError, KeyError) as exc:
+            raise ValueError(exc.args[0] if exc.args else str(exc)) from None
+    if json_out:
+        typer.echo(json.dumps(report, allow_nan=False))
+    else:
+        _print_report(report, per_block is not None)
+        _notes(report)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("inspect", help=HELP)
-    def inspect_command(
-        file: Path = typer.Argument(..., help="Checkpoint (.safetensors or torch.save file)."),
-        spec: list[str] = typer.Option(
-            [], "--spec", help="Spec string (repeatable), e.g. e4m3:128x128, mxfp8."
-        ),
-        recipe: list[str] = typer.Option(
-            [], "--recipe", help="Recipe name (repeatable); its weight spec is used."
-        ),
-        tensors: str | None = typer.Option(
-            None, "--tensors", help="Only tensors whose name matches this glob."
-        ),
-        per_block: str | None = typer.Option(
-            None, "--per-block", help="Add per-block worst SQNR over MxK blocks, e.g. 128x128."
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    ) -> None:
-        with clear_errors():
-            try:
-                specs = resolve_specs(list(spec), list(recipe))
-                report = inspect_file(file, specs, tensors, _parse_block(per_block))
-            except (TypeError, KeyError) as exc:
-                raise ValueError(exc.args[0] if exc.args else str(exc)) from None
-        if json_out:
-            typer.echo(json.dumps(report, allow_nan=False))
-        else:
-            _print_report(report, per_block is not None)
-            _notes(report)
+    app.command("inspect", help=HELP)(inspect_command)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -21,39 +22,47 @@ empty or corrupt file.
 """
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("observe-report", help=HELP)
-    def observe_report(
-        path: Path = typer.Argument(..., help="fp8lab.watch records (.jsonl or .csv)."),
-        out: Path | None = typer.Option(
-            None, "--out", help="Figure to write: FILE.png or FILE.html (default: PATH.png)."
-        ),
-        as_json: bool = typer.Option(False, "--json", help="Print the heatmap data as JSON."),
-    ) -> None:
-        from fp8lab.observe import read_records
-        from fp8lab.report.observe import draw_png, heatmap_data, write_html
+PathArg = Annotated[Path, typer.Argument(help="fp8lab.watch records (.jsonl or .csv).")]
+Out = Annotated[Path | None, typer.Option(
+    "--out",
+    help="Figure to write: FILE.png or FILE.html (default: PATH.png).",
+)]  # fmt: skip
+AsJson = Annotated[bool, typer.Option("--json", help="Print the heatmap data as JSON.")]
 
-        target = out if out is not None else path.with_suffix(".png")
-        if target.suffix.lower() not in (".png", ".html"):
-            raise fail(f"--out must end in .png or .html, got {str(target)!r}")
-        with clear_errors():
-            data = heatmap_data(read_records(path))
-            if target.suffix.lower() == ".html":
-                write_html(data, target, source=str(path))
-            else:
-                draw_png(data, target)
-        if as_json:
-            typer.echo(json.dumps({**data, "figure": str(target)}))
-            return
-        n_crit = sum(f["level"] == "critical" for f in data["flags"])
+
+def observe_report(
+    path: PathArg,
+    out: Out = None,
+    as_json: AsJson = False,
+) -> None:
+    from fp8lab.observe import read_records
+    from fp8lab.report.observe import draw_png, heatmap_data, write_html
+
+    target = out if out is not None else path.with_suffix(".png")
+    if target.suffix.lower() not in (".png", ".html"):
+        raise fail(f"--out must end in .png or .html, got {str(target)!r}")
+    with clear_errors():
+        data = heatmap_data(read_records(path))
+        if target.suffix.lower() == ".html":
+            write_html(data, target, source=str(path))
+        else:
+            draw_png(data, target)
+    if as_json:
+        typer.echo(json.dumps({**data, "figure": str(target)}))
+        return
+    n_crit = sum(f["level"] == "critical" for f in data["flags"])
+    typer.echo(
+        f"{len(data['layers'])} layers x {len(data['steps'])} steps; "
+        f"{n_crit} critical, {len(data['flags']) - n_crit} warning cells -> {target}"
+    )
+    for f in data["flags"]:
         typer.echo(
-            f"{len(data['layers'])} layers x {len(data['steps'])} steps; "
-            f"{n_crit} critical, {len(data['flags']) - n_crit} warning cells -> {target}"
-        )
-        for f in data["flags"]:
-            typer.echo(
-                f"  {f['level']:<8} step {f['step']:>6}  {f['layer']:<24} "
-                f"{f['metric'].removesuffix('_pct')} {f['value']:.3g} % ({f['worst']})"
-                + ("  warm-up: delayed scaling has no amax history yet (expected)"
-                   if f.get("warmup") else "")
-            )  # fmt: skip
+            f"  {f['level']:<8} step {f['step']:>6}  {f['layer']:<24} "
+            f"{f['metric'].removesuffix('_pct')} {f['value']:.3g} % ({f['worst']})"
+            + ("  warm-up: delayed scaling has no amax history yet (expected)"
+               if f.get("warmup") else "")
+        )  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command("observe-report", help=HELP)(observe_report)

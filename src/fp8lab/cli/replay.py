@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -22,23 +23,30 @@ outside the run or a changed training text; 1 when the step does not reproduce.
 """
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("replay", help=HELP)
-    def replay_cmd(
-        run_dir: Path = typer.Argument(..., help="A run folder: OUT/runs/RECIPE."),
-        step: int = typer.Option(..., "--step", help="0-based step index to reproduce."),
-        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    ) -> None:
-        from fp8lab.lab.replay import replay_step
+RunDirArg = Annotated[Path, typer.Argument(help="A run folder: OUT/runs/RECIPE.")]
+Step = Annotated[int, typer.Option("--step", help="0-based step index to reproduce.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 
-        with clear_errors():
-            res = replay_step(run_dir, step)
-        if as_json:
-            typer.echo(json.dumps(res, allow_nan=False))
-        else:
-            _print(res)
-        if res["record"] is not None and not res["matches_record"]:
-            raise typer.Exit(1)
+
+def replay_cmd(
+    run_dir: RunDirArg,
+    step: Step,
+    as_json: AsJson = False,
+) -> None:
+    from fp8lab.lab.replay import replay_step
+
+    with clear_errors():
+        res = replay_step(run_dir, step)
+    if as_json:
+        typer.echo(json.dumps(res, allow_nan=False))
+    else:
+        _print(res)
+    if res["record"] is not None and not res["matches_record"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay", help=HELP)(replay_cmd)
 
 
 def _fmt(v: object) -> str:
