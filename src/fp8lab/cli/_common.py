@@ -26,6 +26,11 @@ OutDir = Annotated[Path, typer.Option("--out", help="Output directory.")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="No progress output.")]
 
 
+def json_flag(what: str) -> Any:
+    """The ``--json`` flag of a command that prints ``what`` ("the summary") as JSON."""
+    return Annotated[bool, typer.Option("--json", help=f"Print {what} as JSON.")]
+
+
 def fail(message: str) -> typer.Exit:
     """Print ``Error: message`` on stderr; return the exit (code 2) to raise."""
     typer.echo(f"Error: {message}", err=True)

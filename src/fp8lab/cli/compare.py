@@ -24,6 +24,7 @@ from fp8lab.cli._common import (
     command_line,
     console,
     fitted_tables,
+    json_flag,
     lab_config,
     stop_on_sigterm,
     with_run_options,
@@ -281,6 +282,7 @@ def _summary_tables(summary: dict[str, Any], width: int | None) -> list[Any]:
     ]
 
 
+JsonOut = json_flag("the summary")
 Recipes = Annotated[str | None, typer.Option(
     "--recipes",
     help="Comma list of recipes: presets (fp8lab.recipes()), the lab's negative control "
@@ -411,7 +413,7 @@ class _Plan:
 def compare_cmd(
     recipes: Recipes = None, steps: Steps = None, baseline: Baseline = None,
     config: Config = None, model: Model = None, out: OutDir = Path("runs/compare"),
-    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    json_out: JsonOut = False,
     data: Data = None, jobs: Jobs = None, threads: Threads = 0, noise_seeds: NoiseSeeds = 0,
     outlier_channels: OutlierChannels = None, outlier_scale: OutlierScale = None,
     outlier_layers: OutlierLayers = None, grad_spike_step: GradSpikeStep = None,

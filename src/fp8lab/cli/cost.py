@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, fail, fitted_tables
+from fp8lab.cli._common import clear_errors, console, fail, fitted_tables, json_flag
 
 DEFAULT_RECIPES = "bf16,te-delayed,te-current,mxfp8,deepseek-v3,nvfp4"
 
@@ -328,7 +328,7 @@ AmaxGroup = Annotated[str | None, typer.Option(
     help="world (default: delayed-scaling amaxes all-reduced, one batched all-reduce "
     "per step) or none (local amaxes).",
 )]  # fmt: skip
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the totals as JSON.")]
+JsonOut = json_flag("the totals")
 
 
 def cost(

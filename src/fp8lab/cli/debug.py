@@ -20,6 +20,7 @@ from fp8lab.cli._common import (
     clear_errors,
     command_line,
     fail,
+    json_flag,
     lab_config,
     stop_on_sigterm,
     with_run_options,
@@ -126,7 +127,7 @@ Jobs = Annotated[int, typer.Option(
 )]  # fmt: skip
 Threads = Annotated[int, typer.Option(
     "--threads", min=0, help="torch and numba threads per process (0 = defaults).")]  # fmt: skip
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+JsonOut = json_flag("the result")
 
 
 def debug_cmd(

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import check_plot_path, clear_errors, console
+from fp8lab.cli._common import check_plot_path, clear_errors, console, json_flag
 
 HELP = """Show number formats: bits, bias, max, min normal, min subnormal, binades, epsilon, and how
 Inf, NaN and -0 are encoded. NAMES are registry names or any eXmY (default: the whole registry).
@@ -179,7 +179,7 @@ def plot(formats: list[Any], path: Path) -> None:
 
 
 NamesArg = Annotated[list[str] | None, typer.Argument(help="Formats to show (default: all).")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the formats as JSON.")]
+JsonOut = json_flag("the formats")
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot",
     help="Write a PNG of relative precision vs magnitude (default formats: "

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console
+from fp8lab.cli._common import clear_errors, console, json_flag
 from fp8lab.lab.checkpoint import CheckpointError  # the one unreadable-checkpoint error
 
 DEFAULT_SPECS = ("e4m3:tensor", "e4m3:128x128", "mxfp8")
@@ -339,7 +339,7 @@ PerBlock = Annotated[str | None, typer.Option(
     "--per-block",
     help="Add per-block worst SQNR over MxK blocks, e.g. 128x128.",
 )]  # fmt: skip
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+JsonOut = json_flag("the report")
 
 
 def inspect_command(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from fp8lab.cli._common import clear_errors, fail
+from fp8lab.cli._common import clear_errors, fail, json_flag
 
 HELP = """Heatmaps of underflow % and saturation % per layer over steps from an fp8lab.watch
 record file (JSONL, or CSV by its .csv suffix). Each cell is the layer's worst operand (GEMM x
@@ -27,7 +27,7 @@ Out = Annotated[Path | None, typer.Option(
     "--out",
     help="Figure to write: FILE.png or FILE.html (default: PATH.png).",
 )]  # fmt: skip
-AsJson = Annotated[bool, typer.Option("--json", help="Print the heatmap data as JSON.")]
+AsJson = json_flag("the heatmap data")
 
 
 def observe_report(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, table
+from fp8lab.cli._common import clear_errors, console, json_flag, table
 
 HELP = """Reproduce step T (0-based, as --grad-spike-step; its metrics record says step T+1) of a
 run made by fp8lab compare, bit for bit: rebuild the model, recipe and data from the run folder
@@ -25,7 +25,7 @@ outside the run or a changed training text; 1 when the step does not reproduce.
 
 RunDirArg = Annotated[Path, typer.Argument(help="A run folder: OUT/runs/RECIPE.")]
 Step = Annotated[int, typer.Option("--step", help="0-based step index to reproduce.")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+AsJson = json_flag("the result")
 
 
 def replay_cmd(

@@ -14,7 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import check_out_dir, check_plot_path, comma_ints, comma_items, fail
+from fp8lab.cli._common import (
+    check_out_dir,
+    check_plot_path,
+    comma_ints,
+    comma_items,
+    fail,
+    json_flag,
+)
 
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
 
@@ -210,7 +217,7 @@ Saturate = Annotated[bool, typer.Option(
 Pooled = Annotated[bool, typer.Option(
     "--pooled", help="Also report the notebook's pooled SNR (sum ref^2 / sum err^2)."
 )]  # fmt: skip
-Json = Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")]
+Json = json_flag("the runs")
 Plot = Annotated[Path | None, typer.Option("--plot", help="Write histograms to this PNG.")]
 Preset = Annotated[str | None, typer.Option(
     "--preset",
