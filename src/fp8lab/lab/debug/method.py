@@ -50,7 +50,7 @@ from fp8lab.lab.debug.runner import (
 )
 from fp8lab.lab.debug.verdict import decide
 from fp8lab.lab.noise import late_gap_pct
-from fp8lab.lab.pool import Callback
+from fp8lab.lab.pool import Callback, check_count
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 
 CONFIG_FILE = "debug.json"
@@ -204,8 +204,7 @@ def run_debug(
             f"the baseline {base.name!r} has the same numerics as the recipe {rec.name!r}: "
             f"nothing to debug (choose another --baseline, e.g. --baseline {other})"
         )
-    if not (isinstance(jobs, int) and jobs >= 1):
-        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    check_count("jobs", jobs, 1)  # the pool's rule (a bool is not a count)
     if not (isinstance(checkpoints, int) and 1 <= checkpoints <= 20):
         raise ValueError(f"checkpoints must be an integer in 1..20, got {checkpoints!r}")
     if not 0 < close <= 1:
