@@ -68,3 +68,15 @@ def test_an_interrupt_in_the_parent_stops_the_workers():
     with pytest.raises(KeyboardInterrupt), pool:
         pool.run([Job(f"j{i}", square, {"x": i}) for i in range(3)], stop)
     assert pool._executor is None and pool._manager is None
+
+
+def test_the_debuggers_tasks_are_named_jobs_of_the_same_pool():
+    from fp8lab.lab.debug.runner import ProbeSpec, TaskPool, _job
+
+    spec = ProbeSpec("noise-fp32", {"name": "fp32"})
+    assert _job(square, {"spec": spec, "x": 1}).name == "noise-fp32"
+    assert _job(square, {"snapshot": "/r/snapshots/step_40.pt"}).name == "step_40"
+    assert _job(square, {"x": 1}).name == "square"
+    with TaskPool(1) as pool:  # in this process: plain (fn, kwargs) tasks, results in order
+        assert isinstance(pool, WorkerPool) and pool.label == "probe"
+        assert pool.run([(square, {"x": 5}), (square, {"x": 6})]) == [25, 36]
