@@ -39,21 +39,14 @@ def main() -> None:
     from fp8lab.lab.compare import resolve_recipe, set_threads
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.inject import Injector
-    from fp8lab.lab.train import (
-        LabConfig,
-        LoopState,
-        _guard_run,
-        _train_step,
-        build_model,
-        make_optimizer,
-    )
+    from fp8lab.lab.loop import LoopState, _guard_run, make_step, train_step
+    from fp8lab.lab.train import LabConfig, build_model, make_optimizer
     from fp8lab.optim import LossScaler
 
     set_threads(args.threads)
     recipe = resolve_recipe(args.recipe)
     cfg = LabConfig().replace_train(steps=args.steps + 1, stats_every=0, eval_every=10**9)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
-    tokens = cfg.train.batch_size * cfg.model.block_size
 
     def setup(guarded: bool):
         model = build_model(cfg.model, recipe, cfg.train.seed)
@@ -63,8 +56,10 @@ def main() -> None:
         st = LoopState()
         if grun is not None:
             grun.snapshot(st)
-        params = [p for g in opt.param_groups for p in g["params"]]
-        return model, opt, scaler, Injector(model, cfg.inject), params, st, grun
+        tc = cfg.train
+        ts, watch = make_step(model, opt, scaler, Injector(model, cfg.inject), st, tc.grad_clip,
+                              tc.stats_every, recipe, None, grun)  # fmt: skip
+        return ts, watch, st, grun
 
     runs = {"plain": setup(False), "guarded": setup(True)}
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -72,10 +67,9 @@ def main() -> None:
     for i in range(args.steps + 1):
         order = list(runs) if i % 2 == 0 else list(runs)[::-1]  # ABBA: no position bias
         for name in order:
-            model, opt, scaler, inj, params, st, grun = runs[name]
+            ts, watch, st, grun = runs[name]
             t0 = time.perf_counter()
-            rec, _ = _train_step(model, opt, scaler, inj, params, corpus, cfg, recipe, st, tokens,
-                                 None, grun)  # fmt: skip
+            rec, _ = train_step(ts, watch, st, corpus, cfg)  # the lab loop's step (lab.loop)
             if grun is not None:
                 assert grun.after_step(st) is None, "the guard acted on a healthy run"
             if i > 0:  # the first step compiles / loads kernels
