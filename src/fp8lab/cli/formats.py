@@ -183,8 +183,8 @@ JsonOut = json_flag("the formats")
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot",
     help="Write a PNG of relative precision vs magnitude (default formats: "
-                + ", ".join(DEFAULT_PLOT)
-                + ").",
+                    + ", ".join(DEFAULT_PLOT)
+                    + ").",
 )]  # fmt: skip
 
 

@@ -324,20 +324,16 @@ def _parse_block(value: str | None) -> tuple[int, int] | None:
 
 FileArg = Annotated[Path, typer.Argument(help="Checkpoint (.safetensors or torch.save file).")]
 Spec = Annotated[list[str], typer.Option(
-    "--spec",
-    help="Spec string (repeatable), e.g. e4m3:128x128, mxfp8.",
+    "--spec", help="Spec string (repeatable), e.g. e4m3:128x128, mxfp8."
 )]  # fmt: skip
 Recipe = Annotated[list[str], typer.Option(
-    "--recipe",
-    help="Recipe name (repeatable); its weight spec is used.",
+    "--recipe", help="Recipe name (repeatable); its weight spec is used."
 )]  # fmt: skip
 Tensors = Annotated[str | None, typer.Option(
-    "--tensors",
-    help="Only tensors whose name matches this glob.",
+    "--tensors", help="Only tensors whose name matches this glob."
 )]  # fmt: skip
 PerBlock = Annotated[str | None, typer.Option(
-    "--per-block",
-    help="Add per-block worst SQNR over MxK blocks, e.g. 128x128.",
+    "--per-block", help="Add per-block worst SQNR over MxK blocks, e.g. 128x128."
 )]  # fmt: skip
 JsonOut = json_flag("the report")
 

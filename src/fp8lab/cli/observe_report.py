@@ -24,8 +24,7 @@ empty or corrupt file.
 
 PathArg = Annotated[Path, typer.Argument(help="fp8lab.watch records (.jsonl or .csv).")]
 Out = Annotated[Path | None, typer.Option(
-    "--out",
-    help="Figure to write: FILE.png or FILE.html (default: PATH.png).",
+    "--out", help="Figure to write: FILE.png or FILE.html (default: PATH.png)."
 )]  # fmt: skip
 AsJson = json_flag("the heatmap data")
 
