@@ -32,7 +32,7 @@ from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import check_fit, num_blocks, resolve_block
-from fp8lab.scaling.rule_kernels import _MX_MODE, MX_RULES, _max_rule_scales, _mx_rule_scales
+from fp8lab.scaling.rule_kernels import MX_RULES, max_rule_args, mx_rule_args, run_rule
 
 __all__ = [
     "POOL",
@@ -165,20 +165,10 @@ class Quantizer:
             # torch ops on the block scales cost more than the amax pass itself on a loaded
             # 2-core machine); the same kernels as fp8lab.scaling.rule_kernels' functions
             kernel, args = self._rule_args  # type: ignore[misc]
-            a = np.ascontiguousarray(amax.numpy()).reshape(-1)
             if rule == "max":
                 args = (*args, np.float32(value_for_inf))
-            else:
-                a = a.view(np.uint32)
-            s_np = np.empty(a.shape[0], dtype=np.float32)
-            inv_np = np.empty(a.shape[0], dtype=np.float32)
-            kernel(a, *args, s_np, inv_np)
-            shape = (nr, nc)
-            return (
-                torch.from_numpy(s_np).reshape(shape),
-                torch.from_numpy(inv_np).reshape(shape),
-                None,
-            )
+            s, inv = run_rule(kernel, args, amax)
+            return s, inv, None
         if rule == "nvfp4":
             tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
             if spec.two_level and tensor_amax is None:
@@ -239,16 +229,13 @@ class Quantizer:
 
 
 def _rule_args(spec: QuantSpec) -> tuple[Any, tuple[Any, ...]] | None:
-    """The numba kernel of the spec's `max` or MX rule and its constant arguments, as
-    `fp8lab.scaling.rule_kernels.max_rule_scales` / `mx_rule_scales` pass them."""
+    """The numba kernel of the spec's `max` or MX rule and its constant arguments
+    (`fp8lab.scaling.rule_kernels`), resolved once per quantizer."""
     sc = spec.scaling
     if sc == "max":
-        scaled_max = np.float32(spec.fmt.max * 2.0 ** (-int(spec.margin)))
-        return _max_rule_scales, (scaled_max, np.float32(spec.epsilon))
+        return max_rule_args(spec.format, spec.margin, spec.epsilon)
     if isinstance(sc, str) and sc in MX_RULES:
-        f = spec.fmt
-        recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
-        return _mx_rule_scales, (_MX_MODE[sc], f.emax, f.mbits, recip)
+        return mx_rule_args(sc, spec.format)
     return None
 
 

@@ -22,7 +22,8 @@ from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import FloatFormat, get_format
 from fp8lab.scaling.rules import max_scale
 
-__all__ = ["MX_RULES", "max_rule_scales", "mx_rule_scales"]
+__all__ = ["MX_RULES", "max_rule_args", "max_rule_scales", "mx_rule_args", "mx_rule_scales",
+           "run_rule"]  # fmt: skip
 
 MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
 _MAX_SCALE = inspect.signature(max_scale)  # max_rule_scales' options are max_scale's
@@ -37,15 +38,17 @@ def max_rule_scales(
     signature (its defaults; an unknown keyword is a TypeError)."""
     o = _MAX_SCALE.bind(amax, fmt, **options)
     o.apply_defaults()
+    kernel, args = max_rule_args(fmt, o.arguments["margin"], o.arguments["epsilon"])
+    return run_rule(kernel, (*args, np.float32(o.arguments["value_for_inf"])), amax)
+
+
+def max_rule_args(
+    fmt: str | FloatFormat, margin: int = 0, epsilon: float = 0.0
+) -> tuple[Callable[..., None], tuple[Any, ...]]:
+    """The `max` rule's kernel and its constant arguments (the format max times
+    ``2**-margin``, ``epsilon``); `run_rule` takes them with ``value_for_inf`` appended."""
     f = get_format(fmt)
-    a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
-    scaled_max = np.float32(f.max * 2.0 ** (-int(o.arguments["margin"])))
-    args = (
-        scaled_max,
-        np.float32(o.arguments["epsilon"]),
-        np.float32(o.arguments["value_for_inf"]),
-    )
-    return _run(_max_rule_scales, a, args, amax.shape)
+    return _max_rule_scales, (np.float32(f.max * 2.0 ** (-int(margin))), np.float32(epsilon))
 
 
 def mx_rule_scales(
@@ -53,21 +56,30 @@ def mx_rule_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, scale_inv)`` of the MX rule ``rule`` (`MX_RULES`) for float32 block amaxes:
     ``e8m0_to_scale`` and ``e8m0_to_scale_inv`` of `fp8lab.scaling.rules.mx_exponent`."""
+    return run_rule(*mx_rule_args(rule, fmt), amax)
+
+
+def mx_rule_args(rule: str, fmt: str | FloatFormat) -> tuple[Callable[..., None], tuple[Any, ...]]:
+    """The MX rule ``rule``'s kernel and its constant arguments, for `run_rule`."""
     if rule not in _MX_MODE:
         raise ValueError(f"unknown MX rule {rule!r}; valid: {', '.join(MX_RULES)}")
     f = get_format(fmt)
-    a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1).view(np.uint32)
     recip = np.float32(1.0) / np.float32(f.max)  # TE's fl32(1/fmt_max), correctly rounded
-    return _run(_mx_rule_scales, a, (_MX_MODE[rule], f.emax, f.mbits, recip), amax.shape)
+    return _mx_rule_scales, (_MX_MODE[rule], f.emax, f.mbits, recip)
 
 
-def _run(
-    kernel: Callable[..., None], a: np.ndarray, args: tuple[Any, ...], shape: torch.Size
+def run_rule(
+    kernel: Callable[..., None], args: tuple[Any, ...], amax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernel(a, *args, scale, scale_inv)`` into fresh float32 arrays, reshaped to ``shape``."""
+    """``kernel(amax, *args, scale, scale_inv)`` (a kernel of `max_rule_args` / `mx_rule_args`)
+    into fresh float32 tensors of ``amax``'s shape; the MX kernels read the amax bits."""
+    a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
+    if kernel is _mx_rule_scales:
+        a = a.view(np.uint32)
     s_np = np.empty(a.shape[0], dtype=np.float32)
     inv_np = np.empty(a.shape[0], dtype=np.float32)
     kernel(a, *args, s_np, inv_np)
+    shape = amax.shape
     return torch.from_numpy(s_np).reshape(shape), torch.from_numpy(inv_np).reshape(shape)
 
 
