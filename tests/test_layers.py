@@ -19,7 +19,8 @@ LAYERS: dict[str, int] = {
     "_bits": 0,
     "_counters": 0,
     "_keys": 0,
-    "_threads": 0,  # the numba kernels' thread policy (torch + numba only)
+    "_threads": 0,
+    "kernels": 0,  # which kernels run: numba or the device-generic torch ones  # the numba kernels' thread policy (torch + numba only)
     "formats": 0,
     "scaling": 1,
     "qtensor": 2,

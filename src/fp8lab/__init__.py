@@ -23,6 +23,10 @@ _EXPORTS: dict[str, str] = {
     "decode": "fp8lab.formats",
     "to_torch_float8": "fp8lab.formats",
     "from_torch_float8": "fp8lab.formats",
+    # L0 which kernels run (numba on the CPU, device-generic torch elsewhere)
+    "set_kernels": "fp8lab.kernels",
+    "get_kernels": "fp8lab.kernels",
+    "using_kernels": "fp8lab.kernels",
     # L1 scaling / quantized tensors / statistics
     "QuantSpec": "fp8lab.qtensor",
     "QTensor": "fp8lab.qtensor",
@@ -48,7 +52,18 @@ _EXPORTS: dict[str, str] = {
     # L7 anomaly guard
     "AnomalyGuard": "fp8lab.guard",
 }
-_SUBMODULES = {"formats", "scaling", "qtensor", "gemm", "recipe", "nn", "optim", "stats", "lab"}
+_SUBMODULES = {
+    "formats",
+    "kernels",
+    "scaling",
+    "qtensor",
+    "gemm",
+    "recipe",
+    "nn",
+    "optim",
+    "stats",
+    "lab",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -57,7 +72,7 @@ def _install_amax_reduction(module: str) -> None:
     # A public name beyond the formats installs TE's default amax all-reduce (fp8lab.dist), so
     # delayed scaling under torchrun reduces over the world without `import fp8lab.dist`; the
     # scaling layer never communicates itself. The formats alone stay torch-free and quick.
-    if module != "fp8lab.formats":
+    if module not in ("fp8lab.formats", "fp8lab.kernels"):
         importlib.import_module("fp8lab.dist.amax")
 
 

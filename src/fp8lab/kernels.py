@@ -1,0 +1,138 @@
+"""Which implementation of fp8lab's kernels runs: numba (CPU) or the device-generic torch kernels.
+
+Every kernel of fp8lab (casts and codecs, scale rules, amax and block reductions, quantize and
+retile, the GEMM accumulators and epilogues, the statistics passes) has two implementations that
+give the same bits on the same input:
+
+* ``numba``: compiled CPU loops, the default for CPU tensors;
+* ``torch``: tensor operations on integer bit patterns, which run on any device torch runs on
+  (CUDA included) and are the only choice for a tensor that is not on the CPU.
+
+The choice, for the whole process:
+
+* ``"auto"`` (default): the kernels follow the tensor's device: numba on the CPU, torch elsewhere;
+* ``"torch"``: the generic kernels everywhere, also on the CPU (how the oracle suite checks them
+  against numba on a machine without a GPU);
+* ``"numba"``: numba only; a tensor on another device is an error rather than a silent copy.
+
+It is read once from the environment variable ``FP8LAB_KERNELS`` and changed with `set_kernels`
+(or, scoped, `using_kernels`). The name is "kernels" because "backend" already names the
+torch.distributed process-group backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from fp8lab._counters import read_counts
+
+__all__ = [
+    "ENV_VAR",
+    "KERNEL_CHOICES",
+    "get_kernels",
+    "kernel_counts",
+    "set_kernels",
+    "use_torch",
+    "using_kernels",
+]
+
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "numba", "torch")
+"""The values `set_kernels` and ``FP8LAB_KERNELS`` accept."""
+
+ENV_VAR = "FP8LAB_KERNELS"
+
+_COUNTS = {"numba": 0, "torch": 0}
+
+
+def _check(name: object, where: str) -> str:
+    if not isinstance(name, str) or name.strip().lower() not in KERNEL_CHOICES:
+        raise ValueError(
+            f"{where}: unknown kernels {name!r}; choose one of {', '.join(KERNEL_CHOICES)}"
+        )
+    return name.strip().lower()
+
+
+def _from_env() -> str:
+    value = os.environ.get(ENV_VAR, "").strip()
+    return _check(value, f"environment variable {ENV_VAR}") if value else "auto"
+
+
+_setting: str | None = None  # None: not read from the environment yet
+
+
+def get_kernels() -> str:
+    """The current choice: ``"auto"``, ``"numba"`` or ``"torch"``.
+
+    Raises:
+        ValueError: ``FP8LAB_KERNELS`` holds an unknown name (named in the message).
+    """
+    global _setting
+    if _setting is None:
+        _setting = _from_env()
+    return _setting
+
+
+def set_kernels(name: str) -> str:
+    """Choose the kernels for the whole process; returns the previous choice.
+
+    Args:
+        name: ``"auto"`` (numba on the CPU, torch elsewhere), ``"numba"`` or ``"torch"``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    global _setting
+    new = _check(name, "set_kernels")
+    old = get_kernels()
+    _setting = new
+    return old
+
+
+@contextmanager
+def using_kernels(name: str) -> Iterator[None]:
+    """Run a block with the given kernels, then restore the previous choice."""
+    old = set_kernels(name)
+    try:
+        yield
+    finally:
+        set_kernels(old)
+
+
+def use_torch(*tensors: torch.Tensor | None, what: str = "fp8lab") -> bool:
+    """Should a kernel on these tensors run the torch implementation (True) or numba (False)?
+
+    The first tensor that is not None decides the device; every other one must be on the same
+    device. Each call is counted (`kernel_counts`), so tests can check which implementation ran.
+
+    Raises:
+        ValueError: tensors on different devices, or a non-CPU tensor under ``"numba"``.
+    """
+    present = [t for t in tensors if t is not None]
+    device = present[0].device if present else torch.device("cpu")
+    for t in present[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"{what}: tensors on different devices ({device} and {t.device}); "
+                "move them to one device first"
+            )
+    choice = get_kernels()
+    if device.type != "cpu":
+        if choice == "numba":
+            raise ValueError(
+                f"{what}: a tensor on {device} cannot run the numba kernels "
+                f"({ENV_VAR}=numba / set_kernels('numba') is CPU-only); use 'auto' or 'torch'"
+            )
+        generic = True
+    else:
+        generic = choice == "torch"
+    _COUNTS["torch" if generic else "numba"] += 1
+    return generic
+
+
+def kernel_counts(reset: bool = False) -> dict[str, int]:
+    """How many kernel dispatches chose numba and torch in this process (``reset`` zeroes them)."""
+    return read_counts(_COUNTS, reset)
