@@ -134,8 +134,8 @@ def _chunks(grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]
     n, numel = grads.shape
     sizes = _split(numel, n)
     width = max(sizes)
-    out = torch.zeros((n, n, width), dtype=torch.float32)
-    mask = torch.zeros((n, width), dtype=torch.bool)
+    out = torch.zeros((n, n, width), dtype=torch.float32, device=grads.device)
+    mask = torch.zeros((n, width), dtype=torch.bool, device=grads.device)
     start = 0
     for c, s in enumerate(sizes):
         out[:, c, :s] = grads[:, start : start + s]
@@ -189,7 +189,7 @@ def _reduce_scatter(g: torch.Tensor, step: Any) -> torch.Tensor:
     """Ring reduce-scatter of ``g`` ``[N ranks, N chunks, C]``: chunk ``c`` summed in rank order
     ``c, c+1, ..., c-1``; ``step(sent, local)`` forms the next partial sum."""
     n = g.shape[0]
-    chunk = torch.arange(n)
+    chunk = torch.arange(n, device=g.device)
     acc = g[chunk, chunk].clone()  # chunk c starts on rank c
     for k in range(1, n):
         acc = step(acc, g[(chunk + k) % n, chunk])
@@ -224,7 +224,9 @@ def ring_allreduce(
     if int(bucket_numel) < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     res = CommResult(
-        out=torch.empty(flat.shape[1:], dtype=torch.float32), precision=precision, ranks=n
+        out=torch.empty(flat.shape[1:], dtype=torch.float32, device=flat.device),
+        precision=precision,
+        ranks=n,
     )
     for start in range(0, numel, int(bucket_numel)):
         stop = min(start + int(bucket_numel), numel)

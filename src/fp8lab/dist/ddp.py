@@ -284,7 +284,7 @@ def _gather_rows(t: torch.Tensor) -> torch.Tensor:
     full_rows = t.shape[0]
     rows = -(-full_rows // world)
     local = local_weight(t).detach()
-    pad = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype)
+    pad = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
     pad[: local.shape[0]] = local
     parts = [torch.empty_like(pad) for _ in range(world)]
     torch.distributed.all_gather(parts, pad)

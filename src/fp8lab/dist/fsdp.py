@@ -71,7 +71,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8lab.dist.amax import reduce_amax
-from fp8lab.dist.runtime import world_size
+from fp8lab.dist.runtime import collective_device, world_size
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.nn.linear import GatheredWeight
 from fp8lab.nn.state import state_key
@@ -214,7 +214,8 @@ def _quantize_shard(
         local = spec
     n = x.shape[0]
     q = quantize(x, local) if n else None
-    codes = torch.zeros((rows, *shard.shape[1:]), dtype=torch.uint8)  # padded to equal shards
+    # padded to equal shards, on the shard's device (NCCL gathers CUDA tensors)
+    codes = torch.zeros((rows, *shard.shape[1:]), dtype=torch.uint8, device=shard.device)
     if q is not None:
         codes[:n] = encode(q.values, fmt)  # exact: values are on the grid
     return local, q, codes, observed
@@ -224,7 +225,7 @@ def _shard_amax(x: torch.Tensor) -> torch.Tensor:
     """A float32 shard's amax, NaN ignored as the unsharded quantize's amax ignores it (TE;
     `fp8lab.scaling.block_amax`), 0 for an empty shard: a 0-d tensor."""
     if not x.numel():
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return block_amax(x, "tensor").reshape(())
 
 
@@ -290,16 +291,19 @@ def _gather_scales(
 ) -> torch.Tensor:  # fmt: skip
     """Every shard's per-block dequantization scales, stacked along the block rows."""
     d = torch.distributed
+    device = collective_device(group)
     if normalize_granularity(spec.granularity) == (-1, -1):
         # every rank quantized with the same fixed scale (from the all-reduced amax), so its
         # scale_inv is known here without a second collective, also on an empty shard
         if q is not None:
             return q.scales.reshape(1, 1)
-        return torch.reciprocal(torch.full((1, 1), float(spec.scaling), dtype=torch.float32))
+        return torch.reciprocal(
+            torch.full((1, 1), float(spec.scaling), dtype=torch.float32, device=device)
+        )
     r, c = shape_2d((rows, *shard_shape[1:]))
     m, k = resolve_block(normalize_granularity(spec.granularity), (r, c))
     nr, nc = -(-r // m), -(-c // k)
-    mine = torch.zeros((nr, nc), dtype=torch.float32)
+    mine = torch.zeros((nr, nc), dtype=torch.float32, device=device)
     if q is not None:
         mine[: q.scales.shape[0]] = q.scales
     parts = [torch.empty_like(mine) for _ in range(world)]
@@ -380,7 +384,7 @@ class ShardedWeight(torch.Tensor):
         rows = -(-full_rows // world)
         if self.spec is None:
             x = self._tensor.detach()
-            pad = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype)
+            pad = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
             pad[: x.shape[0]] = x
             return (pad,), (module, None, full_rows)
         spec, ds = _weight_quantization(module, self.spec)
@@ -392,7 +396,11 @@ class ShardedWeight(torch.Tensor):
         seen = None if amax is None else (ds, amax)
         spec = (spec, ds)
         if normalize_granularity(local.granularity) == (-1, -1):
-            inv = q.scales if q is not None else torch.reciprocal(torch.tensor(local.scaling))
+            inv = (
+                q.scales
+                if q is not None
+                else torch.reciprocal(torch.tensor(local.scaling, device=codes.device))
+            )
             return (codes,), (module, local, full_rows, inv.reshape(1, 1).float(), spec, seen)
         if full_rows % world:  # FSDP wants every input of the padded shard size then
             raise ValueError(
@@ -516,7 +524,10 @@ def shard_model(
 
     world = world_size()
     if mesh is None:
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+        # the mesh follows the model's device (a CPU model on a CUDA machine stays on gloo)
+        param = next(model.parameters(), None)
+        kind = "cpu" if param is None else param.device.type
+        mesh = init_device_mesh(kind, (world,))
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
     specs: dict[str, QuantSpec | None] = {}
     for name, m in linears:

@@ -7,6 +7,12 @@ parallel recipe jobs under torchrun (recipes run one after another there). `agre
 guard decision (rollback, stop) the same on every rank. `gather_scaling_states` collects every
 rank's delayed-scaling state for a rank-0 consolidated checkpoint. `is_distributed`, `rank` and
 `world_size` are fp8lab's one place that asks torch.distributed where this process stands.
+
+Devices: `resolve_torch_device` turns ``--torch-device`` (``cpu``, ``cuda``, ``cuda:N``, ``auto``)
+into a concrete device; under torchrun ``cuda`` and ``auto`` mean this rank's GPU
+(``LOCAL_RANK``). `init_from_env` takes that device: with a CUDA device the rank takes it
+(``torch.cuda.set_device``) and joins with NCCL, on the CPU with gloo. `collective_device` is
+where a tensor handed to a collective must live (NCCL: the rank's GPU; gloo: the CPU).
 """
 
 from __future__ import annotations
@@ -19,15 +25,18 @@ from typing import Any
 import torch
 
 __all__ = [
+    "TORCH_DEVICE_CHOICES",
     "DistContext",
     "agree_any",
     "check_global_batch",
     "check_jobs",
+    "collective_device",
     "gather_scaling_states",
     "init_from_env",
     "is_distributed",
     "leave_group",
     "rank",
+    "resolve_torch_device",
     "under_torchrun",
     "world_size",
 ]
@@ -97,17 +106,81 @@ def check_global_batch(batch_size: int, world: int | None = None) -> None:
         )
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> DistContext | None:
-    """Join torchrun's process group (gloo on CPU, nccl with CUDA) or return None when not
-    under torchrun. Collectives that wait longer than ``timeout_s`` raise (a dead rank)."""
+#: the values ``--torch-device`` takes (``cuda:N`` for any N too)
+TORCH_DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def _local_rank() -> int:
+    """torchrun's ``LOCAL_RANK`` (this rank's index on its machine); 0 outside torchrun."""
+    value = os.environ.get("LOCAL_RANK", "0").strip() or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable LOCAL_RANK={value!r} is not an integer") from None
+
+
+def resolve_torch_device(
+    value: str | torch.device | None = "auto", what: str = "--torch-device"
+) -> torch.device:
+    """The concrete device ``value`` names: ``cpu``; ``cuda:N``; ``cuda`` (GPU 0, or under
+    torchrun this rank's GPU ``LOCAL_RANK``); ``auto`` / None (``cuda`` when CUDA is available,
+    else ``cpu``). ``what`` names the setting in error messages.
+
+    Raises:
+        ValueError: an unknown value; ``cuda`` without CUDA ("CUDA is not available ..."); a
+            GPU index this machine does not have (``cuda:7`` with 1 GPU).
+    """
+    text = "auto" if value is None else str(value).strip().lower()
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return torch.device("cpu")
+    kind, sep, index = text.partition(":")
+    if kind != "cuda" or (sep and not index.isdigit()):
+        raise ValueError(f"{what} {value!r}: expected one of {', '.join(TORCH_DEVICE_CHOICES)}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{what} {value}: CUDA is not available on this machine (torch "
+            f"{torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); use "
+            "--torch-device cpu or auto"
+        )
+    n = int(index) if sep else (_local_rank() if under_torchrun() else 0)
+    count = torch.cuda.device_count()
+    if n >= count:
+        where = "" if sep else f" (LOCAL_RANK={n})"
+        raise ValueError(
+            f"{what} {value}{where}: GPU {n} does not exist, this machine has {count} "
+            f"GPU{'s' * (count != 1)} (cuda:0..cuda:{count - 1})"
+        )
+    return torch.device("cuda", n)
+
+
+def init_from_env(
+    backend: str | None = None, timeout_s: float = 120.0, device: str | torch.device | None = None
+) -> DistContext | None:
+    """Join torchrun's process group or return None when not under torchrun. ``device``
+    (`resolve_torch_device`; None: ``auto``): a CUDA device becomes this rank's GPU
+    (``torch.cuda.set_device``) and the backend NCCL; the CPU uses gloo. ``backend`` overrides
+    the choice. Collectives that wait longer than ``timeout_s`` raise (a dead rank)."""
     if not under_torchrun():
         return None
+    dev = resolve_torch_device(device)
     if not is_distributed():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=float(timeout_s))
         torch.distributed.init_process_group(backend, timeout=timeout)
     return DistContext(rank=rank(), world=world_size())
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor given to a collective of ``group`` must be: the rank's current GPU under
+    NCCL, else the CPU (gloo; also without a process group)."""
+    if is_distributed() and torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def leave_group() -> None:
@@ -125,7 +198,7 @@ def agree_any(flag: bool, group: Any = None) -> bool:
     if not is_distributed():
         return bool(flag)
     d = torch.distributed
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
     d.all_reduce(t, op=d.ReduceOp.MAX, group=group)
     return bool(t[0])
 
@@ -137,7 +210,11 @@ def gather_scaling_states(model: torch.nn.Module) -> list[dict[str, dict[str, to
     # fp8lab.nn is being imported) reads rank and world size from it
     from fp8lab.nn.state import delayed_states
 
-    mine = {k: ds.state_dict() for k, ds in delayed_states(model).items()}
+    # CPU copies: what a checkpoint holds, and what all_gather_object pickles on any backend
+    mine = {
+        k: {f: t.cpu() for f, t in ds.state_dict().items()}
+        for k, ds in delayed_states(model).items()
+    }
     if not is_distributed():
         return [mine]
     out: list[Any] = [None] * world_size()

@@ -4,8 +4,13 @@ keeps / rotates them, and says whether a checkpoint's configuration matches the 
 A checkpoint (``checkpoint.pt``) holds the hooks' extras (`fp8lab.lab.step.TrainStep.checkpoint`:
 the guard's detectors, each rank's scaling state), ``config`` (`checkpoint_config`: lab config,
 recipe settings, corpus fingerprint, a user model's identity), ``model``, ``optimizer``,
-``scaler``, ``loop`` (the loop state) and ``torch_rng``. Guarded runs keep the last ``keep`` of
-them as ``checkpoints/step-NNNNNN.pt`` (`keep`, for ``fp8lab replay``).
+``scaler``, ``loop`` (the loop state), ``torch_rng`` and, on a GPU, ``cuda_rng`` (that device's
+generator). Guarded runs keep the last ``keep`` of them as ``checkpoints/step-NNNNNN.pt`` (`keep`,
+for ``fp8lab replay``).
+
+Devices: every tensor is saved as a CPU tensor, whatever device the run computes on, and `load`
+maps it onto the run's device (`fp8lab.lab.machine.torch_device`): a checkpoint written on a GPU
+resumes on the CPU and the other way round (the device is not part of the configuration).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus
+from fp8lab.lab.machine import torch_device
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINTS = "checkpoints"  # guarded runs: the last `keep` checkpoints (step-NNNNNN.pt), replay
@@ -133,9 +139,21 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def to_cpu(tree: Any) -> Any:
+    """``tree`` (dicts, lists, tuples of tensors and plain data) with every tensor on the CPU
+    (a CPU tensor is kept as is, not copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
 def save(path: Path, ckpt_cfg, model, opt, scaler, st: Any, extra=None) -> None:
-    """Write a run checkpoint atomically (a temporary file, then a rename); a full disk is an
-    ENOSPC OSError naming the file."""
+    """Write a run checkpoint atomically (a temporary file, then a rename), every tensor on the
+    CPU; a full disk is an ENOSPC OSError naming the file."""
     state = {
         **(extra or {}),
         "config": ckpt_cfg,
@@ -145,6 +163,10 @@ def save(path: Path, ckpt_cfg, model, opt, scaler, st: Any, extra=None) -> None:
         "loop": asdict(st),
         "torch_rng": torch.get_rng_state(),
     }
+    device = torch_device()
+    if device.type == "cuda":  # a user's model may draw on the GPU (dropout)
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    state = to_cpu(state)
     tmp = path.with_suffix(".tmp")
     try:
         torch.save(state, tmp)
@@ -160,12 +182,18 @@ def save(path: Path, ckpt_cfg, model, opt, scaler, st: Any, extra=None) -> None:
     os.replace(tmp, path)  # atomic: an interrupted save never leaves a half checkpoint
 
 
-def read(path: Path, fix: str, check: bool = True) -> dict[str, Any]:
-    """A checkpoint's contents (``torch.load`` with ``weights_only=True``); `CheckpointError`
-    ``"PATH: corrupt or truncated checkpoint (REASON)" + fix`` when it cannot be read (with
-    ``check``: also when it is not an fp8lab run checkpoint)."""
+def read(
+    path: Path, fix: str, check: bool = True, map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """A checkpoint's contents (``torch.load`` with ``weights_only=True``, tensors mapped to
+    ``map_location``; the RNG states stay on the CPU); `CheckpointError` ``"PATH: corrupt or
+    truncated checkpoint (REASON)" + fix`` when it cannot be read (with ``check``: also when it
+    is not an fp8lab run checkpoint)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
+        for key in ("torch_rng", "cuda_rng"):  # byte tensors the generators take on the CPU
+            if isinstance(state, dict) and isinstance(state.get(key), torch.Tensor):
+                state[key] = state[key].cpu()
         if check and (not isinstance(state, dict) or not {"config", "model", "loop"} <= set(state)):
             raise ValueError("not an fp8lab run checkpoint")
     except Exception as exc:  # zip errors, EOFError, UnpicklingError, OSError, ...
@@ -178,11 +206,14 @@ def read(path: Path, fix: str, check: bool = True) -> dict[str, Any]:
 def load(path: Path, ckpt_cfg, model, opt, scaler, name: str = "", prepare=None) -> dict[str, Any]:
     """Resume from ``path``: refuse a checkpoint written under another configuration
     (`ConfigMismatchError`), load model, optimizer, scaler and RNG (``prepare(state)`` first:
-    the guard's escalations); return the loop state's fields."""
+    the guard's escalations) onto the lab's torch device (the model's and optimizer's tensors
+    follow their parameters' device); return the loop state's fields."""
+    device = torch_device()
     state = read(
         path,
         f". To restart {'recipe ' + repr(name) if name else 'this run'} from step 0, delete its "
         f"folder {path.parent} and rerun the same command (the other runs are kept).",
+        map_location=device,
     )
     why = mismatch_message(state["config"], ckpt_cfg)
     if why:
@@ -197,5 +228,7 @@ def load(path: Path, ckpt_cfg, model, opt, scaler, name: str = "", prepare=None)
     if scaler is not None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["torch_rng"])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # absent: written on a CPU
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
     # written before the data cursor existed: batch index = step
     return {"cursor": state["loop"]["step"], **state["loop"]}

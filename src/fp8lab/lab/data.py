@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from fp8lab.lab.machine import torch_device
+
 DEFAULT_CORPUS = "shakespeare"
 
 
@@ -200,16 +202,18 @@ def _generator(seed: int, stream: int, step: int) -> torch.Generator:
 def get_batch(
     data: torch.Tensor, batch_size: int, block_size: int, seed: int, step: int, stream: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of ``data`` for one step -> (x, y) int64 [batch_size, block_size].
+    """Random windows of ``data`` for one step -> (x, y) int64 [batch_size, block_size], on the
+    lab's torch device (`fp8lab.lab.machine.torch_device`).
 
-    A pure function of ``(seed, stream, step)``; y is x shifted by one byte.
+    A pure function of ``(seed, stream, step)`` (drawn on the CPU: the same on every device);
+    y is x shifted by one byte.
     """
     if data.numel() < block_size + 1:
         raise ValueError(f"data has {data.numel()} tokens, need at least {block_size + 1}")
     g = _generator(seed, stream, step)
     starts = torch.randint(0, data.numel() - block_size, (batch_size,), generator=g)
     offsets = torch.arange(block_size + 1)
-    windows = data[starts[:, None] + offsets].long()
+    windows = data[starts[:, None] + offsets].long().to(torch_device())
     return windows[:, :-1], windows[:, 1:]
 
 

@@ -131,7 +131,7 @@ class Injector:
             in_features = getattr(mod, "in_features", None)
             if in_features is None:
                 raise ValueError(f"outlier_layers matches {name!r}, which is not a Linear layer")
-            gain = torch.ones(in_features)
+            gain = torch.ones(in_features, device=mod.weight.device)  # the layer's device
             idx = outlier_channel_index(in_features, cfg.outlier_channels, name)
             gain[idx] = cfg.outlier_scale
             self.layers[name] = gain

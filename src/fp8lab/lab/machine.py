@@ -13,6 +13,13 @@ losses reproduce to the last digit only on the same CPU kind, versions and threa
 each run's ``run.json``, the ``--json`` summary and the report. It is never part of a run's
 identity: a run started on one machine resumes on another (its later steps then follow the new
 machine's rounding).
+
+The torch device the lab computes on (``--torch-device``) is a setting of the process, like the
+kernel choice (`fp8lab.kernels`): `set_torch_device` (scoped: `using_torch_device`) resolves it
+(`fp8lab.dist.runtime.resolve_torch_device`) and `torch_device` reads it (default: the CPU). The
+lab builds its models, batches and optimizer state there and loads checkpoints onto it; the
+machine record names it (``torch_device``, ``gpu``, ``cuda``, ``kernels``). Not part of a run's
+identity either: a checkpoint written on the GPU resumes on the CPU and the other way round.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from fp8lab.dist.runtime import resolve_torch_device
+from fp8lab.kernels import get_kernels
+
 #: environment variables that change the kernels torch or numba run, recorded when set
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "NUMBA_CPU_NAME",
-              "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+              "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "FP8LAB_KERNELS")  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -49,11 +62,60 @@ def _library_versions() -> dict[str, str | None]:
     return {"mkl": mkl and mkl.group(1), "onednn": onednn and onednn.group(1)}
 
 
+_DEVICE = torch.device("cpu")
+
+
+def torch_device() -> torch.device:
+    """The torch device the lab computes on in this process (default: the CPU)."""
+    return _DEVICE
+
+
+def set_torch_device(value: str | torch.device | None) -> torch.device:
+    """Compute the lab's models and batches on ``value`` (``cpu``, ``cuda``, ``cuda:N``,
+    ``auto``: `fp8lab.dist.runtime.resolve_torch_device`) from now on; a CUDA device also
+    becomes torch's current device. Returns the previous device.
+
+    Raises:
+        ValueError: an unknown value, CUDA not available, a GPU index that does not exist.
+    """
+    global _DEVICE
+    new = resolve_torch_device(value)
+    if new.type == "cuda":
+        torch.cuda.set_device(new)
+    old, _DEVICE = _DEVICE, new
+    return old
+
+
+@contextmanager
+def using_torch_device(value: str | torch.device | None) -> Iterator[torch.device]:
+    """Run a block on ``value`` (`set_torch_device`), then restore the previous device."""
+    old = set_torch_device(value)
+    try:
+        yield torch_device()
+    finally:
+        set_torch_device(old)
+
+
+def device_info(device: torch.device | None = None) -> dict[str, Any]:
+    """The torch device of the lab (``device``, default `torch_device`) as plain data:
+    ``torch_device`` (``"cpu"``, ``"cuda:0"``), ``gpu`` (its name; None on the CPU), ``cuda``
+    (the CUDA version torch was built with; None on the CPU) and ``kernels`` (the kernel
+    choice, `fp8lab.kernels.get_kernels`)."""
+    dev = torch_device() if device is None else torch.device(device)
+    cuda = dev.type == "cuda"
+    return {
+        "torch_device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+        "kernels": get_kernels(),
+    }
+
+
 def machine_info() -> dict[str, Any]:
     """The machine this process computes on: CPU model and architecture, the CPU capability
     torch's kernels use, the torch / MKL / oneDNN / numba versions, torch's and numba's thread
-    counts (as set now: call it where the run computes) and the kernel-selecting environment
-    variables that are set. Plain JSON data."""
+    counts (as set now: call it where the run computes), the kernel-selecting environment
+    variables that are set and the torch device (`device_info`). Plain JSON data."""
     import numba
 
     try:
@@ -74,11 +136,12 @@ def machine_info() -> dict[str, Any]:
         "numba_threads": numba.get_num_threads(),
         "python": platform.python_version(),
         "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
+        **device_info(),
     }
 
 
 #: the fields of :func:`machine_info` that decide the bits of a training run's losses
-RESULT_FIELDS = ("cpu_capability", "torch", "mkl", "onednn", "torch_threads")
+RESULT_FIELDS = ("cpu_capability", "torch", "mkl", "onednn", "torch_threads", "gpu", "cuda")
 
 
 def same_results_expected(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
@@ -97,5 +160,7 @@ def describe(m: dict[str, Any] | None) -> str:
     return (
         f"{m.get('cpu')}, torch {m.get('torch')} (CPU capability {m.get('cpu_capability')}), "
         f"MKL {m.get('mkl')}, oneDNN {m.get('onednn')}, {threads} torch "
-        f"thread{'s' * (threads != 1)}" + (f", env {m['env']}" if m.get("env") else "")
+        f"thread{'s' * (threads != 1)}"
+        + (f", on {m['torch_device']} {m['gpu']} (CUDA {m['cuda']})" if m.get("gpu") else "")
+        + (f", env {m['env']}" if m.get("env") else "")
     )

@@ -6,8 +6,10 @@ job per probe). What it guarantees:
 
 - ``jobs`` > 1: that many *spawned* worker processes (never forked: torch and numba state do not
   survive a fork), started once and kept for the pool's life; each limits its torch and numba
-  thread pools to ``threads`` (`set_threads`). ``jobs`` 1: the jobs run here, one after another,
-  and their exceptions propagate unchanged.
+  thread pools to ``threads`` (`set_threads`) and computes on the parent's torch device and
+  kernels (`fp8lab.lab.machine.torch_device`, `fp8lab.kernels.get_kernels`, read when the pool
+  starts). ``jobs`` 1: the jobs run here, one after another, and their exceptions propagate
+  unchanged.
 - Progress: ``events.put(dict)`` in a job reaches the parent's ``callback``, in the order put.
 - Errors: the first job that fails stops the pool (jobs not yet started are cancelled, running
   ones terminated; their checkpoints stay, so a rerun resumes them) and its error is raised in
@@ -31,6 +33,9 @@ from typing import Any, NoReturn
 
 import torch
 
+from fp8lab.kernels import get_kernels, set_kernels
+from fp8lab.lab.machine import set_torch_device, torch_device
+
 Callback = Callable[[dict[str, Any]], None]
 
 
@@ -53,6 +58,13 @@ def set_threads(threads: int) -> None:
 
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def _init_worker(threads: int, device: str, kernels: str) -> None:
+    """A spawned worker: the parent's threads, torch device and kernel choice."""
+    set_threads(threads)
+    set_torch_device(device)
+    set_kernels(kernels)
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,8 @@ class WorkerPool:
         self._manager = ctx.Manager()
         self._events = self._manager.Queue()
         self._executor = ProcessPoolExecutor(
-            max_workers=self.jobs, mp_context=ctx, initializer=set_threads,
-            initargs=(self.threads,),
+            max_workers=self.jobs, mp_context=ctx, initializer=_init_worker,
+            initargs=(self.threads, str(torch_device()), get_kernels()),
         )  # fmt: skip
 
     def run(self, jobs: Sequence[Job], callback: Callback | None = None) -> list[Any]:

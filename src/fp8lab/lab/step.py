@@ -22,6 +22,9 @@ Hooks are objects with any subset of these methods, called in list order with th
   updated; the gradients still exist (``zero_grad`` follows);
 - ``on_checkpoint(ctx, state)``: `TrainStep.checkpoint` asks each hook for what it adds to a
   checkpoint (``state``: the dict being saved, updated in place).
+
+Devices: the first step checks that the batch's tensors are on the parameters' device
+(`check_devices`; once per TrainStep, not per step) and raises ValueError naming both devices.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HOOKS", "ScopedHook", "StepContext", "TrainStep", "WatchHook"]
+__all__ = ["HOOKS", "ScopedHook", "StepContext", "TrainStep", "WatchHook", "check_devices"]
 
 #: the hook methods a TrainStep calls, in the order of a step (``on_checkpoint`` on demand)
 HOOKS = (
@@ -85,6 +88,36 @@ class StepContext:
         return float("nan") if self.loss is None else float(self.loss.detach())
 
 
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch: a tensor, or tuples, lists and dicts of them (other values
+    ignored)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        return [t for item in batch for t in _batch_tensors(item)]
+    return []
+
+
+def check_devices(params: Sequence[torch.Tensor], batch: Any, what: str = "TrainStep") -> None:
+    """ValueError when a tensor of ``batch`` is not on the device of ``params`` (checked only
+    when every parameter is on one device: a model split over devices moves its own inputs).
+
+    The message names both devices, e.g. ``TrainStep: the model is on cuda:0 but the batch is
+    on cpu; ...``."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        return
+    (model,) = devices
+    for t in _batch_tensors(batch):
+        if t.device != model:
+            raise ValueError(
+                f"{what}: the model is on {model} but the batch is on {t.device}; move the "
+                "batch (or the model) to one device (fp8lab's commands: --torch-device)"
+            )
+
+
 class TrainStep:
     """One training step (see the module doc for the hooks).
 
@@ -111,6 +144,7 @@ class TrainStep:
         self.clip = float(clip)
         self.params = list(params)
         self.hooks = list(hooks)
+        self._devices_checked = False  # check_devices on the first batch only
 
     def _call(self, name: str, ctx: StepContext) -> bool:
         """Call hook method ``name`` on every hook that has it; False when one returned False."""
@@ -123,6 +157,9 @@ class TrainStep:
 
     def __call__(self, step: int, batch: Any) -> StepContext:
         """Run step ``step`` on ``batch``; return its context."""
+        if not self._devices_checked:
+            check_devices(self.params, batch)
+            self._devices_checked = True
         t0 = time.perf_counter()
         scaler = self.scaler
         ctx = StepContext(step, batch, loss_scale=scaler.get_scale() if scaler is not None else 1.0)

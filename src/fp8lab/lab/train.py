@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from fp8lab._keys import check_keys
+from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.checkpoint import (  # noqa: F401  (public names of this module)
     CHECKPOINT,
@@ -153,7 +154,7 @@ class LabConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["model"] = self.model.to_dict()  # "factory" only when it is not the built-in GPT
-        d["data"]["paths"] = list(self.data.paths)
+        d["data"] = self.data.to_dict()  # tokenizer, token_dtype only when set
         if d["inject"]["nan_step"] == -1:  # off: configs written before the key existed match
             del d["inject"]["nan_step"]
         if d["inject"]["outlier_weights"] == "train":  # the default: older configs match
@@ -302,13 +303,15 @@ def toml_value(v: Any) -> str:
 def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> torch.nn.Module:
     """Same initial weights for every recipe: init under ``seed`` first, then convert. The
     model is the built-in GPT or a user's (``model_cfg.factory``, see ``fp8lab.lab.models``),
-    which maps ``(idx, targets)`` to ``(logits, loss)`` either way."""
+    which maps ``(idx, targets)`` to ``(logits, loss)`` either way. Built and initialised on
+    the CPU (the same weights on every device), then moved with its scaling state to the lab's
+    torch device (`fp8lab.lab.machine.torch_device`)."""
     model = models.build(model_cfg, seed)
     if recipe is not None:
         from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
 
         convert(model, recipe)
-    return model
+    return model.to(machines.torch_device())
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
@@ -341,8 +344,14 @@ def train_run(
     guard: Any = None,
     fsdp: bool = False,
     fp8_allgather: bool = False,
+    torch_device: str | torch.device | None = None,
 ) -> RunResult:
     """Train one recipe; return its summary (see :func:`summarize`), model and records.
+
+    ``torch_device``: where the model, its scaling state, the batches and the optimizer state
+    live (``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the lab's device of this process
+    (`fp8lab.lab.machine.torch_device`, the CPU unless set). Checkpoints hold CPU tensors and
+    load onto the run's device, so a run resumes on another device.
 
     ``guard``: an `fp8lab.guard.AnomalyGuard` (or its plain dict) watching every step
     (`fp8lab.lab.guard_run`); the summary then has ``guard_events`` (actions taken: rollback,
@@ -361,6 +370,10 @@ def train_run(
     run.json, so a checkpoint resumes on any number of ranks. Single-process runs are unchanged.
     The steps run through `fp8lab.lab.step.TrainStep`; the loop is `fp8lab.lab.loop.run_loop`.
     """
+    if torch_device is not None:
+        with machines.using_torch_device(torch_device):
+            return train_run(recipe, cfg, corpus, run_dir, callback, stop_after, amax_group,
+                             grad_comm, guard, fsdp, fp8_allgather)  # fmt: skip
     from fp8lab.optim import LossScaler
 
     cfg.check()

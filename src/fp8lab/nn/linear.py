@@ -446,7 +446,8 @@ class Linear(torch.nn.Linear):
     (``scale``, ``amax_history``, ``step``, ``initialized``, ``fmt_max``). Loading a state saved
     under another recipe raises; a checkpoint of a plain ``torch.nn.Linear`` loads (the scaling
     state then starts fresh). The scaling state is written to / read from the state_dict as plain
-    tensors but is not a registered buffer, so ``model.to(torch.bfloat16)`` cannot cast it.
+    tensors but is not a registered buffer, so ``model.to(torch.bfloat16)`` cannot cast it; it
+    follows the module's device (``model.to("cuda")``, ``model.cpu()``).
 
     Delayed scaling timing (TE): forward roles' amaxes max-accumulate over the forwards inside an
     outermost :func:`fp8lab.nn.autocast` and update at its exit; outside ``autocast`` they update
@@ -579,6 +580,14 @@ class Linear(torch.nn.Linear):
         state["_plans"] = {}
         state["_own_plan"] = None
         return state
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:  # type: ignore[override]
+        # .to(device) / .cuda() / .cpu(): the scaling state follows the weight's device, never
+        # its dtype (float32 by design)
+        super()._apply(fn, recurse)
+        for st in (self._state, *self._other_states.values()):
+            st.to(self.weight.device)
+        return self
 
     def update_forward(self) -> None:
         """Update the forward roles' delayed scaling (every recipe this module has run)."""

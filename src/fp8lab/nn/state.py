@@ -56,6 +56,20 @@ class ScalingState:
     def __bool__(self) -> bool:
         return bool(self.by_key)
 
+    def to(self, device: torch.device | str) -> None:
+        """Move every state's tensors to ``device`` in place (dtypes kept: the scales and
+        histories are float32 whatever dtype the module is cast to). The quantizers of the
+        module's plans hold these `DelayedScaling` objects, not their tensors, so they see the
+        moved state. From the ``meta`` device (``to_empty``) the tensors are allocated
+        uninitialised, as the module's parameters are: load a state afterwards."""
+        device = torch.device(device)
+        for ds in self.by_key.values():
+            st = ds.state
+            for name, t in st.tensors().items():
+                if t.device != device:
+                    new = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+                    setattr(st, name, new)
+
     def update_forward(self) -> None:
         for ds in self.forward:
             ds.update()
