@@ -108,7 +108,10 @@ def test_reconvert_retargets_and_converted_model_trains_finite():
     m = TinyGPT()
     convert(m, "te-delayed")
     q = m.blocks[0].q
-    convert(m, "mxfp8")
+    with pytest.raises(ValueError, match="retarget=True"):  # issue 25: no silent reset
+        convert(m, "mxfp8")
+    assert q.recipe.name == "te-delayed"
+    convert(m, "mxfp8", retarget=True)
     assert m.blocks[0].q is q and q.recipe.name == "mxfp8"
     opt = fp8lab.optim.AdamW(m.parameters(), lr=1e-3)
     idx = torch.randint(0, 32, (2, 16))

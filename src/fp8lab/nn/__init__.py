@@ -29,6 +29,9 @@ Two lines, as with Transformer Engine or torchao::
   every GEMM operand until ``handle.remove()``; the one hook point of observe, guard, cost and
   :func:`collect_operands`.
 * :func:`delayed_states` — every delayed-scaling state a model's modules own, by name.
+* :func:`save_fp8_state` / :func:`load_fp8_state` — the converted layers' FP8 state as its own
+  safetensors file (a ``transformers`` model's ``save_pretrained`` writes it beside the weights
+  as :data:`FP8_STATE_FILE`, which ``convert`` after ``from_pretrained`` restores).
 
 Layout: ``linear.py`` (the module, its autograd Function with the three GEMMs, the operand
 plumbing) -> `fp8lab.qtensor.Quantizer` (one per operand) -> `fp8lab.gemm.matmul`. Beside it:
@@ -48,11 +51,13 @@ from fp8lab.nn.convert import (
     select_linears,
     unconvert,
 )
+from fp8lab.nn.fp8_state import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
 from fp8lab.nn.state import delayed_states
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "FP8_STATE_FILE",
     "GatheredWeight",
     "Linear",
     "OperandHandle",
@@ -65,7 +70,9 @@ __all__ = [
     "converted",
     "delayed_states",
     "layer_settings",
+    "load_fp8_state",
     "on_operand",
+    "save_fp8_state",
     "select_linears",
     "unconvert",
 ]

@@ -33,6 +33,15 @@ module), so this module never imports ``transformers``.
 
 `convert` warns when it converts nothing. `unconvert` swaps converted layers back to plain
 ``torch.nn.Linear`` sharing the same parameters.
+
+Converting again keeps what a layer has learnt: a layer already converted to the same numerics
+(``recipe.for_layer(name)``) keeps its delayed-scaling state; to other numerics it is refused
+(the scale and amax history would silently restart) unless ``retarget=True``. ``recipe`` is a
+`Recipe`, a preset name, or a recipe file (``.toml``/``.json``: fp8lab's recipe files, e.g.
+``fp8lab debug``'s ``fix.toml``).
+
+A ``transformers`` model keeps its FP8 state out of ``save_pretrained``'s weights and beside
+them, and gets it back on ``convert`` after ``from_pretrained`` (`fp8lab.nn.fp8_state`).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.nn.fp8_state import install_save_pretrained, load_fp8_state, pretrained_dir
 from fp8lab.nn.linear import Linear
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
 from fp8lab.recipe.validate import check_layer_rules
@@ -179,6 +189,37 @@ def select_linears(
     return _selection(model, include, exclude, default_exclude)[0]
 
 
+def _recipe_of(recipe: Recipe | str) -> Recipe:
+    """A `Recipe` from a Recipe, a preset name or a ``.toml``/``.json`` recipe file path."""
+    if isinstance(recipe, str) and recipe.endswith((".toml", ".json")):
+        return Recipe.load(recipe)  # errors name the file
+    rec = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if not isinstance(rec, Recipe):
+        raise TypeError(
+            f"recipe must be a Recipe, a preset name or a recipe file, got {type(recipe).__name__}"
+        )
+    return rec
+
+
+def _check_retarget(model: torch.nn.Module, rec: Recipe, names: list[str]) -> None:
+    """ValueError when a layer already converted to other numerics would be re-targeted."""
+    changed = []
+    for name in names:
+        old = model.get_submodule(name)
+        if (
+            isinstance(old, Linear)
+            and old.recipe.fingerprint() != rec.for_layer(name).fingerprint()
+        ):
+            changed.append(f"{name} ({old.recipe.name!r})")
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(
+            f"convert: {', '.join(changed[:3])}{more} already converted to other numerics than "
+            f"{rec.name!r}; converting again would restart their scaling state. Pass "
+            "retarget=True to switch them (fresh scaling state), or unconvert first"
+        )
+
+
 def convert(
     model: torch.nn.Module,
     recipe: Recipe | str,
@@ -187,19 +228,23 @@ def convert(
     *,
     default_exclude: bool = True,
     strict: bool = False,
+    retarget: bool = False,
 ) -> torch.nn.Module:
     """Replace selected ``torch.nn.Linear`` layers of ``model`` in place; returns ``model``.
 
-    The new :class:`fp8lab.nn.Linear` modules share the original ``Parameter`` objects, so an
+    ``recipe``: a `Recipe`, a preset name or a recipe file (``.toml``/``.json``). The new
+    :class:`fp8lab.nn.Linear` modules share the original ``Parameter`` objects, so an
     optimizer built before the conversion keeps working, and carry their qualified name (used by
-    :func:`fp8lab.nn.collect_operands`). Layers already converted are re-targeted to ``recipe``.
+    :func:`fp8lab.nn.collect_operands`). A layer already converted to the same numerics keeps
+    its scaling state; to other numerics it raises ValueError unless ``retarget=True`` (then it
+    switches, its scaling state restarting). A ``transformers`` model loaded from a directory
+    holding ``fp8lab_state.safetensors`` gets that FP8 state back in the layers converted now
+    (ValueError naming the file if it does not fit; ``retarget=True`` ignores the file).
     Selected layers that would never run as modules (``MultiheadAttention.out_proj``) are left
     as they are with a `UserWarning` naming them, or raise ``ValueError`` with ``strict=True``;
     converting nothing warns.
     """
-    rec = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    if not isinstance(rec, Recipe):
-        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
+    rec = _recipe_of(recipe)
     names, skipped = _selection(model, include, exclude, default_exclude)
     if skipped:
         msg = (
@@ -211,16 +256,23 @@ def convert(
             raise ValueError(msg)
         warnings.warn(msg, UserWarning, stacklevel=2)
     check_layer_rules(rec, names)  # names the recipe's file (fp8lab.recipe.validate)
+    if not retarget:
+        _check_retarget(model, rec, names)
+    fresh = []
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         if isinstance(old, Linear):
-            old.name = name
-            old.set_recipe(rec)  # resolves the recipe's [[layer]] rules for this name
+            same = old.recipe.fingerprint() == rec.for_layer(name).fingerprint()
+            if not same or old.name != name:  # same numerics, same name: nothing to do
+                old.name = name
+                # resolves the recipe's [[layer]] rules for this name; same numerics keep state
+                old.set_recipe(rec, keep_state=same)
         else:
             make = Linear.from_conv1d if _is_conv1d(old) else Linear.from_linear
             setattr(parent, attr, make(old, rec, name=name))
+            fresh.append(name)
     if not names:
         warnings.warn(
             f"convert: no Linear layer of {type(model).__name__} was converted to "
@@ -230,7 +282,27 @@ def convert(
             stacklevel=2,
         )
     _set_fast_paths(model)
+    saved = pretrained_dir(model)
+    if saved is not None and fresh and not retarget:
+        _restore(model, saved, fresh)
+    install_save_pretrained(model)
     return model
+
+
+def _restore(model: torch.nn.Module, saved: Any, fresh: list[str]) -> None:
+    """Load the saved FP8 state into the layers just converted; on a mismatch swap them back
+    (the failed call leaves the model as it was) and raise naming the file."""
+    try:
+        load_fp8_state(model, saved, layers=fresh)  # a resume: the saved scaling state
+    except ValueError as exc:
+        for name in fresh:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, getattr(parent, attr).to_linear())
+        _set_fast_paths(model)
+        raise ValueError(
+            f"convert: {exc}. Pass retarget=True to convert with fresh scaling state instead"
+        ) from None
 
 
 def layer_settings(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -277,6 +349,7 @@ def unconvert(model: torch.nn.Module) -> torch.nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, getattr(parent, attr).to_linear())
     _set_fast_paths(model)
+    install_save_pretrained(model)  # gone with the last converted layer
     return model
 
 
