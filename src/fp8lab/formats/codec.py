@@ -24,9 +24,11 @@ import torch
 from numba import njit, prange
 
 from fp8lab._threads import parallel
+from fp8lab.formats import codec_torch as _ct
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats.rounding import _check_tensor, cast
 from fp8lab.formats.spec import FloatFormat, get_format
+from fp8lab.kernels import use_torch
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "e4m3": torch.float8_e4m3fn,
@@ -171,6 +173,10 @@ def encode(
     book = _codebook(fmt)
     _check_tensor(x)
     v = cast(x, fmt, rounding=rounding, saturate=saturate, generator=generator)
+    if use_torch(v, what="encode"):
+        special = (book.sign, book.zero, book.neg_zero, book.nan, book.inf)
+        flat = v.reshape(-1).view(torch.int32)
+        return _ct.encode_bits(flat, book.pos_bits, book.pos_codes, special).view(v.shape)
     out = torch.empty(v.shape, dtype=torch.uint8)
     if v.numel():
         kernel = _encode_kernel if parallel(v.numel()) else _encode_kernel_serial
@@ -203,6 +209,8 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     codes = codes.contiguous()
     if fmt.bits < 8 and codes.numel() and int(codes.max()) >= (1 << fmt.bits):
         raise ValueError(f"{fmt.name} codes are {fmt.bits}-bit: values must be < {1 << fmt.bits}")
+    if use_torch(codes, what="decode"):
+        return _ct.decode_codes(codes, book.table)
     out = torch.empty(codes.shape, dtype=torch.float32)
     if codes.numel() and parallel(codes.numel()):
         _decode_kernel(codes.view(-1).numpy(), out.view(-1).numpy(), book.table)

@@ -52,7 +52,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -60,8 +59,21 @@ from numba import njit, prange
 
 from fp8lab._threads import parallel
 from fp8lab.formats import hif8 as _hif8
+from fp8lab.formats import rounding_torch as _rt
+from fp8lab.formats._grid import BITS32 as _BITS32
+from fp8lab.formats._grid import BITS64 as _BITS64
+from fp8lab.formats._grid import F_HAS_ZERO as _F_HAS_ZERO
+from fp8lab.formats._grid import F_SIGNED as _F_SIGNED
+from fp8lab.formats._grid import F_SIGNED_ZERO as _F_SIGNED_ZERO
+from fp8lab.formats._grid import HYB_OVF_BITS as _HYB_OVF_BITS
+from fp8lab.formats._grid import NAN_BITS as _NAN_BITS
+from fp8lab.formats._grid import TAB_LO as _TAB_LO
+from fp8lab.formats._grid import TAB_N as _TAB_N
+from fp8lab.formats._grid import FastGrid as _FastGrid
+from fp8lab.formats._grid import GenericGrid as _GenericGrid
 from fp8lab.formats.spec import FloatFormat, get_format
 from fp8lab.formats.straight_through import straight_through
+from fp8lab.kernels import use_torch
 
 ROUNDING_MODES: tuple[str, ...] = (
     "nearest_even",
@@ -73,15 +85,6 @@ ROUNDING_MODES: tuple[str, ...] = (
 _MODE_ID = {name: i for i, name in enumerate(ROUNDING_MODES)}
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-# binade table: entry k describes binade eb = k + _TAB_LO (inputs outside are clamped to the ends,
-# where every format's table is flat below and overflowing above)
-_TAB_LO = -192
-_TAB_N = 400
-
-_F_SIGNED_ZERO = 1
-_F_HAS_ZERO = 2
-_F_SIGNED = 4
 
 
 @dataclass(frozen=True)
@@ -244,34 +247,6 @@ def _finish(mag, neg, is_zero_in, maxval, ovfval, tinyval, flags):
     return mag
 
 
-# Format constants travel as ONE record per kernel family (a NamedTuple, which numba passes by
-# value as a struct): `_GenericGrid` for the integer-significand kernels, `_FastGrid` for the
-# float32 bit kernels. Built once per (format, saturate, overflow rule) and cached.
-class _GenericGrid(NamedTuple):
-    qtab: np.ndarray  # int64[_TAB_N]: exponent of the grid spacing per binade
-    stab: np.ndarray  # float64[_TAB_N]: 2.0**qtab
-    maxval: float  # the format's max
-    ovfval: float  # what an overflowing finite input becomes
-    infval: float  # what an infinite input becomes
-    tinyval: float  # a non-zero input rounding to 0 in a format without zero
-    flags: int  # _F_SIGNED_ZERO | _F_HAS_ZERO | _F_SIGNED
-
-
-class _FastGrid(NamedTuple):
-    is_hif8: bool
-    s_norm: np.int32  # rounding shift for binades >= emin
-    emin_field: np.int32  # float32 exponent field of the smallest normal binade
-    lowq150: np.int32  # exponent of the grid spacing below emin, + 150
-    s_e0: np.int32  # rounding shift for float32 subnormal inputs
-    maxb: np.uint32  # float32 bits of max, of the overflow result, inf result, tiny result
-    ovfb: np.uint32
-    infb: np.uint32
-    tinyb: np.uint32
-    no_zero: bool
-    signed: bool
-    signed_zero: bool
-
-
 @njit(cache=True, inline="always")
 def _generic_one(a, neg, inf_bits, mbits, i, g, mode, seed, hyb16):
     """One element from its IEEE fields: ``a`` = |x| bits (int64) of a binary32 (``mbits`` 23,
@@ -310,11 +285,6 @@ def _generic_bits_one(u, i, g, mode, seed, hyb16, sign, inf_bits, mbits):
     return _generic_one(a, neg, inf_bits, mbits, i, g, mode, seed, hyb16)
 
 
-#: (sign bit, Inf bit pattern, stored mantissa bits) by source width: `_cast_bits`' fields
-_BITS32 = (31, 0x7F800000, 23)
-_BITS64 = (63, 0x7FF0000000000000, 52)
-
-
 @njit(parallel=True, cache=True)
 def _cast_bits(src, dst, g, mode, seed, hyb16, sign, inf_bits, mbits):
     for i in prange(src.shape[0]):
@@ -329,8 +299,6 @@ def _cast_bits_serial(src, dst, g, mode, seed, hyb16, sign, inf_bits, mbits):
 
 _U = np.uint32
 _I = np.int32
-_HYB_OVF_BITS = 0x47200000  # 40960.0f
-_NAN_BITS = 0x7FC00000
 
 
 def _f32_bits(v: float) -> int:
@@ -504,8 +472,6 @@ def _check_tensor(x: torch.Tensor) -> None:
         raise ValueError(
             f"cast needs a float32, bfloat16, float16 or float64 tensor, got {x.dtype}"
         )
-    if x.device.type != "cpu":
-        raise ValueError(f"fp8lab casts run on the CPU; got a tensor on {x.device}")
 
 
 def _resolve(fmt: FloatFormat, rounding: str | None, saturate: bool) -> int:
@@ -523,9 +489,41 @@ def _resolve(fmt: FloatFormat, rounding: str | None, saturate: bool) -> int:
 
 
 def _seed(generator: torch.Generator | None) -> int:
+    """The stochastic seed: one int64 draw from ``generator`` (torch's default CPU generator if
+    None), whichever kernels then run, so numba and torch round the same elements up."""
+    device = generator.device if generator is not None else "cpu"
     return int(
-        torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator).item()
+        torch.randint(
+            -(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator, device=device
+        ).item()
     )
+
+
+def _cast_torch(
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    mode: int,
+    saturate: bool,
+    generator: torch.Generator | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """`cast` by the device-generic kernels (`fp8lab.formats.rounding_torch`), on x's device."""
+    seed = _seed(generator) if mode == 3 else 0
+    hyb16 = 1 if x.dtype == torch.float16 else 0
+    if x.numel() == 0:
+        return out if out is not None else torch.empty(x.shape, device=x.device)
+    src = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x  # exact
+    flat = src.reshape(-1)
+    generic, fast = _grids(fmt, saturate, mode)
+    if fast is not None and src.dtype == torch.float32 and not _force_generic:
+        bits = _rt.cast_f32_fast(flat.view(torch.int32), fast, mode, seed, hyb16)
+    else:
+        wide = src.dtype == torch.float64
+        _, inf_bits, mbits = _BITS64 if wide else _BITS32
+        ints = flat.view(torch.int64 if wide else torch.int32)
+        bits = _rt.cast_generic(ints, generic, mode, seed, hyb16, inf_bits, mbits)
+    result = bits.view(torch.float32).view(x.shape)
+    return result if out is None else out.copy_(result)
 
 
 _force_generic = False  # tests flip this to cross-check the fast kernel against the generic one
@@ -565,6 +563,8 @@ def cast(
         if out.dtype != torch.float32 or out.shape != x.shape or not out.is_contiguous():
             raise ValueError("out must be a contiguous float32 tensor of the input's shape")
         dst = out
+    if use_torch(x, out, what="cast"):
+        return _cast_torch(x, fmt, mode, saturate, generator, out)
     if x.dtype in (torch.bfloat16, torch.float16):
         src = x.float().contiguous()  # exact; the kernel then works in place on this buffer
         if out is None:

@@ -1,0 +1,344 @@
+"""Device-generic kernels of `fp8lab.cast`: torch tensor operations on integer bit patterns.
+
+The same bits as the numba kernels of `fp8lab.formats.rounding` (which are the specification,
+element for element), on any device torch runs on. Each numba kernel has its twin here:
+
+* `cast_f32_fast`: `_det_one` (nearest_even, nearest_away, toward_zero) and `_sr_one`
+  (stochastic, hybrid) on float32 bits, int32 arithmetic only;
+* `cast_generic`: `_generic_one` (integer significand times a power of two, the grid as a table
+  ``binade -> exponent of the spacing``) on float32 or float64 bits, int64 arithmetic; used for
+  float64 input (rounded once, from its own 53-bit significand) and formats the fast kernel
+  cannot describe;
+* `rand32`: the counter-based splitmix64 hash of (seed, element index) that stochastic rounding
+  draws from, so both implementations round the same elements up.
+
+Why integers only: a GPU may flush float32 subnormals to zero in fused float ops; integer ops and
+exact int -> float64 conversions do not depend on that. Signed int32/int64 stand in for numba's
+unsigned types: every magnitude is below 2**31 (2**63), the one wrap-around that matters (the
+splitmix64 products) is two's complement on every torch device, and a logical right shift of an
+int64 is an arithmetic shift followed by a mask (`_srl64`). Shift amounts are clamped to the
+type's width, so no result depends on how a device treats an oversized shift. Every temporary is
+allocated on the input's device; a stochastic seed comes from the caller (drawn from a CPU
+generator), never from a device generator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from fp8lab.formats._grid import (
+    F_HAS_ZERO,
+    F_SIGNED,
+    F_SIGNED_ZERO,
+    HYB_OVF_BITS,
+    INF_BITS,
+    NAN_BITS,
+    TAB_LO,
+    TAB_N,
+    FastGrid,
+    GenericGrid,
+)
+
+__all__ = ["cast_f32_fast", "cast_generic", "rand32"]
+
+_I32 = torch.int32
+_I64 = torch.int64
+_SIGN32 = -(2**31)  # 0x80000000 as int32
+
+
+def _s64(v: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_GOLDEN = _s64(0x9E3779B97F4A7C15)
+_MIX1 = _s64(0xBF58476D1CE4E5B9)
+_MIX2 = _s64(0x94D049BB133111EB)
+
+
+def _srl64(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits by ``k`` (1..63): arithmetic shift, then clear the
+    copies of the sign bit."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def rand32(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    """``rounding._rand32(seed, i)`` for i = 0..n-1: int64 in [0, 2**32) on ``device``.
+
+    splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014)
+    of ``seed + i * golden``; ``seed`` is the int64 the caller drew (its bits as uint64).
+    """
+    z = torch.arange(n, dtype=_I64, device=device)
+    z.mul_(_GOLDEN).add_(seed)
+    z = z.bitwise_xor_(_srl64(z, 30)).mul_(_MIX1)
+    z = z.bitwise_xor_(_srl64(z, 27)).mul_(_MIX2)
+    z = z.bitwise_xor_(_srl64(z, 31))
+    return _srl64(z, 32)
+
+
+# ------------------------------------------------------------------------------ finishing
+def _finish(
+    r: torch.Tensor,
+    neg: torch.Tensor,
+    zero_in: torch.Tensor,
+    inf_in: torch.Tensor,
+    nan_in: torch.Tensor,
+    g: FastGrid,
+) -> torch.Tensor:
+    """`rounding._finish_bits`: overflow, zero, Inf/NaN and sign of a rounded magnitude ``r``
+    (float32 bits, int32; above ``g.maxb`` means overflow). The flags describe the input."""
+    o = torch.where(r > int(g.maxb), int(g.ovfb), r)
+    if g.no_zero:
+        rounded_away = r == 0
+        o = torch.where(rounded_away, int(g.tinyb), o)
+        o = torch.where(rounded_away & zero_in, NAN_BITS, o)
+    o = torch.where(inf_in, int(g.infb), o)
+    o = torch.where(nan_in, NAN_BITS, o)
+    if g.signed:
+        keep_sign = neg if g.signed_zero else neg & (o != 0)
+        o = torch.where(keep_sign, o | _SIGN32, o)
+        return torch.where((o & 0x7FFFFFFF) > INF_BITS, NAN_BITS, o)
+    return torch.where((o > INF_BITS) | neg, NAN_BITS, o)
+
+
+# --------------------------------------------------------------------------- float32 fast
+def _shift_of(ex: torch.Tensor, g: FastGrid) -> torch.Tensor:
+    """`rounding._shift_of`: float32 bits below the grid spacing, from the exponent field."""
+    if g.is_hif8:
+        eb = ex - 127
+        ab = eb.abs()
+        sh = (ab >= 4).to(_I32).add_(ab >= 8).add_(20)
+        sl = (1 - eb).clamp_(min=23)
+        return torch.where(eb < -15, sl, sh)
+    s = torch.where(ex >= int(g.emin_field), int(g.s_norm), int(g.lowq150) - ex)
+    return torch.where(ex == 0, int(g.s_e0), s)
+
+
+def _increment(
+    a: torch.Tensor,
+    ex: torch.Tensor,
+    sc: torch.Tensor,
+    low: torch.Tensor,
+    mode: int,
+    rnd: torch.Tensor | None,
+    hyb16: int,
+) -> torch.Tensor:
+    """The rounding increment added to the bits before the low ``sc`` bits are cleared."""
+    if mode == 0:
+        odd = ((a >> sc) & 1) | ((sc == 23) & (ex != 0))
+        return (low >> 1).add_(odd)
+    if mode == 1:
+        return (low >> 1).add_(1)
+    if mode == 2:
+        return torch.zeros_like(a)
+    if mode == 3:
+        # the low bits of the draw (low < 2**23, so the int32 conversion is exact)
+        return (rnd & 0x7FFFFF).to(_I32).bitwise_and_(low)
+    # hybrid: TA for binades 2^-3..2^3, SSR elsewhere; an exact remainder stays
+    eb = ex - 127
+    rem = a & low
+    if hyb16 == 0:
+        up = (rem >> (sc - 14)) >= (a & 0x3FFF)
+    else:
+        lsb = torch.where(eb >= -14, 13, (-1 - eb).clamp_(0, 31))
+        t2 = ((a >> lsb) & 1).mul_(2).add_(1)
+        up = (rem >> (sc - 2)) >= t2
+    ssr = torch.where(up & (rem != 0), low + 1, 0)
+    return torch.where((eb >= -3) & (eb <= 3), (low >> 1).add_(1), ssr)
+
+
+def _below_half_step(
+    a: torch.Tensor,
+    ex: torch.Tensor,
+    s: torch.Tensor,
+    mode: int,
+    rnd: torch.Tensor | None,
+) -> torch.Tensor:
+    """Result bits where ``s >= 24`` (|x| below half a grid step): 0 or one step."""
+    q = (s + ex.clamp(min=1)).sub_(150).clamp_(-149, 127)
+    qb = torch.where(q >= -126, (q + 127) << 23, 1 << (q + 149).clamp_(0, 30))
+    if mode <= 2:
+        up = (s == 24) & (ex != 0)
+        if mode == 0:
+            up &= (a & 0x7FFFFF) != 0
+        elif mode == 2:
+            up &= False
+    elif mode == 3:
+        sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000).to(_I64)
+        thresh = torch.where(
+            s <= 32, sig << (32 - s).clamp(0, 32), sig >> (s - 32).clamp(0, 63)
+        ).masked_fill_(s >= 56, 0)
+        up = rnd < thresh
+    else:
+        sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000)
+        up = (ex == 104) & ((sig >> 10) >= (a & 0x3FFF))  # binade 2^-23
+    return torch.where(up, qb, 0)
+
+
+def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int) -> torch.Tensor:
+    """`rounding._det_one` / `_sr_one` on every element of ``u`` (float32 bits as int32, flat):
+    the result's float32 bits (int32, ``u``'s device).
+
+    Args:
+        u: 1-D int32 tensor, the bits of float32 inputs.
+        g: the format's `FastGrid` for this overflow rule.
+        mode: index into `fp8lab.formats.ROUNDING_MODES` (0..4).
+        seed: the stochastic seed (mode 3), drawn by the caller.
+        hyb16: 1 when the input was float16 (the fp16 SSR rule of ``hybrid``).
+    """
+    a = u & 0x7FFFFFFF
+    ex = a >> 23
+    s = _shift_of(ex, g)
+    sc = s.clamp(1, 23)
+    low = (1 << sc).sub_(1)
+    rnd = rand32(seed, u.numel(), u.device) if mode == 3 else None
+    fin = a.clamp(max=INF_BITS)  # Inf/NaN are replaced below; keeps a + add inside int32
+    r = (fin + _increment(a, ex, sc, low, mode, rnd, hyb16)).bitwise_and_(~low)
+    r = torch.where(s <= 0, a, r)
+    r = torch.where(s >= 24, _below_half_step(a, ex, s, mode, rnd), r)
+    if mode == 4:
+        r = torch.where(a >= HYB_OVF_BITS, INF_BITS, r)
+    return _finish(r, u < 0, a == 0, a == INF_BITS, a > INF_BITS, g)
+
+
+# ------------------------------------------------------------------------------- generic
+def _fast_bits_of(g: GenericGrid) -> FastGrid:
+    """The bit constants `_finish` needs, from a generic grid (its floats as float32 bits)."""
+    return _finish_grid(g.maxval, g.ovfval, g.infval, g.tinyval, g.flags)
+
+
+@functools.lru_cache(maxsize=256)
+def _finish_grid(maxval: float, ovfval: float, infval: float, tiny: float, flags: int) -> FastGrid:
+    def bits(v: float) -> np.uint32:
+        return np.array([v], dtype=np.float32).view(np.uint32)[0]
+
+    return FastGrid(
+        False,
+        np.int32(0),
+        np.int32(0),
+        np.int32(0),
+        np.int32(0),
+        bits(maxval),
+        bits(ovfval),
+        bits(infval),
+        bits(tiny),
+        (flags & F_HAS_ZERO) == 0,
+        (flags & F_SIGNED) != 0,
+        (flags & F_SIGNED_ZERO) != 0,
+    )
+
+
+_QTABS: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
+
+
+def _qtab_on(g: GenericGrid, device: torch.device) -> torch.Tensor:
+    """The grid's binade table as an int64 tensor on ``device`` (copied once per device)."""
+    key = (id(g.qtab), device)
+    hit = _QTABS.get(key)
+    if hit is None or hit[0] is not g.qtab:  # the array is kept in the entry: ids stay unique
+        hit = (g.qtab, torch.from_numpy(g.qtab).to(device))
+        _QTABS[key] = hit
+    return hit[1]
+
+
+def _bits_f64_to_f32(b: torch.Tensor) -> torch.Tensor:
+    """float32 bits (int32) of float64 values (int64 bits, positive, non-zero, finite) that are
+    exactly representable in float32, normal or subnormal; integer ops only."""
+    e = (b >> 52) - 1023
+    frac = b & ((1 << 52) - 1)
+    normal = ((e + 127) << 23) | (frac >> 29)
+    sub = (frac | (1 << 52)) >> (e.neg() - 97).clamp_(0, 63)  # 29 + (-126 - e)
+    return torch.where(e >= -126, normal, sub).to(_I32)
+
+
+def _round_up(
+    sig: torch.Tensor,
+    kept: torch.Tensor,
+    rem: torch.Tensor,
+    shift: torch.Tensor,
+    shc: torch.Tensor,
+    eb: torch.Tensor,
+    mode: int,
+    rnd: torch.Tensor | None,
+    hyb16: int,
+) -> torch.Tensor:
+    """`rounding._round_mag`'s decision to round ``kept`` up by one step (bool tensor)."""
+    half = 1 << (shc - 1)
+    deep = shift > 62  # nothing kept: the nearest modes never round up from there
+    if mode == 0:
+        up = (rem > half) | ((rem == half) & ((kept & 1) == 1))
+    elif mode == 1:
+        up = rem >= half
+    elif mode == 2:
+        return torch.zeros_like(sig, dtype=torch.bool)
+    elif mode == 3:
+        thresh = torch.where(
+            shift <= 32, rem << (32 - shift).clamp(0, 32), rem >> (shift - 32).clamp(0, 63)
+        ).masked_fill_(shift - 32 >= 63, 0)
+        return rnd < thresh
+    else:
+        if hyb16 == 0:
+            ssr = (rem >> (shc - 14).clamp(min=0)) >= (sig & 0x3FFF)
+        else:
+            lsb = torch.where(eb < -14, -1 - eb, 13).clamp_(0, 63)
+            t2 = ((sig >> lsb) & 1) * 2 + 1
+            ssr = (rem >> (shc - 2).clamp(min=0)) >= t2
+        up = torch.where((eb >= -3) & (eb <= 3), rem >= half, ssr)
+        return up & (rem != 0)
+    return up & ~deep
+
+
+def cast_generic(
+    bits: torch.Tensor,
+    g: GenericGrid,
+    mode: int,
+    seed: int,
+    hyb16: int,
+    inf_bits: int,
+    mbits: int,
+) -> torch.Tensor:
+    """`rounding._generic_one` on every element: float32 (``bits`` int32, ``mbits`` 23,
+    ``inf_bits`` 0x7F800000) or float64 (int64, 52, 0x7FF0000000000000) input bits, flat;
+    returns the result's float32 bits (int32, the input's device).
+
+    The rounded magnitude is ``m * 2**e`` with integers ``m < 2**53`` and ``e``: its float64
+    bits are those of ``float(m)`` (exact) with ``e`` added to the exponent field, compared with
+    max as integers and narrowed to float32 bits by `_bits_f64_to_f32`.
+    """
+    u = bits.to(_I64)
+    a = u & (inf_bits | ((1 << (inf_bits.bit_length())) - 1))  # |x|: clear the sign bit
+    bias = inf_bits >> (mbits + 1)
+    ex = a >> mbits
+    sub = ex == 0
+    sig = torch.where(sub, a, (a & ((1 << mbits) - 1)) | (1 << mbits))
+    e0 = torch.where(sub, 1 - bias - mbits, ex - bias - mbits)
+    # floor(log2 sig) of a subnormal input: the exponent of float(sig), exact for sig < 2**53
+    lg = (sig.to(torch.float64).view(_I64) >> 52) - 1023
+    eb = torch.where(sub, e0 + lg, ex - bias)
+    k = (eb - TAB_LO).clamp_(0, TAB_N - 1)
+    q = _qtab_on(g, bits.device)[k]
+    shift = q - e0
+    shc = shift.clamp(1, 62)
+    kept = sig >> shc
+    rem = sig - (kept << shc)
+    deep = shift > 62
+    kept = kept.masked_fill_(deep, 0)
+    rem = torch.where(deep, sig, rem)
+    rnd = rand32(seed, bits.numel(), bits.device) if mode == 3 else None
+    kept += _round_up(sig, kept, rem, shift, shc, eb, mode, rnd, hyb16)
+    on_grid = shift <= 0
+    m = torch.where(on_grid, sig, kept)
+    e = torch.where(on_grid, e0, q)
+    if mode == 4:  # hybrid: |x| < 2**-23 gives 0 (and |x| >= 40960 overflows, below)
+        m = m.masked_fill_(eb < -23, 0)
+    b64 = m.to(torch.float64).view(_I64) + (e << 52)
+    maxb64 = int(np.array([g.maxval]).view(np.int64)[0])
+    over = (b64 > maxb64) & (m != 0)
+    if mode == 4:
+        over |= (eb > 15) | ((eb == 15) & (sig >= 0xA00000))
+    r = torch.where(m == 0, 0, _bits_f64_to_f32(b64.clamp(max=maxb64)))
+    r = torch.where(over, INF_BITS, r)  # above maxb: `_finish` turns it into the overflow value
+    return _finish(r, u < 0, a == 0, a == inf_bits, a > inf_bits, _fast_bits_of(g))
