@@ -10,6 +10,7 @@ import typer
 
 from fp8lab.cli import comm_sim, compare, cost, debug, formats, inspect, observe_report, snr
 from fp8lab.cli import replay as replay_cmd
+from fp8lab.cli._common import check_kernels, clear_errors
 
 app = typer.Typer(
     name="fp8lab",
@@ -35,6 +36,8 @@ def _root(
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
         raise typer.Exit()
+    with clear_errors():  # an unknown FP8LAB_KERNELS: exit 2 from every command
+        check_kernels()
 
 
 for _module in (formats, snr, inspect, compare, debug, cost, observe_report, comm_sim, replay_cmd):

@@ -24,6 +24,30 @@ INTERRUPTED = 130
 OutDir = Annotated[Path, typer.Option("--out", help="Output directory.")]
 #: --quiet: no progress on stderr
 Quiet = Annotated[bool, typer.Option("--quiet", help="No progress output.")]
+#: --torch-device: where torch computes (not --device, the cost model's GPU)
+TorchDevice = Annotated[str, typer.Option(
+    "--torch-device",
+    help="Torch device to compute on: cpu, cuda, cuda:N or auto (cuda when CUDA is "
+    "available, else cpu; under torchrun each rank's LOCAL_RANK GPU). Recorded as "
+    "machine.torch_device; a run resumes on another device.",
+)]  # fmt: skip
+
+
+def use_torch_device(value: str) -> Any:
+    """Resolve ``--torch-device`` and make it the lab's device in this process
+    (`fp8lab.lab.machine.set_torch_device`); returns the concrete torch.device. ValueError
+    (exit 2 under `clear_errors`): unknown value, no CUDA, a GPU index that does not exist."""
+    from fp8lab.lab.machine import set_torch_device, torch_device
+
+    set_torch_device(value)
+    return torch_device()
+
+
+def check_kernels() -> None:
+    """ValueError naming ``FP8LAB_KERNELS`` when it holds an unknown kernel choice."""
+    from fp8lab.kernels import get_kernels
+
+    get_kernels()
 
 
 def json_flag(what: str) -> Any:

@@ -20,6 +20,7 @@ from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
     OutDir,
     Quiet,
+    TorchDevice,
     clear_errors,
     command_line,
     console,
@@ -27,6 +28,7 @@ from fp8lab.cli._common import (
     json_flag,
     lab_config,
     stop_on_sigterm,
+    use_torch_device,
     with_run_options,
 )
 from fp8lab.lab.compare import DEFAULT_BASELINE, DEFAULT_RECIPES
@@ -422,13 +424,14 @@ def compare_cmd(
     overrides: Overrides = None, print_config: PrintConfig = False,
     tensorboard: Tensorboard = False, quiet: Quiet = False, device: Device = None,
     amax_group: AmaxGroup = "world", grad_comm: GradComm = "fp32", fsdp: Fsdp = False,
-    fp8_allgather: Fp8Allgather = False,
+    fp8_allgather: Fp8Allgather = False, torch_device: TorchDevice = "auto",
 ) -> None:  # fmt: skip
     """``fp8lab compare`` (help: `HELP`): validate the options, train, render the summary."""
     inject = {"outlier_channels": outlier_channels, "outlier_scale": outlier_scale,
               "outlier_layers": outlier_layers, "grad_spike_step": grad_spike_step,
               "grad_spike_scale": grad_spike_scale, "nan_step": inject_nan_step}  # fmt: skip
     with clear_errors():
+        use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
         cfg, names, base, n_jobs = _config(config, recipes, baseline, jobs, overrides, model,
                                            steps, data, inject)  # fmt: skip
         if print_config:
@@ -505,7 +508,10 @@ def _plan(
         for n in dict.fromkeys([base, *names]):
             check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
     layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
-    return _Plan(cfg, names, base, n_jobs, anomaly_guard, dist, layers, init_from_env())
+    from fp8lab.lab.machine import torch_device
+
+    rank_ctx = init_from_env(device=torch_device())  # NCCL on a GPU, gloo on the CPU
+    return _Plan(cfg, names, base, n_jobs, anomaly_guard, dist, layers, rank_ctx)
 
 
 def _run(

@@ -17,12 +17,14 @@ from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
     OutDir,
     Quiet,
+    TorchDevice,
     clear_errors,
     command_line,
     fail,
     json_flag,
     lab_config,
     stop_on_sigterm,
+    use_torch_device,
     with_run_options,
 )
 
@@ -136,6 +138,7 @@ def debug_cmd(
     config: Config = None, overrides: Overrides = None, steps: Steps = None,
     layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
     jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
+    torch_device: TorchDevice = "auto",
 ) -> None:  # fmt: skip
     """``fp8lab debug`` (help: `HELP`): validate the options, run the method, render."""
     from fp8lab.lab.debug import run_debug
@@ -145,6 +148,7 @@ def debug_cmd(
         _list_scenarios()
         return
     with clear_errors():
+        use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
                                                    steps, data, layers, jobs)  # fmt: skip
     main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
@@ -172,6 +176,7 @@ def _setup(
     expectation, layer globs, the torchrun rank context)."""
     from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
     from fp8lab.lab.debug.scenarios import get_scenario, plant
+    from fp8lab.lab.machine import torch_device
 
     if (recipe is None) == (scenario is None):
         raise fail("give exactly one of --recipe and --scenario (--list-scenarios "
@@ -190,7 +195,7 @@ def _setup(
         raise ValueError("--layers: no glob given")
     check_jobs(jobs, "probes")  # under torchrun every rank runs each probe in turn
     check_global_batch(cfg.train.batch_size)
-    return rec, cfg, expect, globs, init_from_env()
+    return rec, cfg, expect, globs, init_from_env(device=torch_device())
 
 
 def _render(result: Any, out: Path, json_out: bool, t0: float) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, json_flag
+from fp8lab.cli._common import TorchDevice, clear_errors, console, json_flag, use_torch_device
 from fp8lab.lab.checkpoint import CheckpointError  # the one unreadable-checkpoint error
 
 DEFAULT_SPECS = ("e4m3:tensor", "e4m3:128x128", "mxfp8")
@@ -169,12 +169,20 @@ def inspect_file(
     specs: list[tuple[str, Any]],
     pattern: str | None = None,
     per_block: tuple[int, int] | None = None,
+    device: Any = None,
 ) -> dict[str, Any]:
-    """The report of `fp8lab inspect` as data (JSON-safe: non-finite numbers are None)."""
-    from fp8lab import stats
+    """The report of `fp8lab inspect` as data (JSON-safe: non-finite numbers are None).
+    ``device``: the torch device the statistics are computed on (None: the lab's,
+    `fp8lab.lab.machine.torch_device`), recorded as ``torch_device``."""
+    import torch
 
+    from fp8lab import stats
+    from fp8lab.lab.machine import torch_device
+
+    device = torch_device() if device is None else torch.device(device)
     tensors = load_tensors(path)
-    report: dict[str, Any] = {"file": str(path), "specs": [n for n, _ in specs], "tensors": []}
+    report: dict[str, Any] = {"file": str(path), "specs": [n for n, _ in specs], "tensors": [],
+                              "torch_device": str(device)}  # fmt: skip
     skipped, empty = [], []
     converted, state = _fp8_state(list(tensors))
     report["skipped_fp8_state"] = [n for n in tensors if n in state]
@@ -189,7 +197,7 @@ def inspect_file(
         if t.numel() == 0:
             empty.append(name)
             continue
-        t = t.detach().to("cpu")
+        t = t.detach().to(device)
         entry: dict[str, Any] = {
             "name": name,
             "kind": _kind(name, t, converted),
@@ -345,8 +353,10 @@ def inspect_command(
     tensors: Tensors = None,
     per_block: PerBlock = None,
     json_out: JsonOut = False,
+    torch_device: TorchDevice = "auto",
 ) -> None:
     with clear_errors():
+        use_torch_device(torch_device)
         try:
             specs = resolve_specs(list(spec), list(recipe))
             report = inspect_file(file, specs, tensors, _parse_block(per_block))

@@ -9,7 +9,14 @@ from typing import Annotated
 
 import typer
 
-from fp8lab.cli._common import clear_errors, console, json_flag, table
+from fp8lab.cli._common import (
+    TorchDevice,
+    clear_errors,
+    console,
+    json_flag,
+    table,
+    use_torch_device,
+)
 
 HELP = """Reproduce step T (0-based, as --grad-spike-step; its metrics record says step T+1) of a
 run made by fp8lab compare, bit for bit: rebuild the model, recipe and data from the run folder
@@ -32,10 +39,12 @@ def replay_cmd(
     run_dir: RunDirArg,
     step: Step,
     as_json: AsJson = False,
+    torch_device: TorchDevice = "auto",
 ) -> None:
     from fp8lab.lab.replay import replay_step
 
     with clear_errors():
+        use_torch_device(torch_device)  # the model, batches and checkpoint load there
         res = replay_step(run_dir, step)
     if as_json:
         typer.echo(json.dumps(res, allow_nan=False))

@@ -15,12 +15,14 @@ from typing import Annotated, Any
 import typer
 
 from fp8lab.cli._common import (
+    TorchDevice,
     check_out_dir,
     check_plot_path,
     comma_ints,
     comma_items,
     fail,
     json_flag,
+    use_torch_device,
 )
 
 HELP = """Dot-product SNR of low-precision (FP8) dot products against a float64 reference.
@@ -250,8 +252,10 @@ def snr_command(
     plot: Plot = None,
     preset: Preset = None,
     out: Out = Path("out/snr"),
+    torch_device: TorchDevice = "auto",
 ) -> None:
     try:
+        use_torch_device(torch_device)  # the casts and GEMM models run there
         # unwritable outputs are refused before minutes of work
         if plot is not None:
             check_plot_path(plot)
@@ -282,11 +286,19 @@ def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None)
     if plot is not None:
         _plot_sweep(results, plot)
     if json_out:
-        typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
+        runs = [r.to_json(pooled) for r in results]
+        typer.echo(json.dumps({"runs": runs, "torch_device": _device()}))
     else:
         _print_table(results, pooled, "fp8lab snr")
         if plot is not None:
             typer.echo(f"wrote {plot}")
+
+
+def _device() -> str:
+    """The torch device the runs computed on (``--torch-device`` resolved), for --json."""
+    from fp8lab.lab.machine import torch_device
+
+    return str(torch_device())
 
 
 def _warn_overflow(results: list[Any]) -> None:
@@ -331,7 +343,7 @@ def _run_preset(
     runs = {"runs": [results[c].to_json(pooled) for c in configs]}
     (out / f"{p.name}.json").write_text(json.dumps(runs))
     if json_out:
-        typer.echo(json.dumps(runs))
+        typer.echo(json.dumps({**runs, "torch_device": _device()}))
         return
     typer.echo(markdown_table(table_rows(p, results)))
     for path in [*written, out / f"{p.name}.json"]:

@@ -22,6 +22,7 @@ import torch
 
 from fp8lab.gemm import Accumulator, qmatmul
 from fp8lab.gemm.fused import fused_dot
+from fp8lab.lab.machine import torch_device
 from fp8lab.qtensor import QuantSpec, quantize
 
 __all__ = ["ROWS_PER_CALL", "chunk_sums", "row_dots"]
@@ -43,10 +44,11 @@ def row_dots(va: np.ndarray, vb: np.ndarray, accumulator: str, fmt: str) -> np.n
     parameters for ``fmt``.
     """
     acc = Accumulator.parse(accumulator, (fmt, fmt))
-    ta = torch.from_numpy(np.ascontiguousarray(va)).float()
-    tb = torch.from_numpy(np.ascontiguousarray(vb)).float()
+    device = torch_device()  # the lab's device (--torch-device): the GEMM models run there
+    ta = torch.from_numpy(np.ascontiguousarray(va)).float().to(device)
+    tb = torch.from_numpy(np.ascontiguousarray(vb)).float().to(device)
     if acc.kind == "fused":
-        return fused_dot(ta, tb, acc, (fmt, fmt)).double().numpy()
+        return fused_dot(ta, tb, acc, (fmt, fmt)).double().cpu().numpy()
     rows = va.shape[0]
     out = np.empty(rows, dtype=np.float64)
     spec = QuantSpec(format=fmt, scaling=1.0)  # the values are on the grid: the cast is exact
@@ -55,7 +57,7 @@ def row_dots(va: np.ndarray, vb: np.ndarray, accumulator: str, fmt: str) -> np.n
         qa = quantize(ta[r0:r1], spec)
         qb = quantize(tb[r0:r1].t().contiguous(), spec)  # [K, g]: column j is row r0 + j
         y = qmatmul(qa, qb, acc)
-        out[r0:r1] = torch.diagonal(y).double().numpy()
+        out[r0:r1] = torch.diagonal(y).double().cpu().numpy()
     return out
 
 
