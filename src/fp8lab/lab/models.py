@@ -1,4 +1,4 @@
-"""The lab's models: the built-in GPT, a user's factory, or a ``transformers`` config.
+"""The lab's models: the built-in GPT, a user's factory, or a ``transformers`` model.
 
 ``[model] factory`` (``--model`` on ``fp8lab compare``) names where the model comes from:
 
@@ -7,18 +7,28 @@
 - ``"path/to/file.py:FACTORY"``: a function in a Python file (imported under a private name);
 - ``"hf:CONFIG.json"``: a ``transformers`` causal LM built from a config file with random init
   (``AutoModelForCausalLM.from_config``; nothing is ever downloaded; needs ``pip install
-  'fp8lab[hf]'``).
+  'fp8lab[hf]'``);
+- ``"hf:DIR"``: a ``save_pretrained`` directory (``config.json`` and ``model.safetensors``, or
+  ``model.safetensors.index.json`` and its shards): the same, started from those weights.
+
+``[model] init_from`` (``--init-from FILE.safetensors``) starts the built-in GPT, a factory's
+model or an ``hf:CONFIG.json`` model from the weights of a safetensors file holding the keys of
+the model's own ``state_dict()``. Weights load strictly (`fp8lab.lab.weights.load_strict`:
+missing, unexpected and mismatched keys are listed) after the seeded initialisation, and the
+run records each weight file's SHA-256.
 
 A factory is called without arguments and returns a ``torch.nn.Module`` that maps int64 tokens
 [B, T] to logits [B, T, V] (or an object with ``.logits``, as Hugging Face models return), with
-V >= 256: the lab's data are bytes. With a factory, only ``block_size`` (the sequence length) of
+V >= 256 (the lab's default data are bytes; a tokenizer's or a token file's ids must lie below V:
+`fp8lab.lab.data.Corpus.check_vocab`). With a factory, only ``block_size`` (the sequence length) of
 the ``[model]`` table is read; the sizes are the factory's. The lab wraps such a model in
 :class:`CausalLM` (parameter names gain the prefix ``model.``), which computes the same
 cross-entropy as the GPT.
 
 The model is built under ``train.seed`` before any conversion, so every recipe starts from the
 same weights. Its identity (:func:`model_identity`: the factory and the SHA-256 of its source
-file, or of the config file, and the ``transformers`` version) is part of a run's configuration:
+file, or of the config file, the ``transformers`` version, and the weight files' SHA-256) is
+part of a run's configuration:
 a checkpoint written for another model is refused on resume. Bad input (factory not found, not
 callable, wrong output, a config that does not parse, ``transformers`` missing) raises
 ``ValueError`` naming it.
@@ -30,7 +40,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -42,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8lab.lab import weights
 from fp8lab.lab.gpt import GPT, GPTConfig
 
 BUILTIN = "gpt"
@@ -55,12 +65,20 @@ class ModelConfig(GPTConfig):
     the module docstring). With a factory other than ``"gpt"`` only ``block_size`` is read."""
 
     factory: str = BUILTIN
+    init_from: str = ""  # a .safetensors file of initial weights ("": the seeded init)
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str) or not self.factory.strip():
             raise ValueError(
-                f"model.factory must be 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY' or "
-                f"'hf:CONFIG.json', got {self.factory!r}"
+                f"model.factory must be 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY', "
+                f"'hf:CONFIG.json' or 'hf:DIR', got {self.factory!r}"
+            )
+        if not isinstance(self.init_from, str) or (
+            self.init_from and not self.init_from.endswith(".safetensors")
+        ):
+            raise ValueError(
+                f"model.init_from (--init-from) must name a .safetensors file, got "
+                f"{self.init_from!r} (pickled .bin/.pt files are not read: they can run code)"
             )
         self.gpt()  # the sizes are checked as the GPT checks them
 
@@ -72,6 +90,8 @@ class ModelConfig(GPTConfig):
         d = asdict(self)
         if self.factory == BUILTIN:  # the built-in GPT's configuration stays what it always was
             del d["factory"]
+        if not self.init_from:
+            del d["init_from"]
         return d
 
 
@@ -97,7 +117,7 @@ class ModelSource:
 
 
 def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return weights.sha256_file(path)
 
 
 def _source_hash(obj: Any) -> str:
@@ -168,13 +188,8 @@ def read_hf_config(spec: str, path_text: str) -> dict[str, Any]:
     """The JSON object of a ``transformers`` config file; ValueError when it does not parse."""
     path = Path(path_text)
     if not path.is_file():
-        raise ValueError(f"--model {spec!r}: no such config file: {path}")
-    try:
-        d = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--model {spec!r}: {path} is not valid JSON ({exc})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"--model {spec!r}: {path} must hold a JSON object (a model config)")
+        raise ValueError(f"--model {spec!r}: no such config file or directory: {path}")
+    d = weights.read_config(spec, path)
     if not isinstance(d.get("model_type"), str):
         raise ValueError(
             f'--model {spec!r}: {path} has no "model_type" (e.g. "llama", "gpt2"); '
@@ -196,8 +211,13 @@ def _transformers() -> Any:
 
 
 def _from_hf(spec: str, path_text: str) -> ModelSource:
-    d = read_hf_config(spec, path_text)
-    digest = _sha256_file(Path(path_text))
+    """``hf:CONFIG.json`` (random init) or ``hf:DIR`` (a save_pretrained directory's weights)."""
+    path = Path(path_text)
+    files: list[Path] = []
+    if path.is_dir():
+        path, files = weights.hf_dir_files(spec, path)
+    d = read_hf_config(spec, str(path))
+    digest = _sha256_file(path)
     version = _transformers().__version__  # a clear error now when it is missing
 
     def make() -> Any:
@@ -209,13 +229,18 @@ def _from_hf(spec: str, path_text: str) -> ModelSource:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--model {spec!r}: transformers rejects the config: {exc}") from None
         try:
-            return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(
                 f"--model {spec!r}: no causal LM for this config ({type(exc).__name__}: {exc})"
             ) from None
+        if files:
+            weights.load_strict(model, files, f"--model {spec!r}")
+        return model
 
     identity = {"factory": spec, "sha256": digest, "transformers": version}
+    if files:
+        identity["weights_sha256"] = weights.weights_identity(files)
     return ModelSource(spec, make, identity, {"use_cache": False})
 
 
@@ -228,8 +253,8 @@ def resolve(factory: str) -> ModelSource:
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(
-            f"--model {spec!r}: expected 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY' or "
-            "'hf:CONFIG.json'"
+            f"--model {spec!r}: expected 'gpt', 'MODULE:FACTORY', 'path/to/file.py:FACTORY', "
+            "'hf:CONFIG.json' or 'hf:DIR'"
         )
     if target.endswith(".py") or "/" in target or os.sep in target:
         return _from_file(spec, target, name)
@@ -238,8 +263,61 @@ def resolve(factory: str) -> ModelSource:
 
 def model_identity(model_cfg: GPTConfig) -> dict[str, Any] | None:
     """What a run records of its model beyond the ``[model]`` table: None for the built-in GPT
-    (its sizes are the table), else ``{"factory", "sha256"}`` (+ ``"transformers"`` version)."""
-    return None if is_builtin(model_cfg) else resolve(factory_of(model_cfg)).identity
+    (its sizes are the table), else ``{"factory", "sha256"}`` (+ ``"transformers"`` version,
+    + ``"weights_sha256"``: ``{file name: SHA-256}`` of ``hf:DIR``'s weight files); with
+    ``init_from``, ``"init_from_sha256"`` too (the built-in GPT's identity is then
+    ``{"factory": "gpt", "init_from_sha256": ...}``)."""
+    init = init_file(model_cfg)
+    if is_builtin(model_cfg):
+        identity = None if init is None else {"factory": BUILTIN}
+    else:
+        identity = dict(resolve(factory_of(model_cfg)).identity)
+    if init is not None and identity is not None:
+        identity["init_from_sha256"] = weights.weights_identity([init])
+    return identity
+
+
+def init_file(model_cfg: GPTConfig) -> Path | None:
+    """The ``init_from`` file of a model config (None: the seeded init); ValueError when it is
+    missing, or given with ``hf:DIR`` (whose directory holds the weights)."""
+    name = getattr(model_cfg, "init_from", "")
+    if not name:
+        return None
+    spec = factory_of(model_cfg)
+    if spec.startswith(HF_PREFIX) and Path(spec[len(HF_PREFIX) :]).is_dir():
+        raise ValueError(
+            f"--init-from {name}: --model {spec!r} already starts from the weights of its "
+            "directory; give one of them"
+        )
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--init-from {name}: no such file")
+    return path
+
+
+def check_data_fits(model_cfg: GPTConfig, corpus: Any, seed: int) -> None:
+    """ValueError when the tokens of ``corpus`` (an `fp8lab.lab.data.Corpus`) do not fit the
+    model's vocabulary (`Corpus.check_vocab`); a factory's model is built to learn it."""
+    vocab = declared_vocab(model_cfg)
+    if vocab is None:
+        with torch.random.fork_rng(devices=[]):
+            vocab = vocab_size_of(build(model_cfg, seed), model_cfg)
+    corpus.check_vocab(vocab, repr(factory_of(model_cfg)))
+
+
+def declared_vocab(model_cfg: GPTConfig) -> int | None:
+    """The vocabulary size a model config declares without building the model: the GPT's
+    ``vocab_size``, an ``hf:`` config's ``vocab_size``; None for a factory (known once built:
+    :func:`vocab_size_of`)."""
+    if is_builtin(model_cfg):
+        return int(model_cfg.vocab_size)
+    spec = factory_of(model_cfg)
+    if not spec.startswith(HF_PREFIX):
+        return None
+    path = Path(spec[len(HF_PREFIX) :])
+    d = read_hf_config(spec, str(path / weights.CONFIG if path.is_dir() else path))
+    v = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
+    return int(v) if isinstance(v, int) else None
 
 
 # ----------------------------------------------------------------------------- the wrapper
@@ -294,8 +372,12 @@ def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
     :class:`CausalLM` after a probe forward (eval mode, no grad, the RNG state restored) of
     ``[1, block_size]`` tokens that checks its output."""
     torch.manual_seed(seed)
+    init = init_file(model_cfg)
     if is_builtin(model_cfg):
-        return GPT(model_cfg)
+        gpt = GPT(model_cfg)
+        if init is not None:
+            weights.load_strict(gpt, [init], f"--init-from {init}")
+        return gpt
     source = resolve(factory_of(model_cfg))
     try:
         raw = source.make()
@@ -311,6 +393,8 @@ def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
             "torch.nn.Module"
         )
     raw = raw.float()
+    if init is not None:  # the keys of the factory's own model (no "model." prefix)
+        weights.load_strict(raw, [init], f"--init-from {init}")
     model = CausalLM(raw, source.spec, source.call_kwargs)
     model.vocab_size = probe(model, model_cfg.block_size)
     require_linears(model, source.spec)

@@ -1,0 +1,154 @@
+"""Pretrained weights for the lab's models: safetensors files loaded strictly, and their hashes.
+
+`fp8lab.lab.models` starts a model from weights in two ways: ``--model hf:DIR`` (a
+``save_pretrained`` directory: ``config.json`` plus ``model.safetensors`` or the shards named by
+``model.safetensors.index.json``) and ``--init-from FILE.safetensors`` (any model, the keys of
+its own ``state_dict()``). Both go through :func:`load_strict`: every key of the model must be
+in the files with its shape, and no other key may be (a tied weight, stored once, counts for
+each of its names). Only safetensors is read: a pickled ``pytorch_model.bin`` could run code.
+The run records :func:`weights_identity` (SHA-256 of each file, read in 1 MiB chunks), so a
+run resumed on other weights is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+_SHOWN = 6  # keys listed per kind of mismatch
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 (hex) of a file, streamed; cached per file version (size, mtime)."""
+    st = path.stat()
+    return _sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+def weights_identity(files: list[Path]) -> dict[str, str]:
+    """``{file name: sha256}`` of the weight files, in order."""
+    return {f.name: sha256_file(f) for f in files}
+
+
+def hf_dir_files(spec: str, d: Path) -> tuple[Path, list[Path]]:
+    """(config.json, weight files) of a ``save_pretrained`` directory; ValueError naming the
+    directory and what is missing."""
+    config = d / CONFIG
+    if not config.is_file():
+        raise ValueError(
+            f"--model {spec!r}: {d} has no {CONFIG}; hf:DIR takes a save_pretrained directory "
+            f"({CONFIG} and {SINGLE}, or {INDEX} and its shards)"
+        )
+    if (d / SINGLE).is_file():
+        return config, [d / SINGLE]
+    if (d / INDEX).is_file():
+        return config, _shards(spec, d / INDEX)
+    pickled = [p.name for p in d.glob("*.bin")] + [p.name for p in d.glob("*.pt*")]
+    hint = f" (found {', '.join(sorted(pickled))}: only safetensors is read)" if pickled else ""
+    raise ValueError(
+        f"--model {spec!r}: {d} has no weights: neither {SINGLE} nor {INDEX}{hint}; save with "
+        "model.save_pretrained(DIR) (safetensors is its default)"
+    )
+
+
+def _shards(spec: str, index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"--model {spec!r}: {index} is not a safetensors index (a JSON object with "
+            f"'weight_map': {{key: shard file}}) ({type(exc).__name__}: {exc})"
+        ) from None
+    files = [index.parent / n for n in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"--model {spec!r}: {index} names shard(s) that are missing: {missing}")
+    return files
+
+
+def _read(files: list[Path], what: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{what}: {f} is not a readable safetensors file ({exc})") from None
+    return out
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each state_dict key -> the other keys sharing its tensor (tied weights)."""
+    by_ptr: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        by_ptr.setdefault((v.data_ptr(), tuple(v.shape)), []).append(k)
+    return {k: [o for o in ks if o != k] for ks in by_ptr.values() for k in ks}
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" (+{len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else ""
+    return ", ".join(keys[:_SHOWN]) + more
+
+
+def load_strict(model: nn.Module, files: list[Path], what: str) -> None:
+    """Copy the tensors of ``files`` into ``model`` (cast to its dtypes), checking first that
+    they fit: ValueError naming ``what`` and the files, listing the missing, unexpected and
+    mismatched keys. Keys matching the model's ``_keys_to_ignore_on_load_unexpected`` patterns
+    (transformers) are ignored."""
+    state = _read(files, what)
+    own = model.state_dict()
+    aliases = _aliases(model)
+    ignore = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    missing = [k for k in own if k not in state and not any(a in state for a in aliases[k])]
+    unexpected = [k for k in state if k not in own and not any(p.search(k) for p in ignore)]
+    wrong = [f"{k} {list(state[k].shape)} (model {list(own[k].shape)})"
+             for k in own if k in state and state[k].shape != own[k].shape]  # fmt: skip
+    if missing or unexpected or wrong:
+        parts = [f"{len(missing)} missing: {_listed(missing)}" if missing else "",
+                 f"{len(unexpected)} unexpected: {_listed(unexpected)}" if unexpected else "",
+                 f"{len(wrong)} of another shape: {_listed(wrong)}" if wrong else ""]  # fmt: skip
+        names = ", ".join(str(f) for f in files)
+        raise ValueError(
+            f"{what}: the weights in {names} do not fit the model: "
+            + "; ".join(p for p in parts if p)
+        )
+    with torch.no_grad():
+        for k, t in own.items():
+            src = state.get(k)
+            if src is None:  # a tied weight stored under another name
+                src = next(state[a] for a in aliases[k] if a in state)
+            t.copy_(src)
+
+
+def read_config(spec: str, path: Path) -> dict[str, Any]:
+    """The JSON object of a config file (ValueError naming it when it does not parse)."""
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--model {spec!r}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--model {spec!r}: {path} must hold a JSON object (a model config)")
+    return d
