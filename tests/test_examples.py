@@ -63,6 +63,7 @@ TINY_ARGS = {
     "quickstart_numerics": ["--tiny"],
     "own_loop": ["--tiny"],
     "own_loop_watch": ["--tiny", "--out", "{tmp}/watch.jsonl"],
+    "guarded_loop": ["--tiny"],
 }
 
 
@@ -75,6 +76,8 @@ def test_example_script_runs_at_tiny_size(name, tmp_path, capsys):
     if name == "quickstart_compare":
         assert set(result["recipes"]) == {"bf16", "te-delayed", "deepseek-v3", "mxfp8"}
         assert (tmp_path / "compare" / "summary.json").is_file()
+    if name == "guarded_loop":  # the NaN and the 2^40 gradient spike, both rolled back
+        assert result["rollbacks"] == 2 and result["rel"] <= 0.005
     if name in ("quickstart_drift", "own_loop_watch"):
         out = tmp_path / ("drift.jsonl" if name == "quickstart_drift" else "watch.jsonl")
         assert out.read_text().count("\n") > 0

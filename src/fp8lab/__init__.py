@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "predict_step_ms": "fp8lab.cost",
     # L7 anomaly guard
     "AnomalyGuard": "fp8lab.guard",
+    "GuardedStep": "fp8lab.guard",
 }
 _SUBMODULES = {
     "formats",

@@ -7,6 +7,9 @@ escalate (docs/guard.md).
 * :class:`GuardMonitor` -- the runtime of one run: signals and findings per step, the
   delayed-scaling restart (zero history, one current-scaling step, then delayed again).
 * :mod:`fp8lab.guard.detectors` -- one pure function per detector.
+* :class:`GuardedStep` -- the guard around a user's own training step (``.step(closure)``);
+  :class:`GuardSession` -- the one definition of snapshots, skip, rollback and escalation that
+  the lab's loop, `GuardedStep` and the framework callbacks (`fp8lab.integrations`) share.
 * :class:`Snapshots` and :func:`current_scaling_rule` -- last-good in-memory checkpoints and
   the per-layer recipe rule an escalation adds.
 
@@ -15,8 +18,10 @@ Layer: above ``nn``/``observe`` (it reads their state), below ``lab`` (which run
 
 from fp8lab.guard.config import DETECTOR_DEFAULTS, ON_RESTART, POLICIES, AnomalyGuard
 from fp8lab.guard.detectors import Finding
+from fp8lab.guard.guarded_step import GuardedStep, GuardState, StepResult
 from fp8lab.guard.monitor import GuardMonitor, delayed_states, layer_states
 from fp8lab.guard.restart import Snapshots, current_scaling_rule
+from fp8lab.guard.session import GuardSession
 
 __all__ = [
     "DETECTOR_DEFAULTS",
@@ -25,7 +30,11 @@ __all__ = [
     "AnomalyGuard",
     "Finding",
     "GuardMonitor",
+    "GuardSession",
+    "GuardState",
+    "GuardedStep",
     "Snapshots",
+    "StepResult",
     "current_scaling_rule",
     "delayed_states",
     "layer_states",

@@ -193,18 +193,12 @@ class TrainStep:
 
     def _unscale_and_clip(self, ctx: StepContext) -> None:
         """Unscale the gradients (the scaler's found_inf), then the norm and clipping."""
-        from fp8lab.optim import clip_grad_norm_, grad_norm
+        from fp8lab.optim import unscale_and_clip
 
         # without an optimizer (a replay) the scaler unscales the step's parameters; it is not
         # updated either, so such a step needs a fresh scaler (or one loaded from a state)
         target = self.optimizer if self.optimizer is not None else self.params
-        ctx.found_inf = bool(self.scaler.unscale_(target)) if self.scaler is not None else False
-        if ctx.found_inf:
-            ctx.grad_norm = float(grad_norm(self.params))
-        elif self.clip > 0:
-            ctx.grad_norm = float(clip_grad_norm_(self.params, self.clip))
-        else:
-            ctx.grad_norm = float(grad_norm(self.params))
+        ctx.found_inf, ctx.grad_norm = unscale_and_clip(self.scaler, target, self.params, self.clip)
 
     def checkpoint(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
         """Let every hook add to the checkpoint ``state`` (``on_checkpoint(ctx, state)``)."""

@@ -5,12 +5,12 @@
   step and are counted (``skipped_steps``), so weights never become NaN.
 - :class:`LossScaler`: static or dynamic loss scaling (2^16, x2 every 2000 good steps, x0.5 on
   overflow, optional hysteresis), ``torch.amp.GradScaler``-like API.
-- :func:`grad_norm`, :func:`clip_grad_norm_`, :func:`grads_finite`.
+- :func:`grad_norm`, :func:`clip_grad_norm_`, :func:`grads_finite`, :func:`unscale_and_clip`.
 """
 
 from fp8lab.optim._storage import STORAGE_PRECISIONS
 from fp8lab.optim.adamw import AdamW
-from fp8lab.optim.clip import clip_grad_norm_, grad_norm, grads_finite
+from fp8lab.optim.clip import clip_grad_norm_, grad_norm, grads_finite, unscale_and_clip
 from fp8lab.optim.loss_scaler import LossScaler
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "clip_grad_norm_",
     "grad_norm",
     "grads_finite",
+    "unscale_and_clip",
 ]

@@ -58,3 +58,21 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0) -> 
         for g in _grads(params):
             g.mul_(coef)
     return total
+
+
+def unscale_and_clip(
+    scaler: object, target: object, params: Params, clip: float = 0.0
+) -> tuple[bool, float]:
+    """The part of a training step between backward and the optimizer step: unscale the
+    gradients (``scaler``: an `fp8lab.optim.LossScaler`, a ``torch.amp.GradScaler`` or None;
+    ``target``: what it unscales, the optimizer or the parameters), then the global gradient
+    norm, clipping to ``clip`` when > 0. Returns ``(found_inf, norm before clipping)``; the norm
+    is non-finite when a gradient is (nothing is clipped then)."""
+    # fp8lab's LossScaler returns found_inf; torch's GradScaler returns None (its record of
+    # found_inf is private): a non-finite norm says the same
+    found_inf = bool(scaler.unscale_(target)) if scaler is not None else False  # type: ignore[attr-defined]
+    if found_inf:
+        return True, float(grad_norm(params))
+    if clip > 0:
+        return False, float(clip_grad_norm_(params, clip))
+    return False, float(grad_norm(params))

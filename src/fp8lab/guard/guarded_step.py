@@ -1,0 +1,251 @@
+"""`GuardedStep`: the anomaly guard around a user's own training step (docs/guard.md).
+
+::
+
+    gs = fp8lab.guard.GuardedStep(model, opt, guard=fp8lab.AnomalyGuard(checkpoint_every=10))
+    pos = 0  # the index of the next batch in the user's data order
+    while gs.steps_done < steps:
+        x, y = batch_at(pos)
+
+        def closure():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+
+        result = gs.step(closure, position=pos)
+        pos = result.next_position  # rewound after a rollback
+
+The same detectors, policies (off / skip / rollback), last-good snapshots, event records and
+escalation as the lab's loop (one definition: `fp8lab.guard.session.GuardSession`). The guard
+owns what happens between backward and the next step: unscaling (``scaler``: an
+`fp8lab.optim.LossScaler` or a ``torch.amp.GradScaler``; the closure backpropagates
+``scaler.scale(loss)`` then and returns the unscaled loss), the gradient norm and clipping, the
+optimizer step (or not) and ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8lab.guard.config import AnomalyGuard
+from fp8lab.guard.detectors import Finding
+from fp8lab.guard.session import GuardSession
+
+__all__ = ["ACTIONS", "GuardState", "GuardedStep", "StepResult"]
+
+#: what `GuardedStep.step` did with a step's update
+ACTIONS = ("applied", "skipped", "rolled_back")
+
+
+@dataclass
+class GuardState:
+    """A guarded loop's counters (the fields the lab's loop state shares with it): ``step``
+    (steps done), ``cursor`` (the data position of the next step) and the sticky fields a
+    rollback never rewinds (`fp8lab.guard.session.STICKY`)."""
+
+    step: int = 0
+    cursor: int = 0
+    injected: list[str] = field(default_factory=list)
+    guard_events: list[dict[str, Any]] = field(default_factory=list)
+    skip_batches: list[int] = field(default_factory=list)
+    escalations: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one guarded step did. ``action``: ``"applied"`` (the update was applied; under
+    policy ``"off"`` also with findings), ``"skipped"`` (not applied: the guard skipped it, or
+    the gradients overflowed) or ``"rolled_back"`` (model, optimizer, scaler, RNG and counters
+    restored to the snapshot after ``to_step`` steps). ``steps_done``: steps done now (after a
+    rollback: ``to_step``); ``next_position``: the data position the loop trains on next
+    (rewound after a rollback; batches the guard chose to skip are passed over); ``loss``,
+    ``grad_norm``: the step's (non-finite kept as is); ``findings``: the detectors that fired;
+    ``events``: the guard's event records of this step (the lab's ``guard_events`` records)."""
+
+    action: str
+    steps_done: int
+    next_position: int
+    loss: float
+    grad_norm: float
+    findings: tuple[Finding, ...] = ()
+    events: tuple[dict[str, Any], ...] = ()
+    to_step: int | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.action == "applied"
+
+    @property
+    def rolled_back(self) -> bool:
+        return self.action == "rolled_back"
+
+    @property
+    def reason(self) -> str | None:
+        """``"detector on tensor"`` of the first finding the guard acted on (None: none)."""
+        if not self.findings:
+            return None
+        f = self.findings[0]
+        return f"{f.detector} on {f.tensor}" if f.tensor else f.detector
+
+
+def _converted(model: torch.nn.Module) -> bool:
+    from fp8lab.nn import Linear
+
+    return any(isinstance(m, Linear) for m in model.modules())
+
+
+class GuardedStep:
+    """The anomaly guard around a user's training step (see the module doc).
+
+    ``model``, ``optimizer``: the user's (any ``torch.optim.Optimizer``); ``guard``: an
+    `AnomalyGuard` (default: every detector, policy ``"rollback"``); ``scaler``: a loss scaler
+    or None; ``clip``: max global gradient norm (0 = off); ``scheduler``: a learning-rate
+    scheduler, stepped once per counted step (applied or skipped, as the lab's schedule counts
+    steps) and restored by a rollback; ``stateful``: more objects with
+    ``state_dict``/``load_state_dict`` that a rollback restores, as they are at the end of a
+    step; ``position``: the data position of the first step. The first last-good snapshot is taken
+    here: construct it after loading a checkpoint."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        guard: AnomalyGuard | None = None,
+        scaler: Any = None,
+        *,
+        clip: float = 0.0,
+        scheduler: Any = None,
+        stateful: Mapping[str, Any] | None = None,
+        position: int = 0,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"GuardedStep: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if not hasattr(optimizer, "param_groups"):
+            raise TypeError(
+                f"GuardedStep: optimizer must be a torch optimizer, got {type(optimizer).__name__}"
+            )
+        if not (isinstance(clip, int | float) and math.isfinite(clip) and clip >= 0):
+            raise ValueError(f"GuardedStep: clip must be a number >= 0, got {clip!r}")
+        stateful = {**(stateful or {}), **({"scheduler": scheduler} if scheduler else {})}
+        for name, obj in stateful.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(
+                    f"GuardedStep: stateful[{name!r}] has no state_dict/load_state_dict"
+                )
+        self.model, self.optimizer, self.scaler, self.clip = model, optimizer, scaler, float(clip)
+        self.scheduler = scheduler
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.session = GuardSession(
+            guard or AnomalyGuard(), model, optimizer, scaler, None, stateful
+        )
+        self.state = GuardState(cursor=_position(position))
+        self._rows = _converted(model)  # operand percentages need converted layers
+        self.session.snapshot(self.state)  # the first last-good state: the start
+
+    @property
+    def guard(self) -> AnomalyGuard:
+        return self.session.guard
+
+    @property
+    def steps_done(self) -> int:
+        return self.state.step
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every event record so far (skip, rollback, escalate), as the lab's ``guard_events``."""
+        return self.state.guard_events
+
+    @property
+    def signals(self) -> dict[str, Any]:
+        """The last step's detector signals (the lab's ``guard_signals`` event)."""
+        return self.session.monitor.signals
+
+    def step(self, closure: Callable[[], Any], position: int | None = None) -> StepResult:
+        """Run one guarded step: ``closure()`` computes the loss and runs backward and returns
+        the loss (a tensor or a number); ``position``: the data position of this step's batch
+        (default: the cursor, one past the previous step's)."""
+        st, ses = self.state, self.session
+        if position is not None:
+            st.cursor = _position(position)
+        t = st.step
+        ses.before_step()
+        rows_cm: Any = contextlib.nullcontext(None)
+        if self._rows and ses.wants_rows(t):
+            from fp8lab.guard.percent import operand_percentages
+
+            rows_cm = operand_percentages()
+        with rows_cm as rows:
+            out = closure()
+        loss = float(out.detach()) if isinstance(out, torch.Tensor) else float(out)
+        found_inf, gnorm = self._unscale_and_clip()
+        veto = ses.check(t, loss, gnorm, rows)
+        applied = False
+        if not found_inf and math.isfinite(gnorm) and not veto:
+            self.optimizer.step()
+            applied = not bool(getattr(self.optimizer, "last_step_skipped", False))
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        st.step += 1
+        st.cursor += 1
+        action = ses.after_step(st)
+        events = tuple(ses.take_events())
+        to_step = next((e["to_step"] for e in events if e["action"] == "rollback"), None)
+        act = "rolled_back" if action == "rollback" else "applied" if applied else "skipped"
+        return StepResult(act, st.step, self.next_position(), loss, gnorm,
+                          tuple(ses.findings), events, to_step)  # fmt: skip
+
+    def next_position(self) -> int:
+        """The data position of the next step: the cursor, past batches the guard skips."""
+        while self.state.cursor in self.state.skip_batches:
+            self.state.cursor += 1
+        return self.state.cursor
+
+    def _unscale_and_clip(self) -> tuple[bool, float]:
+        from fp8lab.optim import unscale_and_clip
+
+        return unscale_and_clip(self.scaler, self.optimizer, self.params, self.clip)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's part of a user checkpoint (plain data: ``torch.load(weights_only=True)``
+        reads it): detector statistics, configuration, states mid-restart and the counters."""
+        st = self.state
+        return {**self.session.checkpoint_extra(),
+                "loop": {"step": st.step, "cursor": st.cursor, "injected": list(st.injected),
+                         "guard_events": list(st.guard_events),
+                         "skip_batches": list(st.skip_batches),
+                         "escalations": [list(e) for e in st.escalations]}}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict`'s data. Call it *before* the model's state loads (an escalated
+        layer's state was saved under its escalated recipe); a new last-good snapshot is taken
+        once ``snapshot()`` is called after the model and optimizer are loaded."""
+        missing = [k for k in ("guard", "loop") if k not in state]
+        if missing:
+            raise ValueError(f"GuardedStep.load_state_dict: missing keys {missing}")
+        loop = state["loop"]
+        self.session.prepare_load(dict(state))
+        for k in ("step", "cursor", "injected", "guard_events", "skip_batches", "escalations"):
+            setattr(self.state, k, loop[k])
+
+    def snapshot(self) -> None:
+        """Take a last-good snapshot now (after loading a checkpoint into model and optimizer)."""
+        self.session.snapshots.clear()
+        self.session.snapshot(self.state)
+
+
+def _position(position: Any) -> int:
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"GuardedStep: position must be an integer >= 0, got {position!r}")
+    return position
