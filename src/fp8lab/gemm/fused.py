@@ -50,7 +50,9 @@ from fp8lab._bits import f64_to_u64 as f64_bits
 from fp8lab._threads import parallel
 from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
+from fp8lab.kernels import use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
@@ -392,26 +394,39 @@ def fused(
     pe = acc.promote_every
     check_promotion(acc, kb, k, "fused")
     out0, acc0 = c_start(a, b, c, pe is not None)
-    out = torch.zeros((m, n), dtype=torch.float32) if out0 is None else out0.contiguous()
+    dev = a.values.device
+    out = (
+        torch.zeros((m, n), dtype=torch.float32, device=dev) if out0 is None else out0.contiguous()
+    )
     if m == 0 or n == 0:
         return out
     fa, fb = a.spec.format, b.spec.format
     use_fast = fast_path_applies(acc, fa, fb) if fast is None else fast
     if use_fast and not fast_path_applies(acc, fa, fb):
         raise ValueError(f"the fast fused kernel does not apply to {acc} on {fa} x {fb}")
-    dt = torch.float32 if use_fast else torch.float64
+    generic = use_torch(a.values, b.values, c, what="qmatmul (fused accumulator)")
+    dt = torch.float32 if use_fast and not generic else torch.float64
     va = a.values.to(dt).contiguous()
     vb = b.values.to(dt).contiguous()
     pa = pow2_exponents(a.values, fa).to(dt).contiguous()
     pb = pow2_exponents(b.values, fb).to(dt).contiguous()
-    accbuf = torch.zeros((m, n), dtype=torch.float32) if acc0 is None else acc0.clone().contiguous()
+    accbuf = (
+        torch.zeros((m, n), dtype=torch.float32, device=dev)
+        if acc0 is None
+        else acc0.clone().contiguous()
+    )
     gpp = 0 if pe is None else pe // acc.group
     if pe is not None:
         sa, sb = interval_scales(a, b, k, pe)
     else:
-        sa, sb = np.ones((m, 1), np.float32), np.ones((1, n), np.float32)
+        sa = torch.ones((m, 1), dtype=torch.float32, device=dev)
+        sb = torch.ones((1, n), dtype=torch.float32, device=dev)
+    if generic:  # one kernel for the fast and reference paths: they compute the same bits
+        fused_gemm_torch(va, pa, vb, pb, accbuf, out, sa, sb, acc, gpp)
+        return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
     floor_p = 2.0**acc.exp_floor
-    args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(), sa, sb)
+    args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(),
+            sa.numpy(), sb.numpy())  # fmt: skip
     par = parallel(m * n * k)  # the thread policy of fp8lab._threads
     if use_fast:
         kernel = _fused_fast if par else _fused_fast_serial
@@ -454,13 +469,20 @@ def fused_dot(
             f"{tuple(b_vals.shape)}"
         )
     s = a_vals.shape[0]
-    out = torch.zeros(s, dtype=torch.float32) if c is None else c.to(torch.float32).clone()
+    dev = a_vals.device
+    out = (
+        torch.zeros(s, dtype=torch.float32, device=dev)
+        if c is None
+        else c.to(torch.float32).clone()
+    )
     if out.shape != (s,):
         raise ValueError(f"fused_dot: c must have shape [{s}], got {tuple(c.shape)}")
     va = a_vals.to(torch.float64).contiguous()
     vb = b_vals.to(torch.float64).contiguous()
     pa = pow2_exponents(a_vals, formats[0]).double()
     pb = pow2_exponents(b_vals, formats[1]).double()
+    if use_torch(a_vals, b_vals, c, what="fused_dot"):
+        return fused_dots_torch(va, pa, vb, pb, out, acc)
     f_bits = -1 if acc.align_bits is None else acc.align_bits
     kernel = _dots if parallel(a_vals.numel()) else _dots_serial
     kernel(va.numpy(), pa.numpy(), vb.numpy().T, pb.numpy().T, out.numpy(), acc.group, f_bits,

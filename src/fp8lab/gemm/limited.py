@@ -11,8 +11,10 @@ from fp8lab._bits import f64_to_u64 as _f64_to_u64
 from fp8lab._bits import u64_to_f64 as _u64_to_f64
 from fp8lab._threads import parallel
 from fp8lab.gemm.accumulator import Accumulator
+from fp8lab.gemm.limited_torch import acc_step_torch, per_product_torch
 from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
+from fp8lab.kernels import use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
@@ -110,21 +112,21 @@ def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragm
         _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
 
 
-def interval_scales(a: QTensor, b: QTensor, kp: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+def interval_scales(
+    a: QTensor, b: QTensor, kp: int, span: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 scales of a per (row, promotion interval) [M, T] and of b per (interval, column)
-    [T, N] for the intervals of ``span`` K elements up to ``kp`` (padding reuses the last)."""
+    [T, N] (contiguous, on the scales' device) for the intervals of ``span`` K elements up to
+    ``kp`` (padding reuses the last)."""
     bma, bka = a.block_shape or _blocks(a)
     bkb, bnb = b.block_shape or _blocks(b)
     k = a.shape[1]
     starts = [min(p, k - 1) for p in range(0, kp, span)]
-    ia = torch.tensor([s // bka for s in starts], dtype=torch.long)
-    ib = torch.tensor([s // bkb for s in starts], dtype=torch.long)
+    ia = torch.tensor([s // bka for s in starts], dtype=torch.long, device=a.scales.device)
+    ib = torch.tensor([s // bkb for s in starts], dtype=torch.long, device=b.scales.device)
     sa = a.scales[:, ia].repeat_interleave(bma, dim=0)[: a.shape[0]]
     sb = b.scales[ib, :].repeat_interleave(bnb, dim=1)[:, : b.shape[1]]
-    return (
-        np.ascontiguousarray(sa.float().numpy()),
-        np.ascontiguousarray(sb.float().numpy()),
-    )
+    return sa.float().contiguous(), sb.float().contiguous()
 
 
 def check_promotion(acc: Accumulator, kb: int, k: int, what: str) -> None:
@@ -168,6 +170,16 @@ def c_start(
     return None, c
 
 
+def _numba_step(acc, buf, drop, rne, gpp, out, sa, sb) -> None:
+    _acc_step(acc.numpy(), buf.numpy(), drop, rne, gpp, out.numpy(), sa.numpy(), sb.numpy())
+
+
+def _numba_per_product(a, b, k0, k1, group, drop, rne, acc) -> None:
+    rows, n = acc.shape
+    kernel = _acc_per_product if parallel(rows * n * (k1 - k0)) else _acc_per_product_serial
+    kernel(a.numpy(), b.numpy(), k0, k1, group, drop, rne, acc.numpy(), rows * -(-n // 64))
+
+
 def limited(
     a: QTensor, b: QTensor, acc: Accumulator, kb: int, c: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -179,12 +191,16 @@ def limited(
     drop = 52 - acc.mantissa_bits
     rne = acc.rounding == "nearest_even"
     out0, acc0 = c_start(a, b, c, pe is not None)
-    out = torch.zeros((m, n), dtype=torch.float32) if out0 is None else out0
-    c_np = None if acc0 is None else acc0.double().numpy()
+    dev = a.values.device
+    out = torch.zeros((m, n), dtype=torch.float32, device=dev) if out0 is None else out0
     if m == 0 or n == 0:
         return out
     if k == 0:  # no MMA step: the sum of nothing is +0, or c as it went in (as `fused`)
         return output_scales(out if acc0 is None else acc0.float().clone(), a, b, pe is not None)
+    generic = use_torch(a.values, b.values, c, what="qmatmul (limited accumulator)")
+    step_k, per_product_k = (
+        (acc_step_torch, per_product_torch) if generic else (_numba_step, _numba_per_product)
+    )
     grp = acc.group
     span = pe if pe is not None else grp  # K elements between promotions (or per group)
     # K elements per batched group-sum GEMM: up to _BATCH_K // span promotion intervals at once
@@ -204,47 +220,53 @@ def limited(
     ng = step // grp
     gpp = span // grp if pe is not None else 0
     nst = step // span
-    o_np = out.numpy()
-    chunk = min(_ROW_CHUNK, m) if not acc.per_product else m
-    accbuf = np.zeros((chunk, n), dtype=np.float64)
-    zero = np.zeros((1, chunk, n), dtype=np.float64)  # a promotion pass without new sums
+    chunk = m if acc.per_product else _row_chunk(m, ng * n, generic, dev)
+    f64 = {"dtype": torch.float64, "device": dev}
+    accbuf = torch.zeros((chunk, n), **f64)
+    zero = torch.zeros((1, chunk, n), **f64)  # a promotion pass without new sums
     if not acc.per_product:
-        gbuf = torch.empty((ng, chunk, n), dtype=torch.float64)
+        gbuf = torch.empty((ng, chunk, n), **f64)
     if pe is not None:
         sa_all, sb_all = interval_scales(a, b, kp, span)
     else:
-        unit_a = np.ones((chunk, max(nst, 1)), dtype=np.float32)
-        unit_b = np.ones((max(nst, 1), n), dtype=np.float32)
+        unit_a = torch.ones((chunk, max(nst, 1)), dtype=torch.float32, device=dev)
+        unit_b = torch.ones((max(nst, 1), n), dtype=torch.float32, device=dev)
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
         rows = r1 - r0
-        acc_np = accbuf[:rows]
-        acc_np[:] = 0.0 if c_np is None else c_np[r0:r1]
+        acc_t = accbuf[:rows]
+        acc_t.copy_(0.0 if acc0 is None else acc0[r0:r1])
         for p0 in range(0, kp, step):
             if pe is not None:
                 t0 = p0 // span
-                sa = np.ascontiguousarray(sa_all[r0:r1, t0 : t0 + nst])
-                sb = np.ascontiguousarray(sb_all[t0 : t0 + nst])
+                sa = sa_all[r0:r1, t0 : t0 + nst].contiguous()
+                sb = sb_all[t0 : t0 + nst].contiguous()
             else:
                 sa, sb = unit_a[:rows], unit_b
             if acc.per_product:
-                jobs = rows * -(-n // 64)
-                kernel = _acc_per_product if parallel(rows * n * span) else _acc_per_product_serial
                 for t in range(nst):
                     q0 = p0 + t * span
-                    kernel(va.numpy()[r0:r1], vb.numpy(), q0, q0 + span, grp, drop, rne, acc_np,
-                           jobs)  # fmt: skip
-                    _acc_step(acc_np, zero[:1, :rows], drop, rne, 1 if pe else 0, o_np[r0:r1],
-                              np.ascontiguousarray(sa[:, t : t + 1]), np.ascontiguousarray(sb[t : t + 1]))  # fmt: skip
+                    per_product_k(va[r0:r1], vb, q0, q0 + span, grp, drop, rne, acc_t)
+                    step_k(acc_t, zero[:1, :rows], drop, rne, 1 if pe else 0, out[r0:r1],
+                           sa[:, t : t + 1].contiguous(), sb[t : t + 1].contiguous())  # fmt: skip
                 continue
             # all group sums of this step in one batched GEMM: [ng, rows, grp] @ [ng, grp, n]
             a3 = va[r0:r1, p0 : p0 + step].reshape(rows, ng, grp).transpose(0, 1)
             b3 = vb[p0 : p0 + step].reshape(ng, grp, n)
             g_c = torch.bmm(a3, b3) if rows != chunk else torch.bmm(a3, b3, out=gbuf)
-            _acc_step(acc_np, g_c.numpy(), drop, rne, gpp, o_np[r0:r1], sa, sb)
+            step_k(acc_t, g_c, drop, rne, gpp, out[r0:r1], sa, sb)
         if pe is None:  # never promoted: out = f32(acc), scales applied below
-            _acc_step(acc_np, zero[:, :rows], drop, rne, 1, o_np[r0:r1], unit_a[:rows], unit_b)
+            step_k(acc_t, zero[:, :rows], drop, rne, 1, out[r0:r1], unit_a[:rows], unit_b)
     return output_scales(out, a, b, pe is not None)
+
+
+def _row_chunk(m: int, per_row: int, generic: bool, device: torch.device) -> int:
+    """Output rows per pass: `_ROW_CHUNK` for numba (its serial step stays in cache); the
+    torch kernels take as many rows as keep the [groups, rows, N] float64 group sums within
+    2**24 elements off the CPU (each pass is a few kernel launches per group)."""
+    if not generic or device.type == "cpu":
+        return min(_ROW_CHUNK, m)
+    return min(m, max(_ROW_CHUNK, (1 << 24) // max(1, per_row)))
 
 
 def output_scales(out: torch.Tensor, a: QTensor, b: QTensor, promoted: bool) -> torch.Tensor:
@@ -254,7 +276,7 @@ def output_scales(out: torch.Tensor, a: QTensor, b: QTensor, promoted: bool) -> 
     if not promoted:
         return out.mul_(_k_constant_scales(a, "a") * _k_constant_scales(b, "b"))
     if a.global_scale is not None or b.global_scale is not None:
-        g = torch.ones(())
+        g = torch.ones((), device=out.device)
         for q in (a, b):
             if q.global_scale is not None:
                 g = g * q.global_scale

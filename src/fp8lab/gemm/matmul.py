@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -12,9 +14,10 @@ from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused import fused
 from fp8lab.gemm.limited import limited
 from fp8lab.gemm.operands import as_qtensors, check_pair, k_constant_scales
+from fp8lab.kernels import use_torch
 from fp8lab.qtensor import QTensor, QuantSpec
 
-__all__ = ["OUT_FORMATS", "epilogue", "matmul", "qmatmul"]
+__all__ = ["OUT_FORMATS", "epilogue", "fp32_matmul", "matmul", "qmatmul"]
 
 OUT_FORMATS = ("fp32", "bf16", "fp16")
 _NATIVE_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -146,16 +149,20 @@ def _bias_rows(o, n, b):  # pragma: no cover - numba
 
 
 def epilogue(
-    out: torch.Tensor, scale: np.ndarray | np.float32 | None, bias: torch.Tensor | None
+    out: torch.Tensor,
+    scale: np.ndarray | np.float32 | torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> None:
-    """In place on a float32 [M, N] GEMM output: ``out = fl32(out * scale)`` (a float32 scalar)
-    then ``fl32(out + bias)`` (``bias`` [N]); either may be None. Non-contiguous outputs take
-    torch's ``mul_``/``add_`` (the same roundings)."""
+    """In place on a float32 [M, N] GEMM output: ``out = fl32(out * scale)`` (a float32 scalar,
+    or a 0-d float32 tensor) then ``fl32(out + bias)`` (``bias`` [N]); either may be None.
+    Non-contiguous outputs and the torch kernels (`fp8lab.kernels`) take torch's ``mul_`` and
+    ``add_``: separate kernels, so the same two roundings (no FMA)."""
     if (scale is None and bias is None) or out.numel() == 0:
         return
-    if not out.is_contiguous() or out.dtype != torch.float32:
+    generic = use_torch(out, bias, what="qmatmul epilogue")
+    if generic or not out.is_contiguous() or out.dtype != torch.float32:
         if scale is not None:
-            out.mul_(torch.from_numpy(np.asarray(scale, dtype=np.float32)))
+            out.mul_(torch.as_tensor(scale, dtype=torch.float32).to(out.device))
         if bias is not None:
             out.add_(bias)
         return
@@ -171,28 +178,57 @@ def epilogue(
         _scale_all(o, np.float32(scale))
 
 
+@contextmanager
+def fp32_matmul(device: torch.device) -> Iterator[None]:
+    """Run a block's FP32 matmuls in IEEE FP32 on ``device``: on CUDA, TF32 off (cuBLAS would
+    otherwise be allowed to round the operands to 10 fraction bits), restored afterwards, so
+    the process's global setting is never left changed. Elsewhere a no-op."""
+    if device.type != "cuda":
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    try:  # torch >= 2.9: the fp32_precision API (mixing it with allow_tf32 is refused)
+        old = m.fp32_precision
+        m.fp32_precision = "ieee"
+    except (AttributeError, RuntimeError):
+        old = None
+    old_tf32 = None
+    if old is None:
+        old_tf32 = m.allow_tf32
+        m.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if old is not None:
+            m.fp32_precision = old
+        else:
+            m.allow_tf32 = old_tf32
+
+
 def _fp32(
     a: QTensor, b: QTensor, kb: int, c: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """FP32 accumulation; per-tensor scales and the bias in one serial epilogue pass."""
     k = a.shape[1]
+    with fp32_matmul(a.values.device):
+        if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
+            out = torch.mm(a.values.float(), b.values.float())
+        else:
+            out = torch.mm(a.dequantize(), b.dequantize())
     if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
-        out = torch.mm(a.values.float(), b.values.float())
         if (
             a.scales.numel() == 1
             and b.scales.numel() == 1
             and a.global_scale is None
             and (b.global_scale is None)
         ):
-            scale = (a.scales.reshape(()) * b.scales.reshape(())).float().numpy()
+            scale = (a.scales.reshape(()) * b.scales.reshape(())).float()
             if c is None:
                 epilogue(out, scale, bias)
                 return out
             epilogue(out, scale, None)
         else:
             out.mul_(k_constant_scales(a, "a") * k_constant_scales(b, "b"))
-    else:
-        out = torch.mm(a.dequantize(), b.dequantize())
     if c is not None:
         out.add_(c)
     epilogue(out, None, bias)
@@ -212,6 +248,8 @@ def _native(a: QTensor, b: QTensor, acc: Accumulator) -> torch.Tensor:
                 f"native=True needs per-tensor e4m3/e5m2 operands; {name} is "
                 f"{q.spec.format} with {q.scales.numel()} scales"
             )
+    if a.values.device.type == "cuda":
+        return _native_cuda(a, b)
     a8 = a.values.to(_NATIVE_FORMATS[a.spec.format])
     b8 = b.values.to(_NATIVE_FORMATS[b.spec.format]).t().contiguous().t()  # column-major
     return torch._scaled_mm(
@@ -221,6 +259,32 @@ def _native(a: QTensor, b: QTensor, acc: Accumulator) -> torch.Tensor:
         scale_b=b.scales.reshape(()).float(),
         out_dtype=torch.float32,
     )
+
+
+def _native_cuda(a: QTensor, b: QTensor) -> torch.Tensor:
+    """``torch._scaled_mm`` on the GPU's FP8 tensor cores (compute capability 8.9+: Ada,
+    Hopper, Blackwell). cuBLASLt wants every dimension a multiple of 16: the operands are
+    zero-padded (zero products add nothing) and the result cropped."""
+    dev = a.values.device
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 9):
+        raise ValueError(
+            f"native=True needs FP8 tensor cores (compute capability 8.9+); {dev} is "
+            f"{torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]}): use an emulated accumulator"
+        )
+    m, k = a.shape
+    n = b.shape[1]
+    mp, kp, np_ = (-(-x // 16) * 16 for x in (m, k, n))
+    va = torch.nn.functional.pad(a.values, (0, kp - k, 0, mp - m))
+    vb = torch.nn.functional.pad(b.values, (0, np_ - n, 0, kp - k))
+    out = torch._scaled_mm(
+        va.to(_NATIVE_FORMATS[a.spec.format]),
+        vb.to(_NATIVE_FORMATS[b.spec.format]).t().contiguous().t(),  # column-major
+        scale_a=a.scales.reshape(()).float(),
+        scale_b=b.scales.reshape(()).float(),
+        out_dtype=torch.float32,
+    )
+    return out[:m, :n].contiguous()
 
 
 def _round_out(out: torch.Tensor, out_format: str | None) -> torch.Tensor:
