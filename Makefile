@@ -7,11 +7,12 @@ LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e
 
 .PHONY: demo demo-long demo-debug test test-avx2 test-torch-kernels readme-tables lint format docs bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
 	# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	# pyproject.toml has lower bounds only; the exact versions come from constraints.txt.
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -65,7 +66,7 @@ lint: $(STAMP)
 # from the nav, unresolved API reference) fails the build. The `docs` extra installs on first use.
 DOCS_STAMP := .venv/.installed-docs
 $(DOCS_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

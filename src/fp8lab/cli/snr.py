@@ -286,19 +286,11 @@ def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None)
     if plot is not None:
         _plot_sweep(results, plot)
     if json_out:
-        runs = [r.to_json(pooled) for r in results]
-        typer.echo(json.dumps({"runs": runs, "torch_device": _device()}))
+        typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
     else:
         _print_table(results, pooled, "fp8lab snr")
         if plot is not None:
             typer.echo(f"wrote {plot}")
-
-
-def _device() -> str:
-    """The torch device the runs computed on (``--torch-device`` resolved), for --json."""
-    from fp8lab.lab.machine import torch_device
-
-    return str(torch_device())
 
 
 def _warn_overflow(results: list[Any]) -> None:
@@ -343,7 +335,7 @@ def _run_preset(
     runs = {"runs": [results[c].to_json(pooled) for c in configs]}
     (out / f"{p.name}.json").write_text(json.dumps(runs))
     if json_out:
-        typer.echo(json.dumps({**runs, "torch_device": _device()}))
+        typer.echo(json.dumps(runs))
         return
     typer.echo(markdown_table(table_rows(p, results)))
     for path in [*written, out / f"{p.name}.json"]:
