@@ -142,13 +142,14 @@ def test_init_from_gpt_and_factory_strict(tmp_path):
         models.build(ModelConfig(**TINY_GPT, init_from=str(extra)), seed=0)
     with pytest.raises(ValueError, match="no such file"):
         models.build(ModelConfig(**TINY_GPT, init_from=str(tmp_path / "none.safetensors")), 0)
-    with pytest.raises(ValueError, match="must name a .safetensors file"):
+    with pytest.raises(ValueError, match=r"must name a \.safetensors file"):
         ModelConfig(init_from="w.pt")
 
 
 def test_init_from_a_factory_model_uses_its_own_keys(tmp_path):
     src = tmp_path / "fac.py"
-    src.write_text(textwrap.dedent("""
+    src.write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         class M(nn.Module):
@@ -161,7 +162,8 @@ def test_init_from_a_factory_model_uses_its_own_keys(tmp_path):
                 return self.head(torch.relu(self.fc(self.emb(idx))))
         def make():
             return M()
-    """))
+    """)
+    )
     torch.manual_seed(7)
     m = models.resolve(f"{src}:make").make()
     w = tmp_path / "m.safetensors"
@@ -221,7 +223,10 @@ def _npy_with_lying_header(path: Path) -> None:
     [
         (lambda p: p.with_suffix(".bin").write_bytes(b"\x01\x00\x02"), ["3 bytes", "uint16"]),
         (lambda p: p.with_suffix(".bin").write_bytes(b""), ["0 bytes"]),
-        (lambda p: _npy_with_lying_header(p.with_suffix(".npy")), ["header says 1000", "truncated"]),
+        (
+            lambda p: _npy_with_lying_header(p.with_suffix(".npy")),
+            ["header says 1000", "truncated"],
+        ),
         (lambda p: np.save(p.with_suffix(".npy"), np.ones(10, np.float32)), ["integer array"]),
         (lambda p: np.save(p.with_suffix(".npy"), np.ones((2, 5), np.int32)), ["must be 1-D"]),
         (lambda p: p.with_suffix(".npy").write_bytes(b"not numpy"), ["not a readable .npy"]),
@@ -287,7 +292,9 @@ def test_tokenizer_encodes_text_and_its_vocabulary_is_checked(tmp_path):
     ids = Tokenizer.from_file(str(tmp_path / "tok.json")).encode(text).ids
     assert c.n_bytes == len(ids) < len(text) and c.vocab_size == v
     assert cfg.to_dict()["tokenizer"] == str(tmp_path / "tok.json")
-    with pytest.raises(ValueError, match=f"has {v} ids but the model 'gpt' has a vocabulary of 256"):
+    with pytest.raises(
+        ValueError, match=f"has {v} ids but the model 'gpt' has a vocabulary of 256"
+    ):
         models.check_data_fits(ModelConfig(**TINY_GPT), c, 0)
     models.check_data_fits(ModelConfig(**TINY_GPT, vocab_size=512), c, 0)
     # a token file checked against the tokenizer it claims
@@ -296,5 +303,5 @@ def test_tokenizer_encodes_text_and_its_vocabulary_is_checked(tmp_path):
     with pytest.raises(ValueError, match=rf"ids.bin, offset 2 .*token id {v + 3} is outside"):
         load_corpus(bad, 8)
     (tmp_path / "broken.json").write_text("{}")
-    with pytest.raises(ValueError, match="broken.json: not a tokenizers tokenizer.json"):
+    with pytest.raises(ValueError, match=r"broken\.json: not a tokenizers tokenizer\.json"):
         load_corpus(DataConfig(paths=cfg.paths, tokenizer=str(tmp_path / "broken.json")), 8)
