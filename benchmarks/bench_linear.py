@@ -1,6 +1,7 @@
 """Speed of fp8lab.nn.Linear under several recipes vs torch.nn.Linear (fp32) and torchao.
 
-One run: ``python benchmarks/bench_linear.py [--tokens 2048] [--in 1024] [--out 4096] [--iters 7]``.
+One run: ``python benchmarks/bench_linear.py [--tokens 2048] [--in 1024] [--out 4096] [--iters 7]
+[--torch-device auto]``.
 Each row times forward + backward (dx, dW, db) of one layer on the same input, minimum over ``--iters``
 rounds that interleave all layers (after one warm-up run each), and prints the ratio to torch.nn.Linear fp32 measured in
 the same process. Targets (issue 4): te-current <= 1.15x, deepseek-v3 (fp32 accumulation) <= 1.4x,
@@ -21,6 +22,7 @@ import warnings
 import torch
 
 import fp8lab
+from fp8lab.dist.runtime import resolve_torch_device
 from fp8lab.nn import Linear
 
 TARGETS = {"te-current": 1.15, "deepseek-v3 (fp32 acc)": 1.4, "bf16": 1.1}
@@ -31,6 +33,8 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> float:
     layer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     layer(xx).backward(dy)
+    if xx.is_cuda:  # the kernels run asynchronously: time them, not their launch
+        torch.cuda.synchronize(xx.device)
     return time.perf_counter() - t0
 
 
@@ -55,12 +59,17 @@ def main() -> None:
     ap.add_argument("--out", dest="out_f", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--profile", metavar="ROW", help="profile this row after the table")
+    ap.add_argument("--torch-device", default="auto", help="cpu, cuda, cuda:N or auto")
     args = ap.parse_args()
+    try:
+        device = resolve_torch_device(args.torch_device)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
-    torch.manual_seed(0)
-    base = torch.nn.Linear(args.in_f, args.out_f)
-    x = torch.randn(args.tokens, args.in_f)
-    dy = torch.randn(args.tokens, args.out_f)
+    torch.manual_seed(0)  # drawn on the CPU: the same layer and data on every device
+    base = torch.nn.Linear(args.in_f, args.out_f).to(device)
+    x = torch.randn(args.tokens, args.in_f).to(device)
+    dy = torch.randn(args.tokens, args.out_f).to(device)
 
     rows: list[tuple[str, torch.nn.Module | None]] = [("torch.nn.Linear fp32", base)]
     for name, rec in (
@@ -84,7 +93,7 @@ def main() -> None:
         for n, m in live:
             times[n].append(_step(m, x, dy))
     print(
-        f"fwd+bwd, {args.tokens} tokens, {args.in_f} -> {args.out_f}, "
+        f"fwd+bwd, {args.tokens} tokens, {args.in_f} -> {args.out_f}, on {device}, "
         f"{torch.get_num_threads()} threads, min of {args.iters} interleaved rounds"
     )
     print(f"{'layer':42s} {'ms':>9s} {'ratio':>7s} {'target':>9s}")

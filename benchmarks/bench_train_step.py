@@ -1,7 +1,7 @@
 """Cost of one training step of the lab's default GPT under each recipe, relative to fp32.
 
 One run: ``python benchmarks/bench_train_step.py [--steps 6] [--rounds 3] [--threads 1]
-[--recipes fp32,bf16,...]``. Each round trains every recipe for ``--steps`` steps from the same
+[--recipes fp32,bf16,...] [--torch-device auto]``. Each round trains every recipe for ``--steps`` steps from the same
 initial weights (``fp8lab.lab.train.train_run``, no evaluation inside the timed part) and keeps
 the median of its per-step times after the first step; rounds interleave the recipes so that a
 change of machine load hits them all alike, and the table shows the minimum over rounds and the
@@ -19,6 +19,7 @@ import statistics
 
 from fp8lab.lab.compare import resolve_recipe, set_threads
 from fp8lab.lab.data import load_corpus
+from fp8lab.lab.machine import set_torch_device, torch_device
 from fp8lab.lab.train import LabConfig, train_run
 
 TARGETS = {"bf16": 1.2}
@@ -31,9 +32,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and numba threads")
     ap.add_argument("--recipes", default=DEFAULT, help="comma-separated; fp32 is always added")
+    ap.add_argument("--torch-device", default="auto", help="cpu, cuda, cuda:N or auto")
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step of a run is not timed)")
+    try:
+        set_torch_device(args.torch_device)  # the lab's models and batches live there
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
     set_threads(args.threads)
     names = ["fp32", *[n for n in args.recipes.split(",") if n and n != "fp32"]]
@@ -54,7 +60,8 @@ def main() -> None:
     m = cfg.model
     print(
         f"training step, GPT {m.n_layer} layers d_model {m.d_model} d_ff {m.d_ff}, "
-        f"{cfg.train.batch_size} x {m.block_size} tokens, {args.threads} thread(s), "
+        f"{cfg.train.batch_size} x {m.block_size} tokens, on {torch_device()}, "
+        f"{args.threads} thread(s), "
         f"min over {args.rounds} interleaved rounds of the median of {args.steps - 1} steps"
     )
     print(f"{'recipe':18s} {'ms/step':>9s} {'tokens/s':>9s} {'/ fp32':>7s} {'target':>9s}")
