@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "dist": 6,
     "guard": 7,  # the anomaly guard: reads nn/observe state, runs inside lab's loop
     "lab": 8,
+    "integrations": 8,  # framework callbacks: guard/observe/nn below, never lab (nor lab them)
     "report": 9,
     "cli": 10,
     "__main__": 10,  # `python -m fp8lab`: the command line

@@ -1,0 +1,120 @@
+"""`FP8LabCallback` for the HF ``transformers`` ``Trainer`` (``pip install fp8lab[hf]``).
+
+::
+
+    model = fp8lab.nn.convert(model, "te-delayed")
+    cb = FP8LabCallback(guard=fp8lab.AnomalyGuard(checkpoint_every=50), watch_every=50)
+    Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
+    cb.records  # the operand statistics (the lab's watch records)
+    cb.events   # what the guard did (the lab's guard_events records)
+
+* **watch**: every ``watch_every`` optimizer steps, the operand statistics of the step's forward
+  and backward (`fp8lab.observe.sample`: the same records as the lab's for the same model and
+  batch), in ``records``;
+* **guard**: the lab's detectors, skip / rollback / escalation (`fp8lab.guard.session`). The
+  loss is read from the model's output (``.loss``, as transformers models return it; the mean
+  over gradient-accumulation micro-batches), the gradient norm in ``on_pre_optimizer_step``
+  (after the Trainer's clipping: with ``max_grad_norm > 0`` a spike shows as the clipped norm,
+  non-finite values as they are). When the guard acts, the gradients are set to None so the
+  Trainer's ``optimizer.step()`` changes nothing; a rollback restores model, optimizer,
+  scheduler and RNG from the last-good snapshot at ``on_step_end``. The Trainer's step counter
+  and data order go on: rolled-back steps' batches are not replayed;
+* **checkpoints**: ``on_save`` writes `fp8lab.nn.FP8_STATE_FILE` (the converted layers'
+  scaling state, safetensors) and ``fp8lab_guard.json`` into ``checkpoint-N``; a run resumed
+  from it (``resume_from_checkpoint``) restores both at ``on_train_begin``;
+* **accelerate**: a model whose fp8lab layers ``mixed_precision="fp8"`` replaced is refused
+  (`fp8lab.integrations.accelerate.check_prepared`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from fp8lab.guard import AnomalyGuard
+from fp8lab.integrations._core import CallbackCore
+
+__all__ = ["FP8LabCallback"]
+
+_DEFAULT = object()
+
+
+def _loss_of(output: Any) -> Any:
+    """The ``loss`` of a model output: a transformers ModelOutput, a dict or an object with
+    ``loss``, or a tuple whose first element is a scalar tensor (the Trainer's ``outputs[0]``)."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    if isinstance(output, tuple | list) and output:
+        first = output[0]
+        return first if isinstance(first, torch.Tensor) and first.dim() == 0 else None
+    return getattr(output, "loss", None)
+
+
+class FP8LabCallback(TrainerCallback):
+    """Watch statistics, the anomaly guard and FP8 state in checkpoints for the HF Trainer
+    (see the module doc). ``guard``: an `fp8lab.AnomalyGuard` (default: every detector, policy
+    ``"rollback"``; None: watch only); ``watch_every``: operand statistics every N optimizer
+    steps (0 = off)."""
+
+    def __init__(self, guard: AnomalyGuard | None = _DEFAULT, watch_every: int = 0) -> None:  # type: ignore[assignment]
+        self.core = CallbackCore(AnomalyGuard() if guard is _DEFAULT else guard, watch_every)
+        self._hook: Any = None
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The watch records so far (one dict per operand of each sampled step)."""
+        return self.core.records
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The guard's event records so far (skip, rollback, escalate)."""
+        return self.core.events
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_init_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        if model is not None:  # before accelerator.prepare: which layers fp8lab converted
+            self.core.remember(model)
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+        lr_scheduler: Any = None, **kw: Any,
+    ) -> None:  # fmt: skip
+        self.core.start(model, optimizer, None, lr_scheduler, step=state.global_step)
+        if state.global_step > 0:  # resumed: the checkpoint this run continues from
+            where = args.resume_from_checkpoint
+            if not isinstance(where, str) or not os.path.isdir(where):
+                where = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            self.core.resume(where)
+        if self._hook is None:
+            self._hook = model.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if module.training and torch.is_grad_enabled():  # evaluation forwards do not count
+            loss = _loss_of(output)
+            if loss is not None:
+                self.core.add_loss(loss)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.core.step_begin()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.core.before_update()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.core.step_end()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if args.should_save:  # the main process writes, as the Trainer does
+            self.core.save(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.core.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
