@@ -79,6 +79,21 @@ def test_hf_dir_sharded_index_and_identity(tmp_path):
     assert models.declared_vocab(cfg) == 256
 
 
+def test_hf_dir_tied_weights_stored_once_load_into_both_names(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_inner=128, n_layer=1, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(4)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    ref.save_pretrained(tmp_path / "g")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "g" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())  # stored once, under the embedding
+    lab = models.build(ModelConfig(factory=f"hf:{tmp_path / 'g'}", block_size=16), seed=0)
+    assert all(torch.equal(lab.model.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert lab.model.lm_head.weight.data_ptr() == lab.model.transformer.wte.weight.data_ptr()
+
+
 def test_hf_config_json_keeps_its_meaning(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"model_type": "llama", **LLAMA}))
     cfg = ModelConfig(factory=f"hf:{tmp_path / 'c.json'}", block_size=16)
