@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     # L3 PyTorch integration
     "autocast": "fp8lab.nn",
     "LossScaler": "fp8lab.optim",
+    "save_debug_checkpoint": "fp8lab.nn",  # what `fp8lab debug --from-checkpoint` reads
     "watch": "fp8lab.observe",  # L6 statistics hooks
     # L6 cost model
     "predict_step_ms": "fp8lab.cost",

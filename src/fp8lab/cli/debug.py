@@ -47,7 +47,12 @@ model (--list-scenarios). --json prints exactly {"schema_version": 1, "recipe", 
 "gap_pct", "noise_pct", "recovers", "culprit": {"role", "gemm", "layers"} or null,
 "attribution": [{"layer", "gemm", "role", "score"}], "remedies": [{"name", "gap_pct",
 "relative_cost"}], "fix", "probes": [{"name", "gap_pct"}]} (non-finite numbers null). Rerunning
-with the same --out resumes finished probes. Exit code 2 on bad input.
+with the same --out resumes finished probes. --from-checkpoint PATH debugs a run fp8lab did
+not train: R, the baseline and the noise pair start from a checkpoint of your own loop
+(fp8lab.save_debug_checkpoint: weights, optimizer moments, FP8 state) and train --steps from
+there on --data, with --model your model (its weights must fit) and --recipe the recipe you
+trained with (its [[layer]] rules may name your model's layers); OUT/fix.toml names your
+layers, so fp8lab.nn.convert(model, "OUT/fix.toml") applies it. Exit code 2 on bad input.
 """
 
 
@@ -135,6 +140,12 @@ Jobs = Annotated[int, typer.Option(
 )]  # fmt: skip
 Threads = Annotated[int, typer.Option(
     "--threads", min=0, help="torch and numba threads per process (0 = defaults).")]  # fmt: skip
+FromCheckpoint = Annotated[Path | None, typer.Option(
+    "--from-checkpoint",
+    help="Start from this checkpoint of your own training loop "
+    "(fp8lab.save_debug_checkpoint); needs --recipe and --model.",
+    show_default=False,
+)]  # fmt: skip
 JsonOut = json_flag("the result")
 
 
@@ -144,6 +155,7 @@ def debug_cmd(
     config: Config = None, overrides: Overrides = None, steps: Steps = None,
     layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
     jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
+    from_checkpoint: FromCheckpoint = None,
     torch_device: TorchDevice = "auto",
     tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
 ) -> None:  # fmt: skip
@@ -155,6 +167,9 @@ def debug_cmd(
         _list_scenarios()
         return
     with clear_errors():
+        if from_checkpoint is not None and scenario is not None:
+            raise fail("--from-checkpoint debugs your own run: give --recipe (the recipe it "
+                       "trained with), not --scenario")  # fmt: skip
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
         inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
@@ -165,7 +180,8 @@ def debug_cmd(
     with clear_errors(INTERRUPTED_RESUME):
         result = run_debug(rec, cfg, out, baseline=baseline, jobs=jobs, threads=threads,
                            layers=globs, checkpoints=checkpoints,
-                           callback=_progress(quiet or not main), scenario=scenario)  # fmt: skip
+                           callback=_progress(quiet or not main), scenario=scenario,
+                           start=from_checkpoint)  # fmt: skip
         if rank_ctx is not None:
             from fp8lab.dist.runtime import leave_group
 

@@ -32,6 +32,8 @@ Two lines, as with Transformer Engine or torchao::
 * :func:`save_fp8_state` / :func:`load_fp8_state` — the converted layers' FP8 state as its own
   safetensors file (a ``transformers`` model's ``save_pretrained`` writes it beside the weights
   as :data:`FP8_STATE_FILE`, which ``convert`` after ``from_pretrained`` restores).
+* :func:`save_debug_checkpoint` — what ``fp8lab debug --from-checkpoint`` needs from the user's
+  own loop (weights, optimizer state, FP8 state, step, RNG); :func:`read_debug_checkpoint`.
 
 Layout: ``linear.py`` (the module, its autograd Function with the three GEMMs, the operand
 plumbing) -> `fp8lab.qtensor.Quantizer` (one per operand) -> `fp8lab.gemm.matmul`. Beside it:
@@ -51,6 +53,7 @@ from fp8lab.nn.convert import (
     select_linears,
     unconvert,
 )
+from fp8lab.nn.debug_checkpoint import read_debug_checkpoint, save_debug_checkpoint
 from fp8lab.nn.fp8_state import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
 from fp8lab.nn.state import delayed_states
@@ -72,6 +75,8 @@ __all__ = [
     "layer_settings",
     "load_fp8_state",
     "on_operand",
+    "read_debug_checkpoint",
+    "save_debug_checkpoint",
     "save_fp8_state",
     "select_linears",
     "unconvert",

@@ -24,7 +24,7 @@ instead). :func:`save_fp8_state` writes the file for any model.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,7 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
 
 def load_fp8_state(
     model: torch.nn.Module,
-    path: str | Path,
+    path: str | Path | Mapping[str, torch.Tensor],
     *,
     layers: Iterable[str] | None = None,
     strict: bool = True,
@@ -119,15 +119,18 @@ def load_fp8_state(
     """Load the FP8 state saved by :func:`save_fp8_state` (or a converted model's
     ``save_pretrained``) into ``model``'s converted layers; returns their names.
 
-    ``path``: the file, or a directory holding :data:`FP8_STATE_FILE`. ``layers``: only these
+    ``path``: the file, a directory holding :data:`FP8_STATE_FILE`, or the tensors themselves
+    (:func:`fp8_state_dict`, e.g. a debug checkpoint's ``"fp8_state"``). ``layers``: only these
     converted layers (qualified names; default all). Every error is a ValueError naming the
     file: unreadable, a layer saved under another recipe (the saved numerics are named), a
     mismatched history length, and with ``strict`` (the default) a converted layer the file
     has no state for, or state for a layer that is not converted."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / FP8_STATE_FILE
-    saved = _read(p)
+    if isinstance(path, Mapping):
+        p, saved = "FP8 state", dict(path)
+    else:
+        p = Path(path)
+        p = p / FP8_STATE_FILE if p.is_dir() else p
+        saved = _read(p)
     all_layers = _layers(model)
     wanted = None if layers is None else set(layers)
     chosen = {pre: m for pre, m in all_layers.items() if wanted is None or pre[:-1] in wanted}

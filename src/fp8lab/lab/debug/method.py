@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import fp8lab.lab.debug.attribution as attribution
+import fp8lab.lab.debug.names as names
 import fp8lab.lab.debug.remedies as remedies
 import fp8lab.lab.debug.search as search
 import fp8lab.lab.debug.variants as variants
@@ -48,10 +49,12 @@ from fp8lab.lab.debug.runner import (
     run_probe,
     snapshot_path,
 )
+from fp8lab.lab.debug.start import START, read_start, write_start
 from fp8lab.lab.debug.verdict import decide
 from fp8lab.lab.noise import late_gap_pct
 from fp8lab.lab.pool import Callback, check_count
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
+from fp8lab.nn import convert, select_linears
 
 CONFIG_FILE = "debug.json"
 NOISE_PAIR = ("fp32", "bf16")
@@ -113,6 +116,9 @@ class _Ctx:
     noise: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     pool: Any = None  # the TaskPool running probes
+    prefix: str = ""  # the lab's prefix of the user's layer names (fp8lab.lab.debug.names)
+    start: str | None = None  # the lab checkpoint every stage-1 probe starts from
+    start_info: dict[str, Any] | None = None  # where it came from (fp8lab.lab.debug.start)
 
     # ------------------------------------------------------------------ probes
     def run(self, specs: Sequence[ProbeSpec], extra: Sequence[tuple] = ()) -> list[Any]:
@@ -167,6 +173,8 @@ class _Ctx:
                                                   and p.closure >= self.close))  # fmt: skip
 
     def spec(self, name: str, recipe: Any, kind: str, label: str, **kw: Any) -> ProbeSpec:
+        if self.start is not None:  # --from-checkpoint: a probe not continuing another run
+            kw.setdefault("start", self.start)  # continues from the user's checkpoint
         return ProbeSpec(name=name, recipe=recipe.replace(name=name).to_dict(), kind=kind,
                          label=label, **kw)  # fmt: skip
 
@@ -185,14 +193,21 @@ def run_debug(
     recovery_from: float = 0.5,
     callback: Callback | None = None,
     scenario: str | None = None,
+    start: str | Path | None = None,
 ) -> DebugResult:
     """Run the seven stages (module doc) for ``recipe`` against ``baseline`` under ``cfg``,
     writing every probe into ``out_dir/probes``; return the :class:`DebugResult` (the report
     and ``fix.toml`` are written by :func:`fp8lab.lab.debug.verdict.write_fix` and
     ``fp8lab.report.debug``).
 
+    ``start``: a checkpoint of the user's own loop (`fp8lab.save_debug_checkpoint`); R, the
+    baseline and the noise pair then continue from it for ``cfg.train.steps``
+    (`fp8lab.lab.debug.start`). ``recipe`` may name layers as the user's model does
+    (`fp8lab.lab.debug.names`).
+
     Bad input raises ValueError before any training: an unknown recipe or baseline, a
-    baseline with R's numerics, ``layers`` globs matching no converted layer, a bad config."""
+    baseline with R's numerics, ``layers`` globs matching no converted layer, a bad config,
+    a start checkpoint that is missing, unreadable or does not fit the model."""
     t_start = time.perf_counter()
     emit = callback or (lambda e: None)
     rec = resolve(recipe)
@@ -216,17 +231,26 @@ def run_debug(
     if cfg.train.steps < 4:
         raise ValueError(f"train.steps must be >= 4 for the debugger, got {cfg.train.steps}")
     with torch.random.fork_rng(devices=[]):
-        model = build_model(cfg.model, rec, cfg.train.seed)
+        model = build_model(cfg.model, None, cfg.train.seed)
+    prefix = names.lab_prefix(model)
+    rec = names.to_lab_names(rec, prefix, select_linears(model))  # R in the user's names
+    convert(model, rec)
     all_layers = variants.converted_layers(model)
     if not all_layers:
         raise ValueError("the recipe converts no layer of the model: nothing to debug")
     chosen = select_layers(all_layers, layers)
-    load_corpus(cfg.data, cfg.model.block_size)  # a missing data path fails here
+    corpus = load_corpus(cfg.data, cfg.model.block_size)  # a missing data path fails here
+    begin = None if start is None else read_start(start, cfg, corpus)  # checked before writing
     out = Path(out_dir)
-    on_rank0(_prepare_out, out, cfg, rec, base, chosen)  # torchrun: rank 0 writes files
+    # torchrun: rank 0 writes files
+    on_rank0(_prepare_out, out, cfg, rec, base, chosen, begin and begin["start"])
     ctx = _Ctx(rec, base, cfg, out, jobs, threads, emit, chosen, all_layers,
-               variants.layer_dims(model, all_layers), variants.hp_precision(base), close)  # fmt: skip
-    del model
+               variants.layer_dims(model, all_layers), variants.hp_precision(base), close,
+               prefix=prefix)  # fmt: skip
+    if begin is not None:
+        on_rank0(write_start, begin, out)
+        ctx.start, ctx.start_info = str(out / START), begin["start"]
+    del model, begin
     steps = cfg.train.steps
     with TaskPool(jobs, threads) as pool:
         ctx.pool = pool
@@ -260,12 +284,12 @@ def _stage_gap(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float,
     rec_step = max(1, min(steps - 1, round(steps * recovery_from)))
     specs = [ctx.spec("recipe", rec, "recipe", f"R = {rec.name}",
                       snapshots=tuple(sorted({*screen_steps, rec_step})))]  # fmt: skip
-    names = {"baseline": base}
+    runs = {"baseline": base}
     for n in NOISE_PAIR:
         r = resolve(n)
         if r.fingerprint() != base.fingerprint():
-            names[f"noise-{n}"] = r
-    for name, r in names.items():
+            runs[f"noise-{n}"] = r
+    for name, r in runs.items():
         kind = "baseline" if name == "baseline" else "noise"
         specs.insert(0, ctx.spec(name, r, kind, f"{kind}: {r.name}"))
     ctx.run(specs)
@@ -527,12 +551,16 @@ def _vocab(cfg: LabConfig) -> int:
     return getattr(cfg.model, "vocab_size", 256)
 
 
-def _prepare_out(out: Path, cfg: LabConfig, rec: Any, base: Any, layers: list[str]) -> None:
-    """Create ``out`` or check it holds a debug run of the same inputs (then probes resume)."""
+def _prepare_out(out: Path, cfg: LabConfig, rec: Any, base: Any, layers: list[str],
+                 start: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Create ``out`` or check it holds a debug run of the same inputs (then probes resume);
+    ``start``: the start checkpoint's record (its SHA-256 and step are inputs too)."""
     from fp8lab.lab.train import mismatch_message, recipe_settings
 
     meta = {"lab": cfg.to_dict(), "recipe": recipe_settings(rec),
             "baseline": recipe_settings(base), "layers": layers}  # fmt: skip
+    if start is not None:
+        meta["start"] = {"sha256": start["sha256"], "step": start["step"]}
     path = out / CONFIG_FILE
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; choose another --out")

@@ -7,10 +7,12 @@ other probe. Two additions, both built on the runner's own resume:
 - ``snapshots``: steps at which a copy of the checkpoint is kept (``snapshots/step_<n>.pt``). The
   run is trained in segments (``stop_after``); resuming is bit-identical, so the segmented run
   equals an uninterrupted one.
-- ``start``: the checkpoint of *another* run (another recipe) to continue from. The lab refuses
-  such a resume for users; the debugger converts the checkpoint explicitly
-  (:func:`convert_checkpoint`: the weights and optimizer moments are kept, the scaling state and
-  loss scaler are the new recipe's fresh ones) and writes it as the probe's own.
+- ``start``: the checkpoint of *another* run (another recipe), or of the user's own loop
+  (`fp8lab.lab.debug.start`), to continue from. The lab refuses such a resume for users; the
+  debugger converts the checkpoint explicitly (:func:`convert_checkpoint`: the weights and
+  optimizer moments are kept, the loss scaler is the new recipe's fresh one and so is the
+  scaling state, except on layers saved under the same numerics) and writes it as the probe's
+  own.
 
 :class:`TaskPool` (the lab's one pool, `fp8lab.lab.pool.WorkerPool`) runs module-level functions
 ``jobs`` at a time in spawned processes (or in this process for ``jobs=1``), forwarding their
@@ -168,18 +170,42 @@ def load_weights(model: torch.nn.Module, model_state: dict[str, torch.Tensor]) -
     model.load_state_dict(merged)
 
 
+def keep_same_numerics(model: torch.nn.Module, model_state: dict[str, torch.Tensor]) -> list[str]:
+    """Load the saved scaling state of each converted layer of ``model`` whose saved recipe
+    fingerprint (``fp8_recipe``) is its own (a run continued under the recipe it was trained
+    with keeps its scales and histories); the other layers keep their fresh state. Returns the
+    layers loaded."""
+    from fp8lab.nn import Linear
+
+    kept = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        pre = f"{name}." if name else ""
+        saved = model_state.get(pre + "fp8_recipe")
+        if saved is None or not torch.equal(saved, m.state_dict()["fp8_recipe"]):
+            continue
+        sub = {k[len(pre) :]: v for k, v in model_state.items()
+               if k.startswith(pre + "fp8_") and "." not in k[len(pre) :]}  # fmt: skip
+        m.load_state_dict(sub, strict=False)
+        kept.append(name)
+    return kept
+
+
 def convert_checkpoint(
     src: str | Path, dst: str | Path, recipe: Any, cfg: LabConfig, corpus: Corpus
 ) -> None:
     """Write checkpoint ``src`` (any recipe) as a checkpoint of ``recipe`` under ``cfg`` at
-    ``dst``: weights, optimizer moments, loop state and RNG kept; scaling state, recipe
-    fingerprints and loss scaler are ``recipe``'s fresh ones. The optimizer's storage formats
+    ``dst``: weights, optimizer moments, loop state and RNG kept; recipe fingerprints and loss
+    scaler are ``recipe``'s, the scaling state fresh except on layers the checkpoint saved
+    under the same numerics (:func:`keep_same_numerics`). The optimizer's storage formats
     become ``recipe``'s (the saved moments are float32 tensors either way)."""
     from fp8lab.optim import LossScaler
 
     state = load_state(src)
     model = build_model(cfg.model, recipe, cfg.train.seed)
     load_weights(model, state["model"])
+    keep_same_numerics(model, state["model"])
     opt = make_optimizer(model, recipe, cfg.train)
     osd = dict(state["optimizer"])
     mine = opt.state_dict()

@@ -5,7 +5,10 @@ order of ``remedies.REMEDIES``) among those that explain the gap (close at least
 land within twice the noise); when none does, the one with the smallest gap, and ``fix`` is
 then null. ``fix.toml`` is a per-layer recipe file: ``base = "<preset>"``
 and ``[[layer]]`` tables when R is a preset, else R's full settings plus the tables; it is read
-back and checked to give the remedy's numerics on every layer before it is kept.
+back and checked to give the remedy's numerics on every layer before it is kept. For a
+factory's model its rules name each layer as the user's model does and as the lab does
+(`fp8lab.lab.debug.names.with_user_names`): ``fp8lab.nn.convert(model, "fix.toml")`` and
+``fp8lab compare --recipes fix.toml`` both take it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8lab.lab.debug.names import with_user_names
 from fp8lab.lab.debug.result import DebugResult
 from fp8lab.recipe import Recipe
 
@@ -218,8 +222,9 @@ def _culprit_words(
             f"fp8lab debug fix for {rec.name}: {best['label']}\n"
             f"gap {_pct(ctx.gap)} -> {_pct(best['gap_pct'])} against {base.name}"
         )
-        verdict["fix"] = str(write_fix(best["recipe"].replace(name=f"{rec.name}-fix"), rec,
-                                       ctx.out / FIX, note))  # fmt: skip
+        # the layers as the user's model names them too (fp8lab.lab.debug.names)
+        fix = with_user_names(best["recipe"].replace(name=f"{rec.name}-fix"), rec, ctx.prefix)
+        verdict["fix"] = str(write_fix(fix, rec, ctx.out / FIX, note))
     return words
 
 
@@ -254,6 +259,7 @@ def _result(
             "layers": ctx.layers,
             "precision": ctx.precision,
             "lab": ctx.cfg.to_dict(),
+            **({"start": ctx.start_info} if getattr(ctx, "start_info", None) else {}),
         },
     )
     (ctx.out / RESULT).write_text(json.dumps(
