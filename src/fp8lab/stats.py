@@ -51,6 +51,7 @@ import torch
 from numba import njit
 
 from fp8lab.formats import FloatFormat, get_format
+from fp8lab.kernels import use_torch
 
 STAT_KEYS = (
     "amax",
@@ -154,8 +155,11 @@ def _clip_percentages(x: Any, xq: Any, fmt: Any, values: Any) -> tuple[float, fl
     """`clip_percentages` of a pair (saturation NaN without ``fmt``; ``values`` None: ``xq``)."""
     a, b, v = _flat_pair(x, xq, values)
     fmax = math.inf if fmt is None else float(get_format(fmt).max)
-    nnz, nuf, nsat = _count_kernel(a, b, v, fmax, SATURATION_TOL)
-    return _percent(nnz, nuf, nsat, a.size, fmt is not None)
+    if use_torch(a, b, v, what="clip percentages"):
+        nnz, nuf, nsat = (int(c.sum()) for c in _clip_counts_torch(a, b, v, fmax))
+    else:
+        nnz, nuf, nsat = _count_kernel(a.numpy(), b.numpy(), v.numpy(), fmax, SATURATION_TOL)
+    return _percent(nnz, nuf, nsat, a.numel(), fmt is not None)
 
 
 def amax(x: torch.Tensor) -> float:
@@ -186,9 +190,13 @@ def error_stats(
     instead of one pass per statistic.
     """
     a, b, v = _flat_pair(x, xq, values)
-    n = a.size
+    n = a.numel()
     fmax = math.inf if fmt is None else float(get_format(fmt).max)
-    sxx, sdd, sxq, sqq, nnz, nuf, nsat, amx, mn, mx = _pair_kernel(a, b, v, fmax, SATURATION_TOL)
+    if use_torch(a, b, v, what="error stats"):
+        sums = _pair_torch(a, b, v, fmax)
+    else:
+        sums = _pair_kernel(a.numpy(), b.numpy(), v.numpy(), fmax, SATURATION_TOL)
+    sxx, sdd, sxq, sqq, nnz, nuf, nsat, amx, mn, mx = sums
     under, sat = _percent(nnz, nuf, nsat, n, fmt is not None)
     if sdd == 0.0:
         sq = math.inf
@@ -232,17 +240,17 @@ def _percent(nnz: int, nuf: int, nsat: int, n: int, with_fmt: bool) -> tuple[flo
     return under, (100.0 * nsat / n if n else 0.0) if with_fmt else math.nan
 
 
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """Contiguous 1-D numpy view (float32, or float64 for float64 input; bf16/fp16 exact)."""
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous 1-D tensor (float32, or float64 for float64 input; bf16/fp16 exact)."""
     t = t.detach()
     if t.dtype != torch.float64:
         t = t.to(torch.float32)
-    return t.contiguous().reshape(-1).numpy()
+    return t.contiguous().reshape(-1)
 
 
 def _flat_pair(
     x: torch.Tensor, xq: torch.Tensor, values: torch.Tensor | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x``, ``xq`` and ``values`` (default ``xq``) as flat arrays, checked (TypeError for
     anything but floating tensors, ValueError for differing shapes)."""
     for t in (x, xq) if values is None else (x, xq, values):
@@ -253,6 +261,32 @@ def _flat_pair(
         raise ValueError(f"values shape {tuple(values.shape)} differs from x {tuple(x.shape)}")
     b = _flat(xq)
     return _flat(x), b, (b if values is None else _flat(values))
+
+
+def _clip_counts_torch(
+    x: torch.Tensor, xq: torch.Tensor, v: torch.Tensor, fmax: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_clip_counts` over whole flat tensors on any device (float64, as the kernel): the bool
+    tensors ``(nonzero, underflowed, saturated)``; their sums are the kernels' counts."""
+    a, b, vv = (t.to(torch.float64) for t in (x, xq, v))
+    nz = a != 0.0
+    clamped = (vv.abs() == fmax) & (a.abs() > b.abs() * (1.0 + SATURATION_TOL))
+    return nz, nz & (b == 0.0), torch.where(torch.isfinite(vv), clamped, torch.isfinite(a))
+
+
+def _pair_torch(x: torch.Tensor, xq: torch.Tensor, v: torch.Tensor, fmax: float) -> tuple:
+    """`_pair_kernel` on any device: the same float64 sums (in torch's summation order, so they
+    may differ from the serial kernel's in the last bits), the same exact counts and extrema."""
+    nnz, nuf, nsat = (int(c.sum()) for c in _clip_counts_torch(x, xq, v, fmax))
+    a, b = x.to(torch.float64), xq.to(torch.float64)
+    d = a - b
+    sums = [float(torch.sum(p * q)) for p, q in ((a, a), (d, d), (a, b), (b, b))]
+    aa = a.abs()
+    amx = float(torch.nan_to_num(aa, nan=0.0, posinf=math.inf).amax()) if a.numel() else 0.0
+    keep = (a != 0.0) & torch.isfinite(a)
+    mn = float(torch.where(keep, aa, math.inf).amin()) if a.numel() else math.inf
+    mx = float(torch.where(keep, aa, 0.0).amax()) if a.numel() else 0.0
+    return (*sums, nnz, nuf, nsat, amx, mn, mx)
 
 
 @njit(inline="always")

@@ -88,6 +88,7 @@ def test_max_kernel_equals_the_rule_function(fmt, kw):
     assert same_bits(inv, torch.reciprocal(want))
 
 
+@pytest.mark.numba_only
 def test_fused_scale_kernels_on_nan_amax():
     # quantize never produces a NaN amax (NaN elements are ignored): call the kernels directly
     amax = torch.tensor([math.nan, -math.nan, 1.0, math.inf, 0.0])

@@ -1,6 +1,9 @@
 """Numba kernels of the quantize driver: block amax and the scaled cast onto the element grid.
 
-The scale-rule kernels live beside their rules, in `fp8lab.scaling.rule_kernels`.
+The scale-rule kernels live beside their rules, in `fp8lab.scaling.rule_kernels`. Each entry
+point here (`block_amax`, `scale_cast`, `mul_blocks`, `max_abs_diff`) asks
+`fp8lab.kernels.use_torch` and runs either these numba loops (CPU) or their device-generic twins in
+`fp8lab.qtensor.kernels_torch`, which give the same bits.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from numba import njit
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import cast, get_format
+from fp8lab.kernels import use_torch
+from fp8lab.qtensor import kernels_torch as _kt
 from fp8lab.scaling.granularity import num_blocks, resolve_block
 
 if TYPE_CHECKING:
@@ -253,6 +258,33 @@ def _mul_blocks(x, rows: int, cols: int, m: int, k: int, mult, of) -> None:
     _walk(x, rows, cols, m, k, mult, mult, of, of, _MUL, _NO_GRID)
 
 
+def mul_blocks(x2: torch.Tensor, mult: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """``x2 * mult[block]`` (float32 ``[R, C]`` contiguous, ``mult`` float32 ``[nr, nc]``, the
+    block ``(m, k)`` resolved): a fresh float32 ``[R, C]`` tensor on ``x2``'s device, one float32
+    multiply per element (`QTensor.dequantize`'s pass)."""
+    out = torch.empty(x2.shape, dtype=torch.float32, device=x2.device)
+    if x2.numel() == 0:
+        return out
+    if use_torch(x2, what="dequantize"):
+        return _kt.mul_blocks(x2, mult.to(device=x2.device, dtype=torch.float32), m, k, out)
+    rows, cols = x2.shape
+    mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
+    _mul_blocks(x2.view(-1).numpy(), rows, cols, m, k, mult_np, out.view(-1).numpy())
+    return out
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` of two float32 tensors of one shape, NaN -> 0 and inf -> FLT_MAX per
+    element (0.0 when empty): the re-tiling's added error."""
+    if a.numel() == 0:
+        return 0.0
+    a = a.detach().reshape(-1).to(torch.float32).contiguous()
+    b = b.detach().reshape(-1).to(torch.float32).contiguous()
+    if use_torch(a, b, what="max abs diff"):
+        return _kt.max_abs_diff(a, b)
+    return float(_max_abs_diff(a.numpy(), b.numpy()))
+
+
 def _fast_params(spec: QuantSpec) -> RneGrid | None:
     """Kernel constants of the fast RNE + saturate path, or None if the spec needs `cast`."""
     return _fast_params_for(spec.format, spec.rounding, spec.saturate)
@@ -296,6 +328,8 @@ def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def block_amax(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tensor:
     """`_block_amax_fast` with the block ``(m, k)`` and the block counts ``(nr, nc)`` resolved
     (`fp8lab.qtensor.quantizer.Quantizer` resolves them once per shape)."""
+    if use_torch(x2, what="block amax"):
+        return _kt.block_amax(x2, m, k, nr, nc)
     rows, cols = x2.shape
     if x2.numel() == 0:
         return torch.zeros((nr, nc), dtype=torch.float32)
@@ -338,7 +372,10 @@ def scale_cast(
     generic `fp8lab.cast`). ``out``: a contiguous float32 [R, C] buffer for the values (else
     allocated). ``deq``: a second buffer that receives ``values * inv[block] (* global_scale)``,
     bit for bit what `QTensor.dequantize` computes, fused into the cast pass on the fast path.
+    Runs on ``x2``'s device (`fp8lab.kernels.use_torch`); the buffers must be there too.
     """
+    if use_torch(x2, out, deq, what="quantize"):
+        return _kt.scale_cast(x2, mult, m, k, g, spec, generator, out, deq, inv, global_scale)
     rows, cols = x2.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32)

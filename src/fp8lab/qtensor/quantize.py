@@ -41,12 +41,14 @@ def quantize(
     step); with a `DelayedScalingConfig` alone (a preset's spec) step 0's scale comes from a
     throwaway state and nothing is recorded. ``generator`` feeds stochastic rounding.
     float16/bfloat16/float64 inputs are first converted to float32 (float64 rounds once there; TE
-    multiplies in FP32 as well).
+    multiplies in FP32 as well). Any device: the kernels follow ``x``'s (numba on the CPU by
+    default, the device-generic torch kernels elsewhere: `fp8lab.kernels`), with the same bits;
+    the QTensor's tensors are on ``x``'s device.
 
     Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
     ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),
     computed in the same pass as the values where the fast kernel applies. Each must be a
-    contiguous float32 CPU tensor of ``x``'s shape; they must not overlap each other (``out``
+    contiguous float32 tensor of ``x``'s shape on ``x``'s device; they must not overlap each other (``out``
     may be ``x`` itself when ``x`` is contiguous float32). The caller owns both buffers;
     ``dequantized_out`` becomes the QTensor's memoised dequantized copy (`QTensor.dequantize`
     returns it), so it must not be overwritten while the QTensor is in use.
@@ -58,8 +60,6 @@ def quantize(
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"fp8lab quantizes on the CPU; got a tensor on {x.device}")
     spec = _spec_from_args(
         fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
     )
@@ -93,10 +93,10 @@ def _check_buffer(buf: torch.Tensor | None, x: torch.Tensor, name: str) -> torch
         return None
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-    if buf.dtype != torch.float32 or buf.device.type != "cpu" or not buf.is_contiguous():
+    if buf.dtype != torch.float32 or buf.device != x.device or not buf.is_contiguous():
         raise ValueError(
-            f"{name} must be a contiguous float32 CPU tensor, got {buf.dtype} on {buf.device}"
-            + ("" if buf.is_contiguous() else " (not contiguous)")
+            f"{name} must be a contiguous float32 tensor on x's device ({x.device}), got "
+            f"{buf.dtype} on {buf.device}" + ("" if buf.is_contiguous() else " (not contiguous)")
         )
     if tuple(buf.shape) != tuple(x.shape):
         raise ValueError(f"{name} has shape {tuple(buf.shape)}, expected {tuple(x.shape)}")

@@ -126,7 +126,8 @@ class Quantizer:
         of ``x2``'s shape for the values and for the dequantized copy (written in the same
         pass; it becomes the QTensor's memoised `QTensor.dequantize`). ``source``: the tensor
         a straight-through gradient flows to. Inputs are not validated here (`fp8lab.quantize`
-        does that)."""
+        does that). Any device: the kernels follow ``x2``'s (`fp8lab.kernels.use_torch`), and a
+        delayed-scaling state moves there (`DelayedScaling.to`)."""
         m, k, nr, nc = self.geometry(x2.shape)
         s, inv, g = self._scales(x2, m, k, nr, nc, value_for_inf)
         values = scale_cast(x2, s, m, k, self._grid, self.spec, generator, out,
@@ -152,12 +153,14 @@ class Quantizer:
         rule = self._rule
         if self.delayed is not None or self.throwaway:
             ds = self.delayed or DelayedScaling.bind(spec.scaling, spec.fmt)  # type: ignore[arg-type]
+            ds.to(x2.device)  # the state lives where the tensor it observes does (no-op there)
             amax = block_amax(x2, m, k, nr, nc).reshape(())
             s = ds.scale_for(amax).reshape(1, 1)
             ds.observe(amax)
             return s, torch.reciprocal(s), None
         if rule is None:  # a fixed multiplier
-            s = torch.full((nr, nc), float(spec.scaling), dtype=torch.float32)  # type: ignore[arg-type]
+            fixed = float(spec.scaling)  # type: ignore[arg-type]
+            s = torch.full((nr, nc), fixed, dtype=torch.float32, device=x2.device)
             return s, torch.reciprocal(s), None
         amax = block_amax(x2, m, k, nr, nc)
         if rule == "max" or rule in MX_RULES:
@@ -172,7 +175,7 @@ class Quantizer:
         if rule == "nvfp4":
             tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
             if spec.two_level and tensor_amax is None:
-                tensor_amax = torch.zeros(())
+                tensor_amax = torch.zeros((), device=x2.device)
             s_blk, s_dec, enc = _rules.nvfp4_scales(
                 amax, tensor_amax, spec.fmt, scale_format=spec.scale_format,
                 tensor_scale=spec.tensor_scale,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8lab.qtensor.kernels import _max_abs_diff
+from fp8lab.qtensor.kernels import max_abs_diff
 from fp8lab.qtensor.quantize import quantize
 from fp8lab.qtensor.quantizer import _RETILE_COUNTS, retile_counts
 from fp8lab.qtensor.spec import QuantSpec
@@ -74,16 +74,7 @@ def retile(
         err: float | None = None
         if measure_error:
             new = res.dequantize() if dequantized_out is None else dequantized_out
-            err = _added_error(new, deq)
+            err = max_abs_diff(new, deq)
         res.meta["retile_added_error"] = err
     res.retiled = q.retiled + 1
     return res
-
-
-def _added_error(new: torch.Tensor, old: torch.Tensor) -> float:
-    """max |new - old| with NaN ignored and inf counted as FLT_MAX, in one pass."""
-    if old.numel() == 0:
-        return 0.0
-    a = new.detach().reshape(-1).to(torch.float32).contiguous()
-    b = old.detach().reshape(-1).to(torch.float32).contiguous()
-    return float(_max_abs_diff(a.numpy(), b.numpy()))

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from fp8lab.formats import FloatFormat, encode
 from fp8lab.formats.straight_through import straight_through
-from fp8lab.qtensor.kernels import _mul_blocks
+from fp8lab.qtensor.kernels import mul_blocks
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.scaling.granularity import as_2d, expand_blocks, resolve_block, shape_2d
 
@@ -118,12 +117,8 @@ class QTensor:
             out = v2 * sc.reshape(())
         elif v2.dtype == torch.float32 and v2.is_contiguous() and v2.numel():
             # one vectorised pass, no expanded scale tensor
-            out = torch.empty(s2, dtype=torch.float32)
             m, k = resolve_block(self.block, s2)
-            _mul_blocks(
-                v2.view(-1).numpy(), s2[0], s2[1], m, k,
-                np.ascontiguousarray(sc.to(torch.float32).numpy()), out.view(-1).numpy(),
-            )  # fmt: skip
+            out = mul_blocks(v2, sc, m, k)
         else:
             out = v2 * expand_blocks(sc, self.block, s2)
         if self.global_scale is not None:

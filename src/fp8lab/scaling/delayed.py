@@ -186,6 +186,23 @@ class DelayedScalingState:
             group=group,
         )
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors live (all on one device)."""
+        return self.scale.device
+
+    def to(self, device: torch.device | str) -> DelayedScalingState:
+        """Move the tensors to ``device`` in place (no-op when they are there; dtypes kept);
+        returns ``self``. From the ``meta`` device the tensors are allocated uninitialised (as a
+        module's ``to_empty``): load a state afterwards."""
+        device = torch.device(device)
+        if self.scale.device == device:
+            return self
+        for name, t in self.tensors().items():
+            new = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+            setattr(self, name, new)
+        return self
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors by `STATE_KEYS` name (not copies)."""
         return {k: getattr(self, k) for k in STATE_KEYS}
@@ -340,7 +357,19 @@ class DelayedScaling:
         return self.state.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a `state_dict` in place (from any device: the tensors stay where they are)."""
         self.state.load_state_dict(state)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the state's tensors (the device of the tensor it observes)."""
+        return self.state.device
+
+    def to(self, device: torch.device | str) -> DelayedScaling:
+        """Move the state to ``device`` in place (no-op when it is there); returns ``self``.
+        A `fp8lab.qtensor.Quantizer` does this when it quantizes a tensor on another device."""
+        self.state.to(device)
+        return self
 
     @property
     def scale(self) -> torch.Tensor:
@@ -388,7 +417,15 @@ class DelayedScaling:
         return m
 
     def _scaled_max(self, fmt_max: float) -> torch.Tensor:
-        return torch.tensor(fmt_max * 2.0 ** (-self.total_margin), dtype=torch.float32)
+        return self._const(fmt_max * 2.0 ** (-self.total_margin))
+
+    def _const(self, v: float) -> torch.Tensor:
+        """A float32 scalar on the state's device."""
+        return torch.tensor(v, dtype=torch.float32, device=self.state.device)
+
+    def _as_state(self, v: torch.Tensor | float) -> torch.Tensor:
+        """``v`` as a float32 scalar on the state's device."""
+        return torch.as_tensor(v, dtype=torch.float32).to(self.state.device).reshape(())
 
     # ------------------------------------------------------------------ per quantize call
     def observe(self, amax: torch.Tensor | float) -> None:
@@ -398,13 +435,13 @@ class DelayedScaling:
         """
         if not self.measuring:
             return
-        a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+        a = self._as_state(amax)
         h0 = self.state.amax_history[0:1]
         h0.copy_(torch.fmax(h0, a.reshape(1)))
 
     def stage(self, amax: torch.Tensor | float) -> None:
         """Overwrite the staging slot ``amax_history[0]`` (as a reduced amax does; NaN kept)."""
-        self.state.amax_history[0] = torch.as_tensor(amax, dtype=torch.float32)
+        self.state.amax_history[0] = self._as_state(amax)
 
     def scale_for(
         self, amax: torch.Tensor | None = None, fmt: str | FloatFormat | None = None
@@ -416,11 +453,11 @@ class DelayedScaling:
         """
         if self.cfg.first_step == "current" and not self.initialized and amax is not None:
             fmax = self._fmt_max(fmt)
-            a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+            a = self._as_state(amax)
             s = torch.div(self._scaled_max(fmax), a)
             ok = torch.isfinite(a) & (a > 0)
             s = torch.where(ok, s, self.state.scale)
-            return torch.where(torch.isinf(s), torch.tensor(FLT_MAX), s)
+            return torch.where(torch.isinf(s), self._const(FLT_MAX), s)
         if fmt is not None:
             self.set_format(fmt)
         return self.state.scale.clone()
@@ -431,7 +468,7 @@ class DelayedScaling:
         if not self.cfg.reduce_amax or reduced is None:
             return h0
         # reduced by a reducer (module doc); TE keeps the local amax where the reduction gave 0
-        red = torch.as_tensor(reduced, dtype=torch.float32).reshape(())
+        red = self._as_state(reduced)
         return torch.where(red != 0, red, h0)
 
     def _fused_update(self, last: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +481,7 @@ class DelayedScaling:
             hist[-1] = last
             hist[0] = 0.0
         else:
-            amax_max = torch.zeros((), dtype=torch.float32)
+            amax_max = self._const(0.0)
         amax = last if self.cfg.algorithm == "most_recent" else amax_max
         ok = torch.isfinite(amax) & (amax > 0)
         return torch.where(ok, torch.div(self._scaled_max(fmax), amax), self.state.scale), ok
@@ -455,7 +492,7 @@ class DelayedScaling:
         hist[0] = last
         algo = self.cfg.algorithm
         if callable(algo):
-            amax = torch.as_tensor(algo(hist.clone()), dtype=torch.float32).reshape(())
+            amax = self._as_state(algo(hist.clone()))
         elif algo == "max":
             amax = torch.max(hist)  # NaN propagates, as in TE's Python path
         else:
@@ -500,7 +537,7 @@ class DelayedScaling:
             scale, ok = self._fused_update(last, fmax)
         else:
             scale, ok = self._python_update(last, fmax)
-        scale = torch.where(torch.isinf(scale), torch.tensor(FLT_MAX), scale)
+        scale = torch.where(torch.isinf(scale), self._const(FLT_MAX), scale)
         st.scale.copy_(scale)
         if bool(ok):
             st.initialized.fill_(1)

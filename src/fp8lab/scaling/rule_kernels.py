@@ -20,6 +20,8 @@ from numba import njit
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import FloatFormat, get_format
+from fp8lab.kernels import use_torch
+from fp8lab.scaling import rules
 from fp8lab.scaling.rules import max_scale
 
 __all__ = ["MX_RULES", "max_rule_args", "max_rule_scales", "mx_rule_args", "mx_rule_scales",
@@ -27,7 +29,7 @@ __all__ = ["MX_RULES", "max_rule_args", "max_rule_scales", "mx_rule_args", "mx_r
 
 MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
 _MAX_SCALE = inspect.signature(max_scale)  # max_rule_scales' options are max_scale's
-_MX_MODE = {"mx_floor": 0, "mx_ceil": 1, "mx_even": 2, "mx_rceil": 3}
+_MX_MODE = {rule: i for i, rule in enumerate(MX_RULES)}  # the kernels' mode numbers
 
 
 def max_rule_scales(
@@ -72,7 +74,10 @@ def run_rule(
     kernel: Callable[..., None], args: tuple[Any, ...], amax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernel(amax, *args, scale, scale_inv)`` (a kernel of `max_rule_args` / `mx_rule_args`)
-    into fresh float32 tensors of ``amax``'s shape; the MX kernels read the amax bits."""
+    into fresh float32 tensors of ``amax``'s shape and device; the MX kernels read the amax
+    bits. On another device (`fp8lab.kernels.use_torch`) the rule functions run instead."""
+    if use_torch(amax, what="scale rule"):
+        return _run_rule_torch(kernel is _mx_rule_scales, args, amax)
     a = np.ascontiguousarray(amax.to(torch.float32).numpy()).reshape(-1)
     if kernel is _mx_rule_scales:
         a = a.view(np.uint32)
@@ -81,6 +86,26 @@ def run_rule(
     kernel(a, *args, s_np, inv_np)
     shape = amax.shape
     return torch.from_numpy(s_np).reshape(shape), torch.from_numpy(inv_np).reshape(shape)
+
+
+def _run_rule_torch(
+    mx: bool, args: tuple[Any, ...], amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_rule` with the rule functions of `fp8lab.scaling.rules` (any device): the `max` rule
+    from ``(scaled_max, epsilon, value_for_inf)``, an MX rule from ``(mode, emax, mbits,
+    fl32(1/fmt_max))``."""
+    a = amax.to(torch.float32)
+    if not mx:
+        scaled_max, eps, vinf = (float(v) for v in args)
+        s = rules.scale_from_max(a, scaled_max, eps, vinf)
+        return s, torch.reciprocal(s)
+    mode, emax, mbits, recip = args
+    if MX_RULES[mode] == "mx_rceil":
+        r = torch.tensor(float(recip), dtype=torch.float32, device=a.device)
+        code = rules.rceil_code(a.abs() * r)  # fl32(amax * fl32(1/fmt_max)), as TE
+    else:
+        code = rules.mx_code(a, MX_RULES[mode].removeprefix("mx_"), int(emax), int(mbits))
+    return rules.e8m0_to_scale(code), rules.e8m0_to_scale_inv(code)
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: x / 0 -> inf, no exception

@@ -100,21 +100,28 @@ def max_scale(
 ) -> torch.Tensor:
     """TE current scaling: ``scale = fmt_max * 2**-margin / amax`` (see module doc)."""
     f = get_format(fmt)
+    return scale_from_max(_f32(amax), f.max * 2.0 ** (-int(margin)), epsilon, value_for_inf)
+
+
+def scale_from_max(
+    amax: torch.Tensor, scaled_max: float, epsilon: float, value_for_inf: float
+) -> torch.Tensor:
+    """`max_scale` from its float32 constants (``scaled_max = fmt_max * 2**-margin``): float32,
+    ``amax``'s shape and device; the one definition the fused kernels are tested against."""
     amax = _f32(amax)
+    dev = amax.device
     if epsilon > 0:
-        eps = torch.tensor(float(epsilon), dtype=torch.float32)
+        eps = torch.tensor(float(epsilon), dtype=torch.float32, device=dev)
         amax = torch.where(amax < eps, eps, amax)  # NaN < eps is False: NaN stays NaN
-    scaled_max = torch.tensor(f.max * 2.0 ** (-int(margin)), dtype=torch.float32)
-    scale = torch.div(scaled_max, amax)  # IEEE division: correctly rounded
+    scale = torch.div(torch.tensor(scaled_max, dtype=torch.float32, device=dev), amax)  # IEEE
     good = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(good, scale, torch.ones((), dtype=torch.float32))
-    return torch.where(
-        torch.isinf(scale), torch.tensor(float(value_for_inf), dtype=torch.float32), scale
-    )
+    scale = torch.where(good, scale, torch.ones((), dtype=torch.float32, device=dev))
+    vinf = torch.tensor(float(value_for_inf), dtype=torch.float32, device=dev)
+    return torch.where(torch.isinf(scale), vinf, scale)
 
 
 def _bits_down(b: torch.Tensor) -> torch.Tensor:
-    return b & torch.tensor(-8388608, dtype=torch.int32)  # 0xFF800000
+    return b & -8388608  # 0xFF800000
 
 
 def _bits_up(b: torch.Tensor) -> torch.Tensor:
@@ -171,7 +178,17 @@ def mx_exponent(
     """
     f = get_format(fmt)
     amax = _f32(amax).abs()
-    emax = f.emax
+    if mode == "rceil":
+        fmax = torch.tensor(f.max, dtype=torch.float32, device=amax.device)
+        # TE forms fl32(amax * fl32(1/fmt_max)); DeepGEMM's reference divides
+        return rceil_code(torch.div(amax, fmax) if divide else amax * torch.reciprocal(fmax))
+    return mx_code(amax, mode, f.emax, f.mbits)
+
+
+def mx_code(amax: torch.Tensor, mode: str, emax: int, mbits: int) -> torch.Tensor:
+    """`mx_exponent` of ``|amax|`` (float32) for ``mode`` floor | ceil | even, from the element
+    format's ``emax`` and ``mbits``: int32 codes, ``amax``'s shape and device."""
+    amax = _f32(amax).abs()
     if mode == "floor":
         return _clamp_code(_exp_field(amax) - 127 - emax, amax)
     if mode == "ceil":
@@ -179,7 +196,7 @@ def mx_exponent(
         e = ((b >> 23) & 0xFF) - 127 + ((b & _MANT_MASK) != 0).to(torch.int32)
         return _clamp_code(e - emax, amax)
     if mode == "even":
-        mbits_diff = 23 - f.mbits
+        mbits_diff = 23 - mbits
         b = _bits(amax)
         b = (b + (1 << (mbits_diff - 1))) & 0x7F800000 if mbits_diff > 0 else b & 0x7F800000
         # a finite amax whose rounding carries past the largest exponent (FLT_MAX, 1.9375 *
@@ -187,33 +204,43 @@ def mx_exponent(
         # for e4m3); only a non-finite amax gives 255 (_clamp_code)
         e = ((b >> 23) & 0xFF) - 127
         return _clamp_code(e - emax, amax)
-    if mode == "rceil":
-        fmax = torch.tensor(f.max, dtype=torch.float32)
-        # TE forms fl32(amax * fl32(1/fmt_max)); DeepGEMM's reference divides
-        r = torch.div(amax, fmax) if divide else amax * torch.reciprocal(fmax)
-        b = _bits(r)
-        e = (b >> 23) & 0xFF
-        mant = b & _MANT_MASK
-        bump = (mant > 0) & (e != 0xFE) & ~((e == 0) & (mant <= 0x400000))
-        code = e + bump.to(torch.int32)
-        code = torch.where(torch.isinf(r), torch.full_like(code, 0xFE), code)
-        code = torch.where(torch.isnan(r), torch.full_like(code, 0xFF), code)
-        return torch.where(r == 0, torch.zeros_like(code), code)
     raise ValueError(f"unknown MX scale mode {mode!r}; use floor, ceil, even or rceil")
+
+
+def rceil_code(r: torch.Tensor) -> torch.Tensor:
+    """The ``mx_rceil`` code of the quotient ``r = amax / fmt_max`` (float32, formed by the
+    caller): ``ceil(log2 r)`` on its bits (inf -> 254, NaN -> 255, 0 -> 0); int32."""
+    b = _bits(r)
+    e = (b >> 23) & 0xFF
+    mant = b & _MANT_MASK
+    bump = (mant > 0) & (e != 0xFE) & ~((e == 0) & (mant <= 0x400000))
+    code = e + bump.to(torch.int32)
+    code = torch.where(torch.isinf(r), torch.full_like(code, 0xFE), code)
+    code = torch.where(torch.isnan(r), torch.full_like(code, 0xFF), code)
+    return torch.where(r == 0, torch.zeros_like(code), code)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2**e`` as float32 for an int32 tensor ``e``, built on the bits (exact on every device):
+    subnormal below -126, 0 below -149, inf above 127."""
+    normal = ((e.clamp(-126, 128) + 127) << 23).view(torch.float32)
+    sub = (1 << (e.clamp(-149, -127) + 149)).view(torch.float32)
+    out = torch.where(e >= -126, normal, sub)
+    return torch.where(e < -149, torch.zeros_like(out), out)
 
 
 def e8m0_to_scale_inv(code: torch.Tensor) -> torch.Tensor:
     """``2**(code-127)`` as float32 (code 255 -> NaN). The dequantization multiplier."""
     code = code.to(torch.int32)
-    out = torch.ldexp(torch.ones(code.shape, dtype=torch.float32), (code - 127).float())
-    return torch.where(code == 255, torch.full_like(out, float("nan")), out.float())
+    out = _pow2(code - 127)
+    return torch.where(code == 255, torch.full_like(out, float("nan")), out)
 
 
 def e8m0_to_scale(code: torch.Tensor) -> torch.Tensor:
     """``2**(127-code)`` as float32 (code 254 -> 2**-127, a subnormal; 255 -> NaN)."""
     code = code.to(torch.int32)
-    out = torch.ldexp(torch.ones(code.shape, dtype=torch.float32), (127 - code).float())
-    return torch.where(code == 255, torch.full_like(out, float("nan")), out.float())
+    out = _pow2(127 - code)
+    return torch.where(code == 255, torch.full_like(out, float("nan")), out)
 
 
 def _mx_rule(mode: str) -> Callable[..., torch.Tensor]:
@@ -287,21 +314,22 @@ def nvfp4_scales(
     f = get_format(fmt)
     sf = get_format(scale_format)
     block_amax = _f32(block_amax)
-    fmax = torch.tensor(f.max, dtype=torch.float32)
-    smax = torch.tensor(sf.max, dtype=torch.float32)
-    flt_max = torch.tensor(FLT_MAX, dtype=torch.float32)
-    one = torch.ones((), dtype=torch.float32)
+    dev = block_amax.device
+    fmax = torch.tensor(f.max, dtype=torch.float32, device=dev)
+    smax = torch.tensor(sf.max, dtype=torch.float32, device=dev)
+    flt_max = torch.tensor(FLT_MAX, dtype=torch.float32, device=dev)
+    one = torch.ones((), dtype=torch.float32, device=dev)
     if tensor_scale is not None:
         ts = float(tensor_scale)
         if not (math.isfinite(ts) and ts > 0):
             raise ValueError(f"tensor_scale must be a positive finite float, got {tensor_scale!r}")
-        s_dec = torch.tensor(ts, dtype=torch.float32)
+        s_dec = torch.tensor(ts, dtype=torch.float32, device=dev)
         s_enc = torch.minimum(torch.reciprocal(s_dec), flt_max)
     elif tensor_amax is None:
         s_blk = _to_scale_grid(torch.div(block_amax, fmax).clamp(sf.min_subnormal, sf.max), sf)
         return s_blk, one, torch.reciprocal(s_blk)
     else:
-        tensor_amax = _f32(tensor_amax)
+        tensor_amax = _f32(tensor_amax).to(dev)
         s_enc = torch.minimum(torch.div(smax * fmax, tensor_amax), flt_max)
         s_enc = torch.where((tensor_amax == 0) | (s_enc == 0), one, s_enc)
         s_dec = torch.reciprocal(s_enc)
