@@ -199,3 +199,25 @@ def test_debug_runs_on_hf_dir_and_a_token_file(tmp_path, text, llama_dir):
     result = json.loads(res.stdout)
     assert result["recipe"] == "te-current" and result["gap_pct"] is not None
     assert (out / "report.html").exists()
+
+
+def test_bin_id_type_follows_a_model_vocabulary_over_65536(tmp_path):
+    """``--token-dtype auto`` with no tokenizer: the model's declared vocabulary chooses, and
+    the choice is recorded in the config (a resume reads the same ids)."""
+    from fp8lab.cli._common import check_model_data
+    from fp8lab.lab.data import DataConfig
+    from fp8lab.lab.models import ModelConfig
+    from fp8lab.lab.train import LabConfig
+
+    np.array([70_000, 5, 69_999] * 300, np.uint32).tofile(tmp_path / "ids.bin")
+    (tmp_path / "big.json").write_text(json.dumps({"model_type": "llama", **LLAMA,
+                                                   "vocab_size": 70_016}))  # fmt: skip
+    data = DataConfig(paths=(str(tmp_path / "ids.bin"),), split_chunk=64)
+    cfg = LabConfig(model=ModelConfig(factory=f"hf:{tmp_path / 'big.json'}", block_size=8),
+                    data=data)  # fmt: skip
+    assert check_model_data(cfg).data.token_dtype == "uint32"
+    small = LabConfig(model=ModelConfig(block_size=8), data=data)  # the GPT: 256 ids, uint16
+    with pytest.raises(ValueError, match="is outside the vocabulary of the model"):
+        check_model_data(small)
+    assert check_model_data(LabConfig(model=ModelConfig(block_size=8, vocab_size=70_016),
+                                      data=data)).data.token_dtype == "uint32"  # fmt: skip

@@ -64,7 +64,8 @@ Tokenizer = Annotated[Path | None, typer.Option(
 TokenDtype = Annotated[str | None, typer.Option(
     "--token-dtype",
     help="Id type of a .bin token file given to --data: uint16, uint32, or auto (default: "
-    "uint32 when --tokenizer has more than 65536 ids, else uint16, as nanoGPT writes them).",
+    "uint32 when the vocabulary, --tokenizer's or else the model config's, has more than "
+    "65536 ids, else uint16, as nanoGPT writes them).",
     show_default=False,
 )]  # fmt: skip
 #: --init-from: initial weights for the built-in GPT or a factory's model
@@ -240,19 +241,30 @@ def with_run_options(
     return cfg
 
 
-def check_model_data(cfg: Any) -> None:
+def check_model_data(cfg: Any) -> Any:
     """Before any training: the model's weight files exist and fit (their hashes are taken),
     and the data's tokens fit the model's vocabulary (a tokenizer or token file); ValueError
-    naming the file otherwise. Byte text always fits (every model has V >= 256)."""
+    naming the file otherwise. Byte text always fits (every model has V >= 256). Returns
+    ``cfg`` with a ``.bin`` file's ``token_dtype = "auto"`` made concrete when no tokenizer
+    gives the vocabulary: uint32 when the model declares more than 65536 ids
+    (`fp8lab.lab.tokens.bin_dtype`), recorded so that a resume reads the same ids."""
+    from dataclasses import replace
+
     from fp8lab.lab import models
     from fp8lab.lab.data import load_corpus
-    from fp8lab.lab.tokens import is_token_file
+    from fp8lab.lab.tokens import bin_dtype, is_token_file
 
     models.model_identity(cfg.model)  # a missing --init-from or weight file fails here
     paths = cfg.data.paths
-    if cfg.data.tokenizer or (paths and is_token_file(paths[0])):
+    token_file = bool(paths) and is_token_file(paths[0])
+    if token_file and cfg.data.token_dtype == "auto" and not cfg.data.tokenizer:
+        dtype = bin_dtype("auto", models.declared_vocab(cfg.model)).name
+        if dtype != "uint16" and paths[0].lower().endswith(".bin"):
+            cfg = replace(cfg, data=replace(cfg.data, token_dtype=dtype))
+    if cfg.data.tokenizer or token_file:
         corpus = load_corpus(cfg.data, cfg.model.block_size)
         models.check_data_fits(cfg.model, corpus, cfg.train.seed)
+    return cfg
 
 
 def fitted_tables(

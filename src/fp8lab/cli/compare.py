@@ -498,7 +498,7 @@ def _plan(
 ) -> _Plan:  # fmt: skip
     """Check everything that can fail before any training (ValueError) and join torchrun."""
     cfg.check()
-    check_model_data(cfg)  # weight files, and tokens that fit the model's vocabulary
+    cfg = check_model_data(cfg)  # weight files; tokens that fit the model's vocabulary
     anomaly_guard = _guard(*guard)
     if not names:
         raise ValueError("--recipes: no recipe given")

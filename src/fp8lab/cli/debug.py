@@ -211,7 +211,7 @@ def _setup(
     if scenario is not None:
         cfg = cfg.replace_train(**get_scenario(scenario).train)
     cfg = with_run_options(cfg, overrides, model, steps, data, **(inputs or {}))
-    check_model_data(cfg)  # weight files, and tokens that fit the model's vocabulary
+    cfg = check_model_data(cfg)  # weight files; tokens that fit the model's vocabulary
     expect = None
     if scenario is not None:
         rec, cfg, expect = plant(scenario, cfg)
