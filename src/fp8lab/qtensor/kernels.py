@@ -20,7 +20,10 @@ from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import cast, get_format
 from fp8lab.kernels import use_torch
-from fp8lab.qtensor import kernels_torch as _kt
+from fp8lab.qtensor.kernels_torch import block_amax as _t_block_amax
+from fp8lab.qtensor.kernels_torch import max_abs_diff as _t_max_abs_diff
+from fp8lab.qtensor.kernels_torch import mul_blocks as _t_mul_blocks
+from fp8lab.qtensor.kernels_torch import scale_cast as _t_scale_cast
 from fp8lab.scaling.granularity import num_blocks, resolve_block
 
 if TYPE_CHECKING:
@@ -266,7 +269,7 @@ def mul_blocks(x2: torch.Tensor, mult: torch.Tensor, m: int, k: int) -> torch.Te
     if x2.numel() == 0:
         return out
     if use_torch(x2, what="dequantize"):
-        return _kt.mul_blocks(x2, mult.to(device=x2.device, dtype=torch.float32), m, k, out)
+        return _t_mul_blocks(x2, mult.to(device=x2.device, dtype=torch.float32), m, k, out)
     rows, cols = x2.shape
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
     _mul_blocks(x2.view(-1).numpy(), rows, cols, m, k, mult_np, out.view(-1).numpy())
@@ -281,7 +284,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.detach().reshape(-1).to(torch.float32).contiguous()
     b = b.detach().reshape(-1).to(torch.float32).contiguous()
     if use_torch(a, b, what="max abs diff"):
-        return _kt.max_abs_diff(a, b)
+        return _t_max_abs_diff(a, b)
     return float(_max_abs_diff(a.numpy(), b.numpy()))
 
 
@@ -329,7 +332,7 @@ def block_amax(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tens
     """`_block_amax_fast` with the block ``(m, k)`` and the block counts ``(nr, nc)`` resolved
     (`fp8lab.qtensor.quantizer.Quantizer` resolves them once per shape)."""
     if use_torch(x2, what="block amax"):
-        return _kt.block_amax(x2, m, k, nr, nc)
+        return _t_block_amax(x2, m, k, nr, nc)
     rows, cols = x2.shape
     if x2.numel() == 0:
         return torch.zeros((nr, nc), dtype=torch.float32)
@@ -375,7 +378,7 @@ def scale_cast(
     Runs on ``x2``'s device (`fp8lab.kernels.use_torch`); the buffers must be there too.
     """
     if use_torch(x2, out, deq, what="quantize"):
-        return _kt.scale_cast(x2, mult, m, k, g, spec, generator, out, deq, inv, global_scale)
+        return _t_scale_cast(x2, mult, m, k, g, spec, generator, out, deq, inv, global_scale)
     rows, cols = x2.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32)
