@@ -320,3 +320,39 @@ def test_tokenizer_encodes_text_and_its_vocabulary_is_checked(tmp_path):
     (tmp_path / "broken.json").write_text("{}")
     with pytest.raises(ValueError, match=r"broken\.json: not a tokenizers tokenizer\.json"):
         load_corpus(DataConfig(paths=cfg.paths, tokenizer=str(tmp_path / "broken.json")), 8)
+
+
+# ----------------------------------------------------------------------------- training on ids
+def test_a_token_file_of_the_bytes_trains_exactly_like_the_text_and_resumes(tmp_path):
+    """The same ids through a memory-mapped .bin and through the in-memory byte split give
+    bit-identical runs; a run on the .bin resumes bit for bit and refuses a changed file."""
+    from fp8lab.lab.checkpoint import ConfigMismatchError
+    from fp8lab.lab.gpt import GPTConfig
+    from fp8lab.lab.train import LabConfig, TrainConfig, train_run
+
+    text = "All the world's a stage, and all the men and women merely players. " * 60
+    (tmp_path / "t.txt").write_text(text)
+    np.frombuffer(text.encode(), np.uint8).astype(np.uint16).tofile(tmp_path / "t.bin")
+    cfg = LabConfig(
+        model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32, d_ff=64),
+        train=TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=3,
+                          eval_batches=2, stats_every=0, checkpoint_every=3),
+    )  # fmt: skip
+
+    def corpus(name):
+        return load_corpus(DataConfig(paths=(str(tmp_path / name),), split_chunk=256), 16)
+
+    def losses(r):
+        return [(x["step"], x["train_loss"], x.get("val_loss"), x["grad_norm"]) for x in r.records]
+
+    by_text = train_run(None, cfg, corpus("t.txt"))
+    full = train_run(None, cfg, corpus("t.bin"), tmp_path / "full")
+    assert losses(full) == losses(by_text)
+    train_run(None, cfg, corpus("t.bin"), tmp_path / "part", stop_after=3)
+    train_run(None, cfg, corpus("t.bin"), tmp_path / "changed", stop_after=3)
+    assert losses(train_run(None, cfg, corpus("t.bin"), tmp_path / "part")) == losses(full)
+    ids = np.fromfile(tmp_path / "t.bin", np.uint16)
+    ids[100] = 7  # the same size, another id
+    ids.tofile(tmp_path / "t.bin")
+    with pytest.raises(ConfigMismatchError, match="training text changed"):
+        train_run(None, cfg, corpus("t.bin"), tmp_path / "changed")
