@@ -65,6 +65,8 @@ def ref_step(c: float, avs, bvs, acc: Accumulator, fmts) -> float:
         return float(F32(s) + F32(c))
     if c != 0:
         terms.append((Fraction(c), max(_floor_log2(abs(Fraction(c))), -126)))
+    if acc.align_bits is None:  # exact sum, c one of its terms, cut toward zero
+        return _round_fp32(sum((t for t, _ in terms), Fraction(0)), acc.out_bits, False)
     if not terms:
         return 0.0
     e = max(max(x for _, x in terms), acc.exp_floor)
@@ -259,6 +261,9 @@ def _edge_operand(shape, fmt, seed):
     return x
 
 
+_EXACT = Accumulator("fused", group=16, align_bits=None, out_bits=13)
+
+
 @pytest.mark.parametrize(
     ("hw", "fa", "fb", "k", "pe", "seed"),
     [
@@ -271,6 +276,8 @@ def _edge_operand(shape, fmt, seed):
         ("ada", "fp16", "fp16", 64, None, 7),
         ("b200", "e5m2", "e4m3", 128, None, 8),
         ("b200-tcgen05", "e4m3", "e4m3", 96, None, 9),
+        (_EXACT, "e4m3", "e5m2", 100, None, 10),  # exact sums chained through an aligned c
+        (_EXACT, "bf16", "bf16", 64, None, 11),
     ],
 )
 def test_random_chains_match_exact_reference(hw, fa, fb, k, pe, seed):
@@ -280,7 +287,8 @@ def test_random_chains_match_exact_reference(hw, fa, fb, k, pe, seed):
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(m, n, generator=g) * 1e4
     c[0, 0], c[1, 1] = 0.0, float(F32(2.0**-140))
-    acc = Accumulator(hw, promote_every=pe).resolve(fa, fb)
+    acc = Accumulator.parse(hw, (fa, fb)) if isinstance(hw, Accumulator) else None
+    acc = acc or Accumulator(hw, promote_every=pe).resolve(fa, fb)
     want = ref_fused(qa, qb, acc, c)
     got = qmatmul(qa, qb, acc, c=c).numpy()
     np.testing.assert_array_equal(_bits(got), _bits(want))
@@ -301,6 +309,7 @@ def test_block_scales_promoted_match_exact_reference():
     np.testing.assert_array_equal(qmatmul(qa, qb, acc).numpy(), ref_fused(qa, qb, acc))
 
 
+@pytest.mark.numba_only  # numba's fast kernel against its reference kernel
 @pytest.mark.parametrize("seed", range(4))
 def test_fast_kernel_equals_reference_kernel_at_gemm_scale(seed):
     # more rows and columns than one tile/job of the fast kernel, sparse rows, both formats
@@ -393,6 +402,7 @@ def test_describe():
     assert acc.describe() == "fused(G=32, F=exact, out=23, c after)"
 
 
+@pytest.mark.numba_only  # numba's fast kernel against its reference kernel
 @pytest.mark.parametrize("seed", range(2))
 def test_fast_kernel_every_count_of_nonzero_terms(seed):
     # rows of every density, so that a 32-element group holds every number of nonzero a

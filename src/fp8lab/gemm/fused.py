@@ -20,7 +20,8 @@ The published model (Khattak & Mikaitis, "Accurate Models of NVIDIA Tensor Cores
 
 ``c_entry="after"`` (B200 ``mma.sync`` FP8): the G products are summed exactly, rounded toward
 zero to ``out_bits`` (23), then ``c`` is added with one FP32 round-to-nearest-even addition.
-``align_bits=None`` is that exact sum.
+``align_bits=None`` is that exact sum (with ``c_entry="aligned"`` c is one more term of it),
+cut toward zero whatever ``out_rounding`` says.
 
 Promotion (``promote_every = N_C``): after every N_C K elements the step result is added to an
 FP32 total with the K group's scales, ``total += (sa * sb) * acc``, and the chain restarts at 0
@@ -132,7 +133,7 @@ def _exact_sum_rz(xs, n, out_bits):  # pragma: no cover - numba
     r = _round_out(hi, out_bits, False)
     if np.float64(r) == hi and rest != 0.0 and (rest < 0.0) != (hi < 0.0):
         p = _prev_toward_zero(abs(hi), out_bits)
-        r = np.float32(p if hi > 0 else -p) if p != 0.0 else np.float32(0.0)
+        r = np.float32(p if hi > 0 else -p) if p != 0.0 else np.float32(0.0 if hi > 0 else -0.0)
     return r
 
 
@@ -142,11 +143,12 @@ def _step64(c, va, pa, vb, pb, r, n, k0, k1, f_bits, out_bits, rne, c_after, flo
 
     ``f_bits < 0``: exact sum (then RZ to ``out_bits``). Returns the float32 result."""
     c64 = np.float64(c)
-    if f_bits < 0:
-        xs = np.empty(k1 - k0, dtype=np.float64)
+    if f_bits < 0:  # exact sum; an aligned c is one more term of it
+        xs = np.empty(k1 - k0 + 1, dtype=np.float64)
         for k in range(k0, k1):
             xs[k - k0] = np.float64(va[r, k]) * np.float64(vb[k, n])
-        s = _exact_sum_rz(xs, k1 - k0, out_bits)
+        xs[k1 - k0] = 0.0 if c_after else c64
+        s = _exact_sum_rz(xs, k1 - k0 + 1, out_bits)
         return s + np.float32(c) if c_after else s
     p = 0.0
     for k in range(k0, k1):
@@ -388,7 +390,8 @@ def fused(
     """The fused model over quantized ``a`` [M, K], ``b`` [K, N] (+ FP32 ``c`` [M, N]).
 
     ``acc`` must be resolved (`Accumulator.resolve`). ``fast``: None picks the fast kernel
-    where it applies; False forces the reference kernel (tests)."""
+    where it applies (finite operands); False forces the reference kernel (tests). Under the
+    torch kernels (`fp8lab.kernels`) one kernel computes both (`fused_torch`)."""
     m, k = a.shape
     n = b.shape[1]
     pe = acc.promote_every
@@ -405,6 +408,10 @@ def fused(
     if use_fast and not fast_path_applies(acc, fa, fb):
         raise ValueError(f"the fast fused kernel does not apply to {acc} on {fa} x {fb}")
     generic = use_torch(a.values, b.values, c, what="qmatmul (fused accumulator)")
+    if fast is None and use_fast and not generic:
+        # an inf/NaN operand makes a term NaN, whose int32 conversion in the fast kernel is
+        # garbage (INT_MIN on x86): such GEMMs take the reference kernel, which propagates NaN
+        use_fast = bool(torch.isfinite(a.values).all()) and bool(torch.isfinite(b.values).all())
     dt = torch.float32 if use_fast and not generic else torch.float64
     va = a.values.to(dt).contiguous()
     vb = b.values.to(dt).contiguous()

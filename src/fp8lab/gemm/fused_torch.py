@@ -139,9 +139,10 @@ def _step(
         float32 [...] accumulators out.
     """
     c_after = acc.c_entry == "after"
-    if acc.align_bits is None:
-        s = exact_sum_rz(prod, acc.out_bits)
-        return s + c if c_after else s
+    if acc.align_bits is None:  # exact sum; an aligned c is one more term of it
+        if c_after:
+            return exact_sum_rz(prod, acc.out_bits) + c
+        return exact_sum_rz(torch.cat([prod, c.to(torch.float64).unsqueeze(-1)], -1), acc.out_bits)
     c64 = c.to(torch.float64)
     cfin = torch.isfinite(c)
     aligned = torch.zeros_like(cfin) if c_after else c != 0
