@@ -48,11 +48,11 @@ model (--list-scenarios). --json prints exactly {"schema_version": 1, "recipe", 
 "attribution": [{"layer", "gemm", "role", "score"}], "remedies": [{"name", "gap_pct",
 "relative_cost"}], "fix", "probes": [{"name", "gap_pct"}]} (non-finite numbers null). Rerunning
 with the same --out resumes finished probes. --from-checkpoint PATH debugs a run fp8lab did
-not train: R, the baseline and the noise pair start from a checkpoint of your own loop
-(fp8lab.save_debug_checkpoint: weights, optimizer moments, FP8 state) and train --steps from
-there on --data, with --model your model (its weights must fit) and --recipe the recipe you
-trained with (its [[layer]] rules may name your model's layers); OUT/fix.toml names your
-layers, so fp8lab.nn.convert(model, "OUT/fix.toml") applies it. Exit code 2 on bad input.
+not train: every probe starts from a checkpoint of your own loop (fp8lab.save_debug_checkpoint:
+weights, optimizer moments, FP8 state) and trains --steps from there on --data, with --model
+your model (its weights must fit) and --recipe the recipe you trained with (its [[layer]] rules
+may name your model's layers); OUT/fix.toml names your layers, so
+fp8lab.nn.convert(model, "OUT/fix.toml") applies it. Exit code 2 on bad input.
 """
 
 
@@ -141,11 +141,8 @@ Jobs = Annotated[int, typer.Option(
 Threads = Annotated[int, typer.Option(
     "--threads", min=0, help="torch and numba threads per process (0 = defaults).")]  # fmt: skip
 FromCheckpoint = Annotated[Path | None, typer.Option(
-    "--from-checkpoint",
-    help="Start from this checkpoint of your own training loop "
-    "(fp8lab.save_debug_checkpoint); needs --recipe and --model.",
-    show_default=False,
-)]  # fmt: skip
+    "--from-checkpoint", show_default=False, help="Start from this checkpoint of your own "
+    "training loop (fp8lab.save_debug_checkpoint); needs --recipe and --model.")]  # fmt: skip
 JsonOut = json_flag("the result")
 
 
