@@ -112,6 +112,7 @@ def test_hf_config_json_keeps_its_meaning(tmp_path):
         ("pickled", ["only safetensors is read", "pytorch_model.bin"]),
         ("wrong_shape", ["do not fit the model", "of another shape", "model.safetensors"]),
         ("missing_shard", ["shard(s) that are missing"]),
+        ("corrupt", ["is not a readable safetensors file", "model.safetensors"]),
     ],
 )
 def test_bad_hf_dir_names_the_file(tmp_path, make, words):
@@ -126,6 +127,8 @@ def test_bad_hf_dir_names_the_file(tmp_path, make, words):
     elif make == "wrong_shape":  # weights of a wider model under this config
         save_llama(tmp_path / "wide", hidden_size=128, intermediate_size=256)
         (d / "model.safetensors").write_bytes((tmp_path / "wide/model.safetensors").read_bytes())
+    elif make == "corrupt":
+        (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     else:
         save_llama(d, shard="60KB")
         (d / "model.safetensors").unlink(missing_ok=True)

@@ -85,14 +85,16 @@ def _shards(spec: str, index: Path) -> list[Path]:
     return files
 
 
-def _read(files: list[Path], what: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _shapes(files: list[Path], what: str) -> dict[str, tuple[Path, list[int]]]:
+    """Each key of the files -> (its file, its shape), read from the headers only."""
+    from safetensors import SafetensorError, safe_open
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, tuple[Path, list[int]]] = {}
     for f in files:
         try:
-            out.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():  # noqa: SIM118 (a safetensors handle: not iterable)
+                    out[k] = (f, list(h.get_slice(k).get_shape()))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"{what}: {f} is not a readable safetensors file ({exc})") from None
     return out
@@ -112,20 +114,25 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_strict(model: nn.Module, files: list[Path], what: str) -> None:
-    """Copy the tensors of ``files`` into ``model`` (cast to its dtypes), checking first that
-    they fit: ValueError naming ``what`` and the files, listing the missing, unexpected and
-    mismatched keys. Keys matching the model's ``_keys_to_ignore_on_load_unexpected`` patterns
-    (transformers) are ignored."""
-    state = _read(files, what)
+    """Copy the tensors of ``files`` into ``model`` (cast to its dtypes), checking first, from
+    the files' headers, that they fit: ValueError naming ``what`` and the files, listing the
+    missing, unexpected and mismatched keys. Keys matching the model's
+    ``_keys_to_ignore_on_load_unexpected`` patterns (transformers) are ignored. One tensor is
+    read at a time: loading needs no second copy of the model in memory."""
+    from safetensors import safe_open
+
+    found = _shapes(files, what)
     own = model.state_dict()
     aliases = _aliases(model)
     ignore = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     ]
-    missing = [k for k in own if k not in state and not any(a in state for a in aliases[k])]
-    unexpected = [k for k in state if k not in own and not any(p.search(k) for p in ignore)]
-    wrong = [f"{k} {list(state[k].shape)} (model {list(own[k].shape)})"
-             for k in own if k in state and state[k].shape != own[k].shape]  # fmt: skip
+    source = {k: k if k in found else next((a for a in aliases[k] if a in found), None)
+              for k in own}  # fmt: skip
+    missing = [k for k, src in source.items() if src is None]
+    unexpected = [k for k in found if k not in own and not any(p.search(k) for p in ignore)]
+    wrong = [f"{k} {found[k][1]} (model {list(own[k].shape)})"
+             for k in own if k in found and found[k][1] != list(own[k].shape)]  # fmt: skip
     if missing or unexpected or wrong:
         parts = [f"{len(missing)} missing: {_listed(missing)}" if missing else "",
                  f"{len(unexpected)} unexpected: {_listed(unexpected)}" if unexpected else "",
@@ -136,11 +143,11 @@ def load_strict(model: nn.Module, files: list[Path], what: str) -> None:
             + "; ".join(p for p in parts if p)
         )
     with torch.no_grad():
-        for k, t in own.items():
-            src = state.get(k)
-            if src is None:  # a tied weight stored under another name
-                src = next(state[a] for a in aliases[k] if a in state)
-            t.copy_(src)
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for k, t in own.items():
+                    if found[source[k]][0] == f:
+                        t.copy_(h.get_tensor(source[k]))
 
 
 def read_config(spec: str, path: Path) -> dict[str, Any]:
