@@ -42,7 +42,9 @@ class DataConfig:
     tokenizer: a local ``tokenizer.json`` (HF ``tokenizers``) that encodes the text instead of
     UTF-8 bytes; with a token file, its vocabulary is the data's. Empty: bytes.
     token_dtype: the id type of a ``.bin`` file: "uint16", "uint32", or "auto" (uint32 when the
-    tokenizer has more than 65536 ids, else uint16, as nanoGPT writes GPT-2 tokens).
+    tokenizer has more than 65536 ids, else uint16, as nanoGPT writes GPT-2 tokens; ``fp8lab
+    compare`` and ``debug`` make it concrete from the model's vocabulary when no tokenizer is
+    given: `fp8lab.cli._common.check_model_data`).
     """
 
     paths: tuple[str, ...] = ()
