@@ -161,6 +161,17 @@ def test_save_pretrained_loads_into_the_unconverted_model_and_restores_on_conver
 
     with pytest.raises(ValueError, match=r"fp8lab_state.safetensors.*retarget=True"):
         convert(cls.from_pretrained(tmp_path), "mxfp8")
+    # converting in parts (another recipe for the MLPs) takes each part's saved state
+    parts = cls.from_pretrained(tmp_path)
+    convert(parts, "te-delayed", include="*self_attn*")
+    convert(parts, "te-delayed", include="*mlp*")
+    assert {k: ds.state_dict()["scale"] for k, ds in delayed_states(parts).items()} == {
+        k: s["scale"] for k, s in before.items()
+    }
+    more = cls.from_pretrained(tmp_path)  # more layers than were saved: the file is named
+    with pytest.raises(ValueError, match=r"no FP8 state for the layers \['lm_head'\]"):
+        convert(more, "te-delayed", default_exclude=False)
+    assert fp8lab.nn.converted(more) == []  # the failed call changed nothing
     fresh = convert(cls.from_pretrained(tmp_path), "mxfp8", retarget=True)
     assert all(isinstance(fresh.get_submodule(n), Linear) for n in fp8lab.nn.converted(fresh))
 

@@ -54,7 +54,12 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn.fp8_state import install_save_pretrained, load_fp8_state, pretrained_dir
+from fp8lab.nn.fp8_state import (
+    FP8_STATE_FILE,
+    install_save_pretrained,
+    load_fp8_state,
+    pretrained_dir,
+)
 from fp8lab.nn.linear import Linear
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
 from fp8lab.recipe.validate import check_layer_rules
@@ -292,8 +297,11 @@ def convert(
 def _restore(model: torch.nn.Module, saved: Any, fresh: list[str]) -> None:
     """Load the saved FP8 state into the layers just converted; on a mismatch swap them back
     (the failed call leaves the model as it was) and raise naming the file."""
-    try:
-        load_fp8_state(model, saved, layers=fresh)  # a resume: the saved scaling state
+    try:  # a resume: the saved scaling state (the file may hold layers a later convert takes)
+        loaded = load_fp8_state(model, saved, layers=fresh, strict=False)
+        missing = [n for n in fresh if n not in loaded]
+        if missing:
+            raise ValueError(f"{saved / FP8_STATE_FILE}: no FP8 state for the layers {missing}")
     except ValueError as exc:
         for name in fresh:
             parent_name, _, attr = name.rpartition(".")
