@@ -161,7 +161,7 @@ def test_save_pretrained_loads_into_the_unconverted_model_and_restores_on_conver
 
     with pytest.raises(ValueError, match=r"fp8lab_state.safetensors.*retarget=True"):
         convert(cls.from_pretrained(tmp_path), "mxfp8")
-    # converting in parts (another recipe for the MLPs) takes each part's saved state
+    # converting in parts (one call per part) takes each part's saved state
     parts = cls.from_pretrained(tmp_path)
     convert(parts, "te-delayed", include="*self_attn*")
     convert(parts, "te-delayed", include="*mlp*")
