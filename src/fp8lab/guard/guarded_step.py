@@ -26,6 +26,8 @@ optimizer step (or not) and ``zero_grad``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +39,14 @@ from fp8lab.guard.config import AnomalyGuard
 from fp8lab.guard.detectors import Finding
 from fp8lab.guard.session import GuardSession
 
-__all__ = ["ACTIONS", "GuardState", "GuardedStep", "StepResult"]
+__all__ = [
+    "ACTIONS",
+    "GuardState",
+    "GuardedStep",
+    "StepResult",
+    "guard_checkpoint",
+    "load_guard_checkpoint",
+]
 
 #: what `GuardedStep.step` did with a step's update
 ACTIONS = ("applied", "skipped", "rolled_back")
@@ -220,29 +229,45 @@ class GuardedStep:
     def state_dict(self) -> dict[str, Any]:
         """The guard's part of a user checkpoint (plain data: ``torch.load(weights_only=True)``
         reads it): detector statistics, configuration, states mid-restart and the counters."""
-        st = self.state
-        return {**self.session.checkpoint_extra(),
-                "loop": {"step": st.step, "cursor": st.cursor, "injected": list(st.injected),
-                         "guard_events": list(st.guard_events),
-                         "skip_batches": list(st.skip_batches),
-                         "escalations": [list(e) for e in st.escalations]}}  # fmt: skip
+        return guard_checkpoint(self.session, self.state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict`'s data. Call it *before* the model's state loads (an escalated
         layer's state was saved under its escalated recipe); a new last-good snapshot is taken
         once ``snapshot()`` is called after the model and optimizer are loaded."""
-        missing = [k for k in ("guard", "loop") if k not in state]
-        if missing:
-            raise ValueError(f"GuardedStep.load_state_dict: missing keys {missing}")
-        loop = state["loop"]
-        self.session.prepare_load(dict(state))
-        for k in ("step", "cursor", "injected", "guard_events", "skip_batches", "escalations"):
-            setattr(self.state, k, loop[k])
+        load_guard_checkpoint(self.session, self.state, state)
 
     def snapshot(self) -> None:
         """Take a last-good snapshot now (after loading a checkpoint into model and optimizer)."""
         self.session.snapshots.clear()
         self.session.snapshot(self.state)
+
+
+def guard_checkpoint(session: GuardSession | None, st: GuardState) -> dict[str, Any]:
+    """A guarded loop's checkpoint data (plain, JSON-able): ``loop`` (the `GuardState`
+    fields) and, with a session, its `GuardSession.checkpoint_extra`."""
+    out: dict[str, Any] = {"loop": {k: copy.deepcopy(v) for k, v in vars(st).items()}}
+    if session is not None:
+        out.update(session.checkpoint_extra())
+    return out
+
+
+def load_guard_checkpoint(
+    session: GuardSession | None, st: GuardState, state: Mapping[str, Any]
+) -> None:
+    """Restore `guard_checkpoint`'s data into ``session`` and ``st`` (escalations re-applied and
+    detector statistics loaded first: call it before the model's state loads)."""
+    loop = state.get("loop") if isinstance(state, Mapping) else None
+    if not isinstance(loop, Mapping) or (session is not None and "guard" not in state):
+        raise ValueError("not an fp8lab guard checkpoint: missing keys 'loop' or 'guard'")
+    names = [f.name for f in dataclasses.fields(GuardState)]
+    missing = [k for k in names if k not in loop]
+    if missing:
+        raise ValueError(f"not an fp8lab guard checkpoint: loop lacks {missing}")
+    if session is not None:
+        session.prepare_load(dict(state))
+    for k in names:
+        setattr(st, k, copy.deepcopy(loop[k]))
 
 
 def _position(position: Any) -> int:

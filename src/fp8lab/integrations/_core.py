@@ -19,12 +19,14 @@ import contextlib
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fp8lab.guard import AnomalyGuard, GuardSession, GuardState
+from fp8lab.guard.guarded_step import guard_checkpoint, load_guard_checkpoint
 from fp8lab.integrations.accelerate import check_prepared
 
 __all__ = ["GUARD_FILE", "CallbackCore"]
@@ -153,15 +155,7 @@ class CallbackCore:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The guard's state as plain data (JSON): detectors, configuration, counters."""
-        st = self.state
-        out: dict[str, Any] = {"loop": {"step": st.step, "cursor": st.cursor,
-                                        "injected": list(st.injected),
-                                        "guard_events": list(st.guard_events),
-                                        "skip_batches": list(st.skip_batches),
-                                        "escalations": [list(e) for e in st.escalations]}}  # fmt: skip
-        if self.session is not None:
-            out.update(self.session.checkpoint_extra())
-        return out
+        return guard_checkpoint(self.session, self.state)
 
     def save(self, directory: str | Path) -> None:
         """Write the FP8 state (`fp8lab.nn.save_fp8_state`) and the guard's (`GUARD_FILE`) into
@@ -188,20 +182,23 @@ class CallbackCore:
             return False
         if guard_file.is_file():
             try:
-                state = json.loads(guard_file.read_text())
-                loop = state["loop"]
+                self.load_state(json.loads(guard_file.read_text()))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{guard_file}: not an fp8lab guard state ({exc})") from None
-            if self.session is not None:
-                self.session.prepare_load(state)
-            for k, v in loop.items():
-                setattr(self.state, k, v)
         if fp8_file.is_file() and self._model is not None:
             load_fp8_state(self._model, fp8_file)
-        if self.session is not None:  # the loaded state is the first last-good one
+        self.snapshot()
+        return True
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict`'s data (before the model's FP8 state loads)."""
+        load_guard_checkpoint(self.session, self.state, state)
+
+    def snapshot(self) -> None:
+        """The current state is the first last-good one (after a checkpoint was loaded)."""
+        if self.session is not None:
             self.session.snapshots.clear()
             self.session.snapshot(self.state)
-        return True
 
     def resume(self, directory: str | Path | None) -> None:
         """`load` ``directory``, warning when a resumed run's checkpoint has no fp8lab state
