@@ -61,7 +61,7 @@ from fp8lab.kernels import kernel_counts, using_kernels
 from fp8lab.qtensor import QTensor
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("bit_identity", "scaled_mm", "step_time", "cast_time")
+SECTIONS = ("bit_identity", "scaled_mm", "cast_time", "distributed", "step_time")
 STEP_CASES = (
     "native-fp32",
     "native-bf16",
@@ -766,7 +766,7 @@ def time_case(case: str, sizes: Sizes, device: torch.device, budget_s: float) ->
 def step_worker(spec: dict[str, Any]) -> None:
     """The worker process: time each case of ``spec["cases"]`` in turn, each with an equal share
     of the time left, announcing it (``start``, its budget) and its result (``done``) on stdout."""
-    sizes = Sizes(**{**spec["sizes"], "quant_shapes": ()})
+    sizes = Sizes(**spec["sizes"])
     device = torch.device(spec["device"])
     _no_tf32()
     cases = list(spec["cases"])
@@ -792,7 +792,7 @@ def _emit(msg: dict[str, Any]) -> None:
 def _spawn(cases: list[str], sizes: Sizes, device: torch.device, deadline: float, err):
     spec = {
         "cases": cases,
-        "sizes": {**dataclasses.asdict(sizes), "quant_shapes": []},
+        "sizes": _sizes_json(sizes),
         "device": str(device),
         "deadline": deadline,
     }
@@ -895,6 +895,103 @@ def step_ratios(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ============================================================================ distributed
+DIST_CASES = (("ddp", False, False), ("fsdp", True, False), ("fsdp-fp8-allgather", True, True))
+
+
+def distributed(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, Any]:
+    """The ``distributed`` section: one torchrun rank (``--standalone --nproc-per-node 1``) joins
+    the process group the lab's way (`fp8lab.dist.runtime.init_from_env`: NCCL on LOCAL_RANK's GPU
+    on CUDA, gloo on the CPU) and trains three steps of the lab's GPT under te-delayed (amax group
+    world) with DDP, FSDP2 and FSDP2 with the FP8 all-gather. More ranks: not measured here."""
+    left = deadline - time.time()
+    if left < sizes.min_case_s:
+        return {"skipped": "time"}
+    spec = {"device": device.type, "sizes": _sizes_json(sizes)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += [str(Path(__file__).resolve()), "--_dist-worker", json.dumps(spec)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=left)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and its rank: the whole session it started
+        proc.communicate()
+        return {"skipped": "time", "budget_s": round(left, 1)}
+    msgs = [
+        json.loads(line[len(_WORKER_TAG) :])
+        for line in out.splitlines()
+        if line.startswith(_WORKER_TAG)
+    ]
+    if proc.returncode or not msgs:
+        return {"error": f"torchrun exited {proc.returncode}: {err.strip()[-600:]}"}
+    return msgs[-1]
+
+
+def _sizes_json(sizes: Sizes) -> dict[str, Any]:
+    return {**dataclasses.asdict(sizes), "quant_shapes": []}
+
+
+def dist_worker(spec: dict[str, Any]) -> None:
+    """The torchrun rank of `distributed`: join, train each of `DIST_CASES`, leave, report."""
+    from fp8lab.dist.runtime import init_from_env, leave_group, resolve_torch_device
+
+    sizes = Sizes(**spec["sizes"])
+    device = resolve_torch_device(spec["device"])
+    joined = "fp8lab.dist.runtime.init_from_env"
+    if init_from_env(device=spec["device"]) is None:
+        # the lab joins a group only when WORLD_SIZE > 1; one rank joins here the same way
+        joined = "gpu_check (init_from_env joins only when WORLD_SIZE > 1)"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _no_tf32()
+    d = torch.distributed
+    out: dict[str, Any] = {
+        "backend": d.get_backend(),
+        "world": d.get_world_size(),
+        "joined": joined,
+    }
+    out.update(rank=d.get_rank(), device=str(device), recipe="te-delayed", cases={})
+    for name, fsdp, fp8 in DIST_CASES:
+        try:
+            out["cases"][name] = _dist_case(sizes, device, fsdp, fp8)
+        except Exception as exc:
+            out["cases"][name] = {"error": _error(exc)}
+    _emit(out)
+    leave_group()
+
+
+def _dist_case(sizes: Sizes, device: torch.device, fsdp: bool, fp8: bool) -> dict[str, Any]:
+    from fp8lab.dist.ddp import DataParallel
+    from fp8lab.lab.gpt import GPTConfig
+    from fp8lab.lab.loop import DataParallelHook
+    from fp8lab.lab.step import TrainStep
+    from fp8lab.lab.train import TrainConfig, build_model, make_optimizer
+
+    cfg = GPTConfig(**{**sizes.gpt, "n_layer": min(2, sizes.gpt["n_layer"])})
+    recipe = fp8lab.get_recipe("te-delayed")
+    model = build_model(cfg, recipe, seed=0).to(device)
+    dp = DataParallel(model, "world", "fp32", fsdp=fsdp, fp8_allgather=fp8)
+    opt = make_optimizer(model, recipe, TrainConfig(lr=1e-4))  # after sharding: FSDP's params
+    hook = DataParallelHook(dp)
+    step = TrainStep(hook.loss, opt, None, 1.0, [hook])
+    idx = torch.randint(0, cfg.vocab_size, (sizes.batch, cfg.block_size + 1), generator=_gen(2))
+    batch = (idx[:, :-1].to(device), idx[:, 1:].to(device))
+    losses, times = [], []
+    for i in range(3):
+        t = time.perf_counter()
+        losses.append(step(i, batch).loss_value)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    rec = {"losses": losses, "finite": all(math.isfinite(v) for v in losses)}
+    rec.update(
+        step_ms=round(1e3 * statistics.median(times[1:]), 2), sharding=dp.state()["sharding"]
+    )
+    return rec
+
+
 # ============================================================================== cast time
 def cast_time(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, Any]:
     """A cast of ``sizes.cast_n`` float32 onto e4m3 (nearest-even and stochastic) against a
@@ -963,26 +1060,51 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def warnings(report: dict[str, Any]) -> list[str]:
+    """What is reported but does not fail the run: elements that differ only in a NaN's sign or
+    payload (a NaN made by the device's own arithmetic carries that device's bit pattern)."""
+    n = report.get("bit_identity", {}).get("summary", {}).get("nan_bits_only", 0)
+    return [f"bit_identity: {n} elements differ only in NaN sign/payload"] if n else []
+
+
 def failures(report: dict[str, Any]) -> list[str]:
-    """What makes the run fail (exit 1): exact mismatches, bound violations, errors."""
+    """What makes the run fail (exit 1): mismatches beyond NaN sign/payload, bound violations,
+    errors."""
     out = []
     bits = report.get("bit_identity", {}).get("summary")
     if bits:
-        for key in ("exact_mismatches", "bound_violations", "errors"):
+        if bits["exact_mismatches"] > bits["nan_bits_only"]:
+            n = bits["exact_mismatches"] - bits["nan_bits_only"]
+            out.append(f"bit_identity: exact_mismatches = {n} (NaN sign/payload aside)")
+        for key in ("bound_violations", "errors"):
             if bits[key]:
                 out.append(f"bit_identity: {key} = {bits[key]}")
     for section in ("scaled_mm", "cast_time"):
         if report.get(section, {}).get("error") or report.get(section, {}).get("errors"):
             out.append(f"{section}: errors")
-    errs = [c for c, r in report.get("step_time", {}).get("cases", {}).items() if "error" in r]
-    if errs:
-        out.append(f"step_time: errors in {', '.join(errs)}")
+    for section in ("distributed", "step_time"):
+        cases = report.get(section, {}).get("cases", {})
+        errs = [c for c, r in cases.items() if "error" in r or r.get("finite") is False]
+        if errs:
+            out.append(f"{section}: errors in {', '.join(errs)}")
+    if report.get("distributed", {}).get("error"):
+        out.append("distributed: error")
     return out
 
 
+#: where each section's deadline lies, as a fraction of the budget (time a section leaves unused
+#: passes on to the next)
+SECTION_ENDS = {
+    "bit_identity": 0.4,
+    "scaled_mm": 0.52,
+    "cast_time": 0.55,
+    "distributed": 0.63,
+    "step_time": 1.0,
+}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """All requested sections within the budget: bit identity gets up to 40 % of it, scaled_mm
-    until 55 %, cast_time until 60 %, step_time the rest (time a section leaves unused passes on)."""
+    """Every requested section, in `SECTIONS` order, each by its deadline (`SECTION_ENDS`)."""
     sizes = SMOKE if args.smoke else FULL
     if args.budget_s:
         sizes = dataclasses.replace(sizes, budget_s=args.budget_s)
@@ -990,24 +1112,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     report = environment(device)
     report["mode"] = "smoke" if args.smoke else "full"
-    ends = {"bit_identity": 0.4, "scaled_mm": 0.55, "cast_time": 0.6, "step_time": 1.0}
     fns = {
         "bit_identity": bit_identity,
         "scaled_mm": scaled_mm,
-        "step_time": step_time,
         "cast_time": cast_time,
+        "distributed": distributed,
+        "step_time": step_time,
     }
-    for name in ("bit_identity", "scaled_mm", "cast_time", "step_time"):
+    for name in SECTIONS:
         if name not in args.sections:
             report[name] = {"skipped": "not requested"}
             continue
-        report[name] = fns[name](sizes, device, t0 + ends[name] * sizes.budget_s)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the worker processes share the GPU's memory
+        report[name] = fns[name](sizes, device, t0 + SECTION_ENDS[name] * sizes.budget_s)
         if args.progress:
-            print(
-                f"gpu_check: {name} done at {time.time() - t0:.0f} s", file=sys.stderr, flush=True
-            )
+            print(f"gpu_check: {name} done at {time.time() - t0:.0f} s", file=sys.stderr)
     report["seconds"] = round(time.time() - t0, 1)
     report["failures"] = failures(report)
+    report["warnings"] = warnings(report)
     return report
 
 
@@ -1035,8 +1158,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--progress", action="store_true", help="print each section's end on stderr")
     p.add_argument("--_step-worker", dest="step_worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_dist-worker", dest="dist_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.step_worker is not None:
+    if args.step_worker is not None or args.dist_worker is not None:
         return args
     if args.out is None:
         p.error("--out PATH is required")
@@ -1065,12 +1189,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_worker is not None:
         step_worker(json.loads(args.step_worker))
         return 0
+    if args.dist_worker is not None:
+        dist_worker(json.loads(args.dist_worker))
+        return 0
     report = run(args)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
     os.replace(tmp, args.out)  # atomic: a reader never sees half a report
     for line in report["failures"]:
         print(f"gpu_check: FAIL {line}", file=sys.stderr)
+    for line in report["warnings"]:
+        print(f"gpu_check: warning: {line}", file=sys.stderr)
     print(f"gpu_check: wrote {args.out} ({report['seconds']} s)", file=sys.stderr)
     return 1 if report["failures"] else 0
 

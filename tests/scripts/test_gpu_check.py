@@ -43,18 +43,22 @@ def test_smoke_writes_every_section_with_zero_mismatches(tmp_path):
     res = _run("--smoke", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
-    for key in ("bit_identity", "scaled_mm", "step_time", "cast_time", "device", "torch"):
+    for key in ("bit_identity", "scaled_mm", "step_time", "cast_time", "distributed", "device"):
         assert key in report
-    assert {"date", "fp8lab", "failures"} <= set(report)
+    assert {"torch", "date", "fp8lab", "failures"} <= set(report)
     assert report["fp8lab"]["version"]
     bits = report["bit_identity"]["summary"]
     assert bits["exact_cases"] > 700 and bits["bounded_cases"] >= 5
-    assert bits["exact_mismatches"] == 0
+    assert bits["exact_mismatches"] == 0  # NaN bits too: CPU against CPU
     assert bits["bound_violations"] == 0
     assert bits["errors"] == 0 and bits["skipped"] == 0
     for group in ("cast", "quantize", "qmatmul"):
         assert report["bit_identity"][group]["summary"]["exact_cases"] > 0
     assert report["scaled_mm"] == {"skipped": "needs CUDA"}
+    dist = report["distributed"]  # one torchrun rank: gloo on the CPU (NCCL on a GPU)
+    assert (dist["backend"], dist["world"]) == ("gloo", 1)
+    for name in ("ddp", "fsdp", "fsdp-fp8-allgather"):
+        assert dist["cases"][name]["finite"], dist["cases"][name]
     steps = report["step_time"]["cases"]
     assert set(steps) == set(gc.STEP_CASES)
     for case, rec in steps.items():
@@ -122,7 +126,7 @@ def test_bit_mismatches_counts_bits_not_values():
     b = torch.tensor([-0.0, 1.0, float("nan"), 2.0])
     b[2] = torch.tensor(0x7FC00001, dtype=torch.int32).view(torch.float32)  # another NaN payload
     assert gc.bit_mismatches(a, a.clone()) == {"elements": 4, "mismatches": 0}
-    assert gc.bit_mismatches(a, b)["mismatches"] == 2
+    assert gc.bit_mismatches(a, b) == {"elements": 4, "mismatches": 2, "nan_bits_only": 1}
 
 
 def test_bit_mismatches_of_qtensors_and_shape_changes():
@@ -195,9 +199,14 @@ def test_summarize_and_failures():
         {"bit_identity": {"summary": s}, "step_time": {"cases": {"x": {"error": "e"}}}}
     )
     assert fails == [
-        "bit_identity: exact_mismatches = 1",
+        "bit_identity: exact_mismatches = 1 (NaN sign/payload aside)",
         "bit_identity: errors = 1",
         "step_time: errors in x",
+    ]
+    nan_only = {**s, "exact_mismatches": 3, "nan_bits_only": 3, "errors": 0}
+    assert gc.failures({"bit_identity": {"summary": nan_only}}) == []
+    assert gc.warnings({"bit_identity": {"summary": nan_only}}) == [
+        "bit_identity: 3 elements differ only in NaN sign/payload"
     ]
 
 
