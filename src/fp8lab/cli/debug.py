@@ -229,7 +229,8 @@ def _render(result: Any, out: Path, json_out: bool, t0: float) -> None:
         return
     typer.echo(result.verdict)
     if result.fix:
-        typer.echo(f"\nfix: {result.fix}  (fp8lab compare --recipes {result.fix})")
+        typer.echo(f"\nfix: {result.fix}  (fp8lab compare --recipes {result.fix}; in your "
+                   f"code: fp8lab.nn.convert(model, {result.fix!r}))")  # fmt: skip
     typer.echo(f"report: {out / 'report.html'}  ({time.perf_counter() - t0:.0f} s)")
 
 
