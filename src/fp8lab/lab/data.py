@@ -61,7 +61,8 @@ class DataConfig:
             raise ValueError(f"split_chunk must be a positive integer, got {self.split_chunk!r}")
         if self.token_dtype not in tok.BIN_DTYPES:
             raise ValueError(
-                f"token_dtype must be one of {list(tok.BIN_DTYPES)}, got {self.token_dtype!r}"
+                f"token_dtype (--token-dtype) must be one of {list(tok.BIN_DTYPES)}, got "
+                f"{self.token_dtype!r}"
             )
         n_token_files = sum(tok.is_token_file(p) for p in self.paths)
         if n_token_files and len(self.paths) > 1:
