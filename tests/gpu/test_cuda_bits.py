@@ -6,32 +6,21 @@ the one-command check itself. Every test here needs CUDA and is skipped without 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import fp8lab
+import gpu_check_module
+from gpu_check_module import SCRIPT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = gpu_check_module.load()
 CUDA = torch.device("cuda")
 
 

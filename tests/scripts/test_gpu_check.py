@@ -4,29 +4,18 @@ writes; its comparisons, time-box and argument checks are tested directly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+import gpu_check_module
+from gpu_check_module import SCRIPT
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = gpu_check_module.load()
 CPU = torch.device("cpu")
 
 
