@@ -907,7 +907,7 @@ def distributed(sizes: Sizes, device: torch.device, deadline: float) -> dict[str
     left = deadline - time.time()
     if left < sizes.min_case_s:
         return {"skipped": "time"}
-    spec = {"device": device.type, "sizes": _sizes_json(sizes)}
+    spec = {"device": str(device), "sizes": _sizes_json(sizes)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     cmd += [str(Path(__file__).resolve()), "--_dist-worker", json.dumps(spec)]
     proc = subprocess.Popen(
