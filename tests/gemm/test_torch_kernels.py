@@ -322,3 +322,81 @@ def test_mixed_devices_are_refused():
     a = fp8lab.cast(torch.randn(4, 64), "e4m3")
     with pytest.raises(ValueError, match="different devices"):
         fused_dot(a, a, "h100", c=torch.zeros(4, device="meta"))
+
+
+# ------------------------------------------------------------- on a GPU (skipped without CUDA)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _to(q, device: str):
+    """A QTensor moved to ``device`` (values and scales; the spec is device-free)."""
+    import dataclasses
+
+    return dataclasses.replace(q, values=q.values.to(device), scales=q.scales.to(device))
+
+
+@cuda
+@pytest.mark.parametrize(
+    "acc",
+    ["h100", "ada", "b200", "b200-tcgen05", Accumulator("h100", promote_every=128),
+     Accumulator("limited"), Accumulator("limited", promote_every=128),
+     Accumulator("limited", per_product=True, mantissa_bits=9)],
+    ids=str,
+)  # fmt: skip
+def test_cuda_equals_cpu_numba(acc):
+    g = torch.Generator().manual_seed(30)
+    a = torch.randn(64, 640, generator=g) * torch.exp(torch.randn(64, 640, generator=g) * 2)
+    b = torch.randn(640, 96, generator=g)
+    qa, qb = quantize(a, "e4m3", (1, 128), "max"), quantize(b, "e5m2", (128, 128), "max")
+    if getattr(acc, "promote_every", 0) is None or isinstance(acc, str):
+        qa, qb = quantize(a, "e4m3"), quantize(b, "e5m2")
+    bias = torch.randn(96, generator=g)
+    with using_kernels("numba"):
+        want = qmatmul(qa, qb, acc, bias=bias)
+    got = qmatmul(_to(qa, "cuda"), _to(qb, "cuda"), acc, bias=bias.cuda())
+    assert got.device.type == "cuda"
+    _same_bits(got.cpu(), want)
+
+
+@cuda
+def test_cuda_fp32_accumulator_is_fp32_with_tf32_requested(record_property):
+    # K-varying "max" block scales: the fp32 model multiplies dequantized operands (24-bit
+    # significands, which TF32 would cut to 11): it must stay within the FP32 bound (Higham
+    # eq. 3.5, gamma_(K+2) for the sums and the dequantization) although TF32 is switched on
+    # globally, and the global switch must come back unchanged
+    g = torch.Generator().manual_seed(31)
+    k = 1024
+    qa = quantize(torch.randn(128, k, generator=g), "e4m3", (1, 128), "max")
+    qb = quantize(torch.randn(k, 64, generator=g), "e4m3", (128, 128), "max")
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    try:
+        m.fp32_precision = "tf32"
+        got = qmatmul(_to(qa, "cuda"), _to(qb, "cuda"), "fp32").cpu()
+        assert m.fp32_precision == "tf32"
+    finally:
+        m.fp32_precision = old
+    da, db = qa.dequantize().double(), qb.dequantize().double()
+    exact = da @ db
+    gamma = (k + 2) * 2.0**-24 / (1 - (k + 2) * 2.0**-24)
+    bound = gamma * (da.abs() @ db.abs()) + 2.0**-60
+    assert ((got.double() - exact).abs() <= bound).all()
+    cpu = qmatmul(qa, qb, "fp32")
+    ulps = (got.view(torch.int32).long() - cpu.view(torch.int32).long()).abs().max().item()
+    record_property("fp32_max_ulp_cuda_vs_cpu", ulps)  # BLAS order: reported, not pinned
+
+
+@cuda
+def test_cuda_native_scaled_mm_within_fp32_bound():
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="compute capability"):
+            qmatmul(_to(quantize(torch.randn(16, 32), "e4m3"), "cuda"),
+                    _to(quantize(torch.randn(32, 16), "e4m3"), "cuda"), native=True)  # fmt: skip
+        return
+    g = torch.Generator().manual_seed(32)
+    qa = quantize(torch.randn(50, 200, generator=g), "e4m3")  # no dimension a multiple of 16
+    qb = quantize(torch.randn(200, 30, generator=g), "e5m2")
+    got = qmatmul(_to(qa, "cuda"), _to(qb, "cuda"), native=True).cpu()
+    da, db = qa.dequantize().double(), qb.dequantize().double()
+    gamma = 203 * 2.0**-24 / (1 - 203 * 2.0**-24)
+    assert ((got.double() - da @ db).abs() <= gamma * (da.abs() @ db.abs()) + 2.0**-60).all()

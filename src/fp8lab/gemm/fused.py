@@ -408,11 +408,11 @@ def fused(
     if use_fast and not fast_path_applies(acc, fa, fb):
         raise ValueError(f"the fast fused kernel does not apply to {acc} on {fa} x {fb}")
     generic = use_torch(a.values, b.values, c, what="qmatmul (fused accumulator)")
-    if fast is None and use_fast and not generic:
+    if use_fast and (fast is None or generic):
         # an inf/NaN operand makes a term NaN, whose int32 conversion in the fast kernel is
         # garbage (INT_MIN on x86): such GEMMs take the reference kernel, which propagates NaN
         use_fast = bool(torch.isfinite(a.values).all()) and bool(torch.isfinite(b.values).all())
-    dt = torch.float32 if use_fast and not generic else torch.float64
+    dt = torch.float32 if use_fast else torch.float64
     va = a.values.to(dt).contiguous()
     vb = b.values.to(dt).contiguous()
     pa = pow2_exponents(a.values, fa).to(dt).contiguous()
@@ -429,7 +429,7 @@ def fused(
         sa = torch.ones((m, 1), dtype=torch.float32, device=dev)
         sb = torch.ones((1, n), dtype=torch.float32, device=dev)
     if generic:  # one kernel for the fast and reference paths: they compute the same bits
-        fused_gemm_torch(va, pa, vb, pb, accbuf, out, sa, sb, acc, gpp)
+        fused_gemm_torch(va, pa, vb, pb, accbuf, out, sa, sb, acc, gpp, use_fast)
         return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
     floor_p = 2.0**acc.exp_floor
     args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(),

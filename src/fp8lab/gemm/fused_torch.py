@@ -153,10 +153,15 @@ def _step(
     p = torch.clamp_min(p, 2.0**acc.exp_floor)
     scl = 2.0**acc.align_bits / p  # exact: powers of two (0 when p is inf)
     s = torch.where(aligned, torch.trunc(c64 * scl) + 0.0, 0.0)
-    terms = torch.trunc(prod * scl.unsqueeze(-1))
-    if _aligned_terms_exact(acc):
+    if prod.dtype == torch.float32:  # FP8 fast domain (`fused_gemm_torch`): float32 is exact
+        # a lane without products (scl up to 2**146) has only zero terms: cap scl finite
+        terms = torch.trunc(prod * torch.clamp_max(scl, 2.0**100).to(torch.float32).unsqueeze(-1))
+        s = s + terms.sum(-1).to(torch.float64)
+    elif _aligned_terms_exact(acc):
+        terms = torch.trunc(prod * scl.unsqueeze(-1))
         s = s + terms.sum(-1)
     else:  # a sum that can round: numba's K order
+        terms = torch.trunc(prod * scl.unsqueeze(-1))
         for j in range(terms.shape[-1]):
             s = s + terms[..., j]
     res = round_out(s / scl, acc.out_bits, acc.out_rounding == "nearest_even")
@@ -175,13 +180,14 @@ def _pad_k(x: torch.Tensor, kp: int, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad) if dim == 1 else (0, 0, 0, pad))
 
 
-def _block_products(va, pa, vb_t, pb_t, k0: int, k1: int, group: int):
-    """Products [R, C, nb, G] and their exponent maxima [R, C, nb] for K range [k0, k1):
-    ``va``/``pa`` [R, K] (rows of a), ``vb_t``/``pb_t`` [C, K] (columns of b); for dots C = 1
-    per lane is passed as a leading-dim match (see `fused_dots_torch`)."""
+def _block_products(va, pa, vb_t, pb_t, k0: int, k1: int, group: int, finite: bool = False):
+    """Products [..., nb, G] and their exponent maxima [..., nb] for K range [k0, k1) of
+    ``va``/``pa`` and ``vb_t``/``pb_t`` (broadcast against each other: [R, 1, K] x [1, C, K]
+    for a GEMM tile, [S, K] x [S, K] for dots). ``finite``: no inf/NaN operand (skips a pass)."""
     prod = va[..., k0:k1] * vb_t[..., k0:k1]
-    # 2**(e_a + e_b); inf * 0 (an inf/NaN operand against a zero) is no term: 0, as numba skips it
-    ex = torch.nan_to_num(pa[..., k0:k1] * pb_t[..., k0:k1], nan=0.0, posinf=float("inf"))
+    ex = pa[..., k0:k1] * pb_t[..., k0:k1]  # 2**(e_a + e_b)
+    if not finite:  # inf * 0 (an inf/NaN operand against a zero) is no term, as numba skips it
+        ex = torch.nan_to_num(ex, nan=0.0, posinf=float("inf"))
     shape = (*prod.shape[:-1], (k1 - k0) // group, group)
     return prod.reshape(shape), ex.reshape(shape).amax(-1)
 
@@ -197,11 +203,16 @@ def fused_gemm_torch(
     sb: torch.Tensor | None,
     acc: Accumulator,
     gpp: int,
+    fast: bool = False,
 ) -> None:
-    """The fused model over ``va``/``pa`` [M, K] and ``vb``/``pb`` [K, N] (float64 values and
+    """The fused model over ``va``/``pa`` [M, K] and ``vb``/``pb`` [K, N] (values and
     ``pow2_exponents``), in place: ``accbuf`` [M, N] float32 holds c in and the chain's last
     result out; with ``gpp`` > 0 (groups per promotion) every ``gpp`` groups and the last the
-    step result is promoted, ``out += (sa[:, t] * sb[t]) * acc`` in FP32, and restarts at 0."""
+    step result is promoted, ``out += (sa[:, t] * sb[t]) * acc`` in FP32, and restarts at 0.
+
+    ``fast``: finite FP8 operands under a model where `fast_path_applies` (numba's fast kernel
+    domain): products and terms in float32, exact there (terms below ``2**15``, their sum below
+    ``2**24``); the operands may then be float32. Otherwise they must be float64."""
     m, k = va.shape
     n = vb.shape[1]
     g = acc.group
@@ -222,7 +233,7 @@ def fused_gemm_torch(
                 b1 = min(b0 + gpb, ng)
                 prod, pmax = _block_products(
                     va[r0:r1, None], pa[r0:r1, None], vb_t[None, n0:n1], pb_t[None, n0:n1],
-                    b0 * g, b1 * g, g,
+                    b0 * g, b1 * g, g, fast,
                 )  # fmt: skip
                 for j in range(b1 - b0):
                     run = _step(run, prod[:, :, j], pmax[:, :, j], acc)
