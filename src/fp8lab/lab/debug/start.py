@@ -20,7 +20,6 @@ and the debugger's AdamW starts with fresh moments (``start["moments"]`` says wh
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,17 +31,10 @@ from fp8lab.lab.data import Corpus
 from fp8lab.lab.debug.names import lab_prefix
 from fp8lab.lab.loop import LoopState
 from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+from fp8lab.lab.weights import sha256_file
 
 START = "start.pt"
 _ADAM = ("exp_avg", "exp_avg_sq", "step")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path,
@@ -110,7 +102,7 @@ def read_start(path: str | Path, cfg: LabConfig, corpus: Corpus) -> dict[str, An
         "torch_rng": state["rng"]["torch"],
         "start": {
             "path": str(p),
-            "sha256": _sha256(p),
+            "sha256": sha256_file(p),
             "step": int(state["step"]),
             "moments": "kept" if osd["state"] else "fresh",
             "fp8_layers": sorted({k.rpartition(".")[0] for k in fp8}),
