@@ -27,7 +27,7 @@ ML = {k: v for k, v in {**ML_NONSAT, **ML_SAT}.items() if k not in ("bf16", "fp1
 
 
 @pytest.mark.parametrize("fmt", EIGHT_BIT + SMALL)
-def test_all_codes_round_trip(fmt):
+def test_all_codes_round_trip(fmt, kernels):
     f = get_format(fmt)
     codes = torch.arange(1 << f.bits, dtype=torch.int32).to(torch.uint8)
     vals = decode(codes, fmt)
@@ -42,7 +42,7 @@ def test_all_codes_round_trip(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(ML))
-def test_decode_matches_ml_dtypes(fmt):
+def test_decode_matches_ml_dtypes(fmt, kernels):
     f = get_format(fmt)
     codes = np.arange(1 << f.bits, dtype=np.uint8)
     ref = codes.view(ML[fmt]).astype(np.float32)
@@ -52,7 +52,7 @@ def test_decode_matches_ml_dtypes(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(ML))
-def test_encode_matches_ml_dtypes_bits(fmt):
+def test_encode_matches_ml_dtypes_bits(fmt, kernels):
     f = get_format(fmt)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(200_000) * min(f.max, 1e4) / 3).astype(np.float32)
@@ -67,7 +67,7 @@ def test_encode_matches_ml_dtypes_bits(fmt):
     assert ok.all()
 
 
-def test_special_codes():
+def test_special_codes(kernels):
     nan = torch.tensor([float("nan")])
     assert encode(nan, "e4m3").item() == 0x7F
     assert encode(nan, "e5m2").item() == 0x7E

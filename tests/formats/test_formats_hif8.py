@@ -89,7 +89,7 @@ def test_table_counts_and_extremes():
 
 
 @pytest.mark.parametrize(("x", "code"), WORKED_TA)
-def test_worked_ta_encodings(x, code):
+def test_worked_ta_encodings(x, code, kernels):
     got = encode(torch.tensor([x, -x]), "hif8", rounding="nearest_away", saturate=False).tolist()
     neg = code | 0x80 if code else 0  # no -0: negative underflow is 0x00
     assert got == [code, neg]
@@ -111,7 +111,7 @@ def _sweep():
     return x
 
 
-def test_ta_equals_codebook_search():
+def test_ta_equals_codebook_search(kernels):
     x = _sweep()
     for saturate in (True, False):
         got = cast(torch.from_numpy(x), "hif8", rounding="nearest_away", saturate=saturate)
@@ -170,7 +170,7 @@ def test_idempotent_and_grid_fixed(mode):
     assert_same(fixed.numpy(), vals.numpy(), what=mode)
 
 
-def test_round_trip_all_codes():
+def test_round_trip_all_codes(kernels):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     vals = decode(codes, "hif8")
     back = encode(vals, "hif8", saturate=False)
@@ -180,7 +180,7 @@ def test_round_trip_all_codes():
 
 
 # ------------------------------------------------------------------------------------ hybrid
-def test_hybrid_worked_rules():
+def test_hybrid_worked_rules(kernels):
     def h(vals, dtype=torch.float32, saturate=True):
         return cast(torch.tensor(vals, dtype=dtype), "hif8", rounding="hybrid", saturate=saturate)
 
@@ -209,14 +209,14 @@ def test_hybrid_worked_rules():
     assert h([16.5, 18.0, 16.0 + 2.0**-6], torch.float16).tolist() == [16.0, 20.0, 16.0]
 
 
-def test_hybrid_exhaustive_fp16_rule():
+def test_hybrid_exhaustive_fp16_rule(kernels):
     x = all_fp16().astype(np.float16)
     for saturate in (True, False):
         got = cast(torch.from_numpy(x), "hif8", rounding="hybrid", saturate=saturate).numpy()
         assert_same(got, hif8_hybrid_ref(x, saturate), x, f"fp16 hybrid sat={saturate}")
 
 
-def test_hybrid_exhaustive_bf16_and_random_fp32():
+def test_hybrid_exhaustive_bf16_and_random_fp32(kernels):
     xb = all_bf16()
     got = cast(torch.from_numpy(xb).bfloat16(), "hif8", rounding="hybrid").numpy()
     assert_same(got, hif8_hybrid_ref(xb), xb, "bf16 hybrid")

@@ -67,7 +67,7 @@ def test_e8m0_ml_dtypes_subnormal_quirk():
 
 
 @pytest.mark.parametrize("fmt", list(ML_NONSAT))
-def test_ml_dtypes_nonsaturating_and_rule(fmt):
+def test_ml_dtypes_nonsaturating_and_rule(fmt, kernels):
     x = inputs(fmt)
     if fmt == "e8m0":
         x = x[~_ML_E8M0_QUIRK(x)]
@@ -78,7 +78,7 @@ def test_ml_dtypes_nonsaturating_and_rule(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(ML_SAT))
-def test_ml_dtypes_saturating(fmt):
+def test_ml_dtypes_saturating(fmt, kernels):
     x = inputs(fmt)
     x = x[~np.isnan(x)]  # ml_dtypes turns NaN into -0; fp8lab keeps NaN (see test below)
     ref = x.astype(ML_SAT[fmt]).astype(np.float32)
@@ -104,7 +104,7 @@ TORCH = {
 
 
 @pytest.mark.parametrize("fmt", list(TORCH))
-def test_torch_native_casts(fmt):
+def test_torch_native_casts(fmt, kernels):
     dtype, saturates = TORCH[fmt]
     x = inputs(fmt)
     ref = torch.from_numpy(x).to(dtype).float().numpy()
@@ -139,7 +139,7 @@ FORMATS = [
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", ["nearest_even", "nearest_away", "toward_zero"])
-def test_every_format_and_mode_vs_reference(fmt, mode):
+def test_every_format_and_mode_vs_reference(fmt, mode, kernels):
     f = get_format(fmt)
     x = np.concatenate([tie_points(fmt), random_fp32(200_000, fmt, seed=1), all_bf16()])
     for saturate in (True, False):
@@ -151,7 +151,7 @@ def test_every_format_and_mode_vs_reference(fmt, mode):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "bf16", "fp32", "hif8", "e8m0", "e2m1", "e5m6"])
 @pytest.mark.parametrize("mode", ["nearest_even", "nearest_away", "toward_zero"])
-def test_float64_input_rounds_once(fmt, mode):
+def test_float64_input_rounds_once(fmt, mode, kernels):
     rng = np.random.default_rng(3)
     f = get_format(fmt)
     x = np.concatenate(
@@ -167,7 +167,7 @@ def test_float64_input_rounds_once(fmt, mode):
     assert_same(got, ref_cast(x, fmt, mode, True), x, f"{fmt} {mode} float64")
 
 
-def test_fp16_bf16_inputs_equal_their_float32_value():
+def test_fp16_bf16_inputs_equal_their_float32_value(kernels):
     x16 = torch.from_numpy(all_fp16()).half()
     xb = torch.from_numpy(all_bf16()).bfloat16()
     for fmt in ("e4m3", "e5m2", "hif8", "e2m1"):

@@ -22,7 +22,7 @@ def _grid(fmt: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8", "e2m1", "bf16", "e8m0", "e3m2"])
-def test_unbiased(fmt):
+def test_unbiased(fmt, kernels):
     f = get_format(fmt)
     rng = np.random.default_rng(0)
     x = (np.abs(rng.standard_normal(N)) * min(f.max / 8, 1.0) + 1e-3).astype(np.float32)
@@ -72,13 +72,13 @@ def test_reproducible_and_advancing():
     assert torch.equal(c1, c2)
 
 
-def test_exact_values_never_move_and_specials():
+def test_exact_values_never_move_and_specials(kernels):
     vals = torch.tensor([0.0, 1.0, -448.0, 2.0**-9, float("inf"), float("nan")])
     r = cast(vals, "e4m3", rounding="stochastic", saturate=True)
     assert r[:5].tolist() == [0.0, 1.0, -448.0, 2.0**-9, 448.0] and torch.isnan(r[5])
 
 
-def test_subnormal_and_tiny_probabilities():
+def test_subnormal_and_tiny_probabilities(kernels):
     # far below the smallest e4m3 step: P(up) = x / 2^-9
     x = torch.full((N,), 2.0**-9 / 16)
     r = cast(x, "e4m3", rounding="stochastic", generator=torch.Generator().manual_seed(4))

@@ -14,6 +14,8 @@ from fp8lab.formats import decode, encode
 from fp8lab.gemm import fused_dot
 from fp8lab.nn._kernels import round_bf16
 
+pytestmark = pytest.mark.numba_only  # the thread policy of the numba kernels themselves
+
 MULTI = numba.config.NUMBA_NUM_THREADS >= 2
 BIG = 1 << 22  # above SERIAL_BELOW
 

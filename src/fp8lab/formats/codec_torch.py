@@ -1,9 +1,11 @@
 """Device-generic kernels of `fp8lab.encode` / `fp8lab.decode`: torch ops on float32 bits.
 
 The same codes and values as the numba kernels of `fp8lab.formats.codec` (`_encode_one`,
-`_decode_kernel`), on any device: encode looks each already rounded value up among the format's
-positive values (ascending float32 bits, which order like the values) with `torch.searchsorted`,
-decode indexes the 256-entry value table. The tables are copied to a device once.
+`_decode_kernel`), on any device. Encode looks each already rounded value up directly: a value
+on the grid of a format of 8 bits or fewer has at most 7 significant bits below its leading one,
+so its float32 bits shifted right by ``23 - m`` (the smallest ``m`` that keeps the format's values
+apart) index a table of at most 2**15 codes (`_direct`), one gather instead of a search. Decode
+indexes the 256-entry value table. The tables are copied to a device once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return hit[1]
 
 
+_DIRECT: dict[int, tuple[np.ndarray, int, np.ndarray]] = {}
+
+
+def _direct(pos_bits: np.ndarray, pos_codes: np.ndarray) -> tuple[int, np.ndarray]:
+    """(shift, table): ``table[bits >> shift]`` is the code of the positive value with float32
+    ``bits``, for every positive finite value of the format (cached per codebook)."""
+    hit = _DIRECT.get(id(pos_bits))
+    if hit is None or hit[0] is not pos_bits:
+        for m in range(24):
+            shift = 23 - m
+            idx = pos_bits >> np.uint32(shift)
+            if len(np.unique(idx)) == len(idx):
+                break
+        table = np.zeros(1 << (31 - shift), dtype=np.int32)
+        table[idx] = pos_codes
+        hit = _DIRECT[id(pos_bits)] = (pos_bits, shift, table)
+    return hit[1], hit[2]
+
+
 def encode_bits(
     u: torch.Tensor,
     pos_bits: np.ndarray,
@@ -43,8 +64,8 @@ def encode_bits(
     sign, zero, neg_zero, nan, inf = special
     a = u & 0x7FFFFFFF
     neg = u < 0
-    idx = torch.searchsorted(_on(pos_bits, u.device), a).clamp_(max=len(pos_bits) - 1)
-    c = _on(pos_codes, u.device)[idx].to(torch.int32)
+    shift, table = _direct(pos_bits, pos_codes)
+    c = _on(table, u.device)[a >> shift]
     c = torch.where(a == INF_BITS, inf, c)
     c = torch.where(neg, c | sign, c)
     c = torch.where(a == 0, zero, c)

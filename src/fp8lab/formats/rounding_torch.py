@@ -65,18 +65,75 @@ def _srl64(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
+def _hash32(seed: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """splitmix64 of ``seed + i * golden`` for i = 0..n-1, top 32 bits: int64 in [0, 2**32).
+
+    ``seed`` is a 0-d int64 tensor (a tensor, so a compiled kernel is not specialised on it).
+    """
+    z = torch.arange(n, dtype=_I64, device=device) * _GOLDEN + seed
+    z = (z ^ _srl64(z, 30)) * _MIX1
+    z = (z ^ _srl64(z, 27)) * _MIX2
+    z = z ^ _srl64(z, 31)
+    return _srl64(z, 32)
+
+
 def rand32(seed: int, n: int, device: torch.device) -> torch.Tensor:
     """``rounding._rand32(seed, i)`` for i = 0..n-1: int64 in [0, 2**32) on ``device``.
 
     splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014)
     of ``seed + i * golden``; ``seed`` is the int64 the caller drew (its bits as uint64).
     """
-    z = torch.arange(n, dtype=_I64, device=device)
-    z.mul_(_GOLDEN).add_(seed)
-    z = z.bitwise_xor_(_srl64(z, 30)).mul_(_MIX1)
-    z = z.bitwise_xor_(_srl64(z, 27)).mul_(_MIX2)
-    z = z.bitwise_xor_(_srl64(z, 31))
-    return _srl64(z, 32)
+    return _hash32(torch.tensor(seed, dtype=_I64, device=device), n, device)
+
+
+# The per-format constants of the float32 kernel travel as ONE small int32 tensor on the device
+# (positions below), not as Python numbers: a compiled kernel is then the same for every format
+# and overflow rule (one compile per rounding family, see `_kernel_for`).
+(
+    _K_HIF8,
+    _K_SNORM,
+    _K_EMINF,
+    _K_LOWQ150,
+    _K_SE0,
+    _K_MAXB,
+    _K_OVFB,
+    _K_INFB,
+    _K_TINYB,
+    _K_NOZERO,
+    _K_SIGNED,
+    _K_SZERO,
+    _K_RNE,
+    _K_AWAY,
+    _K_HYB16,
+) = range(15)
+
+_CONSTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _consts(g: FastGrid, mode: int, hyb16: int, device: torch.device) -> torch.Tensor:
+    """The constants tensor of grid ``g``, rounding ``mode`` and input rule (cached per device)."""
+    values = (
+        int(g.is_hif8),
+        int(g.s_norm),
+        int(g.emin_field),
+        int(g.lowq150),
+        int(g.s_e0),
+        int(g.maxb),
+        int(g.ovfb),
+        int(g.infb),
+        int(g.tinyb),
+        int(g.no_zero),
+        int(g.signed),
+        int(g.signed_zero),
+        int(mode == 0),
+        int(mode == 1),
+        hyb16,
+    )
+    key = (values, device)
+    hit = _CONSTS.get(key)
+    if hit is None:
+        hit = _CONSTS[key] = torch.tensor(values, dtype=_I32, device=device)
+    return hit
 
 
 # ------------------------------------------------------------------------------ finishing
@@ -86,35 +143,33 @@ def _finish(
     zero_in: torch.Tensor,
     inf_in: torch.Tensor,
     nan_in: torch.Tensor,
-    g: FastGrid,
+    k: torch.Tensor,
 ) -> torch.Tensor:
     """`rounding._finish_bits`: overflow, zero, Inf/NaN and sign of a rounded magnitude ``r``
-    (float32 bits, int32; above ``g.maxb`` means overflow). The flags describe the input."""
-    o = torch.where(r > int(g.maxb), int(g.ovfb), r)
-    if g.no_zero:
-        rounded_away = r == 0
-        o = torch.where(rounded_away, int(g.tinyb), o)
-        o = torch.where(rounded_away & zero_in, NAN_BITS, o)
-    o = torch.where(inf_in, int(g.infb), o)
+    (float32 bits, int32; above max means overflow). The flags describe the input; ``k`` holds
+    the constants (`_consts`)."""
+    o = torch.where(r > k[_K_MAXB], k[_K_OVFB], r)
+    rounded_away = (r == 0) & (k[_K_NOZERO] != 0)  # a format without zero
+    o = torch.where(rounded_away, torch.where(zero_in, NAN_BITS, k[_K_TINYB]), o)
+    o = torch.where(inf_in, k[_K_INFB], o)
     o = torch.where(nan_in, NAN_BITS, o)
-    if g.signed:
-        keep_sign = neg if g.signed_zero else neg & (o != 0)
-        o = torch.where(keep_sign, o | _SIGN32, o)
-        return torch.where((o & 0x7FFFFFFF) > INF_BITS, NAN_BITS, o)
-    return torch.where((o > INF_BITS) | neg, NAN_BITS, o)
+    keep_sign = neg & ((o != 0) | (k[_K_SZERO] != 0))
+    signed = torch.where(keep_sign, o | _SIGN32, o)
+    signed = torch.where((signed & 0x7FFFFFFF) > INF_BITS, NAN_BITS, signed)
+    unsigned = torch.where((o > INF_BITS) | neg, NAN_BITS, o)
+    return torch.where(k[_K_SIGNED] != 0, signed, unsigned)
 
 
 # --------------------------------------------------------------------------- float32 fast
-def _shift_of(ex: torch.Tensor, g: FastGrid) -> torch.Tensor:
+def _shift_of(ex: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """`rounding._shift_of`: float32 bits below the grid spacing, from the exponent field."""
-    if g.is_hif8:
-        eb = ex - 127
-        ab = eb.abs()
-        sh = (ab >= 4).to(_I32).add_(ab >= 8).add_(20)
-        sl = (1 - eb).clamp_(min=23)
-        return torch.where(eb < -15, sl, sh)
-    s = torch.where(ex >= int(g.emin_field), int(g.s_norm), int(g.lowq150) - ex)
-    return torch.where(ex == 0, int(g.s_e0), s)
+    eb = ex - 127
+    ab = eb.abs()
+    tapered = 20 + (ab >= 4).to(_I32) + (ab >= 8).to(_I32)  # HiF8: 3, 2, 1 mantissa bits
+    s_hif8 = torch.where(eb < -15, (1 - eb).clamp(min=23), tapered)
+    s = torch.where(ex >= k[_K_EMINF], k[_K_SNORM], k[_K_LOWQ150] - ex)
+    s = torch.where(ex == 0, k[_K_SE0], s)
+    return torch.where(k[_K_HIF8] != 0, s_hif8, s)
 
 
 def _increment(
@@ -122,60 +177,87 @@ def _increment(
     ex: torch.Tensor,
     sc: torch.Tensor,
     low: torch.Tensor,
-    mode: int,
+    family: int,
     rnd: torch.Tensor | None,
-    hyb16: int,
+    k: torch.Tensor,
 ) -> torch.Tensor:
     """The rounding increment added to the bits before the low ``sc`` bits are cleared."""
-    if mode == 0:
-        odd = ((a >> sc) & 1) | ((sc == 23) & (ex != 0))
-        return (low >> 1).add_(odd)
-    if mode == 1:
-        return (low >> 1).add_(1)
-    if mode == 2:
-        return torch.zeros_like(a)
-    if mode == 3:
+    half = low >> 1
+    if family == 0:  # nearest_even, nearest_away or toward_zero, by the constants
+        odd = ((a >> sc) & 1) | ((sc == 23) & (ex != 0)).to(_I32)
+        away = torch.where(k[_K_AWAY] != 0, half + 1, 0)
+        return torch.where(k[_K_RNE] != 0, half + odd, away)
+    if family == 3:
         # the low bits of the draw (low < 2**23, so the int32 conversion is exact)
-        return (rnd & 0x7FFFFF).to(_I32).bitwise_and_(low)
+        return (rnd & 0x7FFFFF).to(_I32) & low
     # hybrid: TA for binades 2^-3..2^3, SSR elsewhere; an exact remainder stays
     eb = ex - 127
     rem = a & low
-    if hyb16 == 0:
-        up = (rem >> (sc - 14)) >= (a & 0x3FFF)
-    else:
-        lsb = torch.where(eb >= -14, 13, (-1 - eb).clamp_(0, 31))
-        t2 = ((a >> lsb) & 1).mul_(2).add_(1)
-        up = (rem >> (sc - 2)) >= t2
-    ssr = torch.where(up & (rem != 0), low + 1, 0)
-    return torch.where((eb >= -3) & (eb <= 3), (low >> 1).add_(1), ssr)
+    up32 = (rem >> (sc - 14)) >= (a & 0x3FFF)
+    lsb = torch.where(eb >= -14, 13, (-1 - eb).clamp(0, 31))
+    up16 = (rem >> (sc - 2)) >= ((a >> lsb) & 1) * 2 + 1
+    up = torch.where(k[_K_HYB16] != 0, up16, up32) & (rem != 0)
+    return torch.where((eb >= -3) & (eb <= 3), half + 1, torch.where(up, low + 1, 0))
 
 
 def _below_half_step(
     a: torch.Tensor,
     ex: torch.Tensor,
     s: torch.Tensor,
-    mode: int,
+    family: int,
     rnd: torch.Tensor | None,
+    k: torch.Tensor,
 ) -> torch.Tensor:
     """Result bits where ``s >= 24`` (|x| below half a grid step): 0 or one step."""
-    q = (s + ex.clamp(min=1)).sub_(150).clamp_(-149, 127)
-    qb = torch.where(q >= -126, (q + 127) << 23, 1 << (q + 149).clamp_(0, 30))
-    if mode <= 2:
-        up = (s == 24) & (ex != 0)
-        if mode == 0:
-            up &= (a & 0x7FFFFF) != 0
-        elif mode == 2:
-            up &= False
-    elif mode == 3:
-        sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000).to(_I64)
-        thresh = torch.where(
-            s <= 32, sig << (32 - s).clamp(0, 32), sig >> (s - 32).clamp(0, 63)
-        ).masked_fill_(s >= 56, 0)
-        up = rnd < thresh
+    q = (s + ex.clamp(min=1) - 150).clamp(-149, 127)
+    qb = torch.where(q >= -126, (q + 127) << 23, 1 << (q + 149).clamp(0, 30))
+    sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000)
+    if family == 0:
+        rne = (k[_K_RNE] != 0) & ((a & 0x7FFFFF) != 0)
+        up = (s == 24) & (ex != 0) & ((k[_K_AWAY] != 0) | rne)
+    elif family == 3:
+        wide = sig.to(_I64)
+        thresh = torch.where(s <= 32, wide << (32 - s).clamp(0, 32), wide >> (s - 32).clamp(0, 63))
+        up = rnd < torch.where(s >= 56, 0, thresh)
     else:
-        sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000)
         up = (ex == 104) & ((sig >> 10) >= (a & 0x3FFF))  # binade 2^-23
     return torch.where(up, qb, 0)
+
+
+def _fast_kernel(u: torch.Tensor, k: torch.Tensor, seed: torch.Tensor, family: int) -> torch.Tensor:
+    """`rounding._det_one` (family 0) / `_sr_one` (3: stochastic, 4: hybrid) on int32 bits."""
+    a = u & 0x7FFFFFFF
+    ex = a >> 23
+    s = _shift_of(ex, k)
+    sc = s.clamp(1, 23)
+    low = (1 << sc) - 1
+    rnd = _hash32(seed, u.shape[0], u.device) if family == 3 else None
+    fin = a.clamp(max=INF_BITS)  # Inf/NaN are replaced below; keeps a + add inside int32
+    r = (fin + _increment(a, ex, sc, low, family, rnd, k)) & ~low
+    r = torch.where(s <= 0, a, r)
+    r = torch.where(s >= 24, _below_half_step(a, ex, s, family, rnd, k), r)
+    if family == 4:
+        r = torch.where(a >= HYB_OVF_BITS, INF_BITS, r)
+    return _finish(r, u < 0, a == 0, a == INF_BITS, a > INF_BITS, k)
+
+
+#: below this many elements the kernels run eagerly (a compiled call costs ~0.1 ms of guards)
+COMPILE_MIN = 1 << 16
+_compiled: dict[str, object] = {}
+
+
+def _kernel_for(u: torch.Tensor):
+    """The compiled `_fast_kernel` (torch.compile: inductor's C++ on the CPU, Triton on CUDA: one
+    fused pass instead of ~60 tensor ops) where it pays and works, else the eager one. A compile
+    that fails (no compiler, an old torch) is remembered and the eager kernel used from then on."""
+    if u.shape[0] < COMPILE_MIN or u.device.type not in ("cpu", "cuda"):
+        return _fast_kernel
+    if torch.compiler.is_compiling() or _compiled.get("failed"):
+        return _fast_kernel
+    fn = _compiled.get("fast")
+    if fn is None:
+        fn = _compiled["fast"] = torch.compile(_fast_kernel, dynamic=True, fullgraph=True)
+    return fn
 
 
 def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int) -> torch.Tensor:
@@ -189,19 +271,17 @@ def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int
         seed: the stochastic seed (mode 3), drawn by the caller.
         hyb16: 1 when the input was float16 (the fp16 SSR rule of ``hybrid``).
     """
-    a = u & 0x7FFFFFFF
-    ex = a >> 23
-    s = _shift_of(ex, g)
-    sc = s.clamp(1, 23)
-    low = (1 << sc).sub_(1)
-    rnd = rand32(seed, u.numel(), u.device) if mode == 3 else None
-    fin = a.clamp(max=INF_BITS)  # Inf/NaN are replaced below; keeps a + add inside int32
-    r = (fin + _increment(a, ex, sc, low, mode, rnd, hyb16)).bitwise_and_(~low)
-    r = torch.where(s <= 0, a, r)
-    r = torch.where(s >= 24, _below_half_step(a, ex, s, mode, rnd), r)
-    if mode == 4:
-        r = torch.where(a >= HYB_OVF_BITS, INF_BITS, r)
-    return _finish(r, u < 0, a == 0, a == INF_BITS, a > INF_BITS, g)
+    k = _consts(g, mode, hyb16, u.device)
+    seed_t = torch.tensor(seed, dtype=_I64, device=u.device)
+    family = 0 if mode <= 2 else mode
+    fn = _kernel_for(u)
+    if fn is _fast_kernel:
+        return fn(u, k, seed_t, family)
+    try:
+        return fn(u, k, seed_t, family)
+    except Exception:  # any compiler failure: the eager kernel gives the same bits
+        _compiled["failed"] = True
+        return _fast_kernel(u, k, seed_t, family)
 
 
 # ------------------------------------------------------------------------------- generic
@@ -341,4 +421,5 @@ def cast_generic(
         over |= (eb > 15) | ((eb == 15) & (sig >= 0xA00000))
     r = torch.where(m == 0, 0, _bits_f64_to_f32(b64.clamp(max=maxb64)))
     r = torch.where(over, INF_BITS, r)  # above maxb: `_finish` turns it into the overflow value
-    return _finish(r, u < 0, a == 0, a == inf_bits, a > inf_bits, _fast_bits_of(g))
+    k = _consts(_fast_bits_of(g), mode, hyb16, bits.device)
+    return _finish(r, u < 0, a == 0, a == inf_bits, a > inf_bits, k)
