@@ -10,18 +10,33 @@ import fp8lab
 VOCAB, SEQ, D = 32, 16, 32
 
 
+class _GradTimes(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor`` (a corrupted gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
 class TinyLM(torch.nn.Module):
-    def __init__(self, nan_at: int | None = None) -> None:
+    def __init__(self, nan_at: int | None = None, spike_at: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(VOCAB, D)
         self.up = torch.nn.Linear(D, 4 * D)
         self.down = torch.nn.Linear(4 * D, D)
         self.head = torch.nn.Linear(D, VOCAB)
-        self.nan_at, self.calls = nan_at, 0
+        self.nan_at, self.spike_at, self.calls = nan_at, spike_at, 0
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         h = self.emb(input_ids)
+        if self.training and self.calls == self.spike_at:  # a 2^40 gradient spike, loss unchanged
+            h = _GradTimes.apply(h, 2.0**40)
         h = h + self.down(torch.nn.functional.gelu(self.up(h)))
         logits = self.head(h)
         out = {"logits": logits}
@@ -35,8 +50,10 @@ class TinyLM(torch.nn.Module):
         return out
 
 
-def converted(nan_at: int | None = None, recipe: str = "te-delayed") -> TinyLM:
-    return fp8lab.nn.convert(TinyLM(nan_at), recipe, default_exclude=False)
+def converted(
+    nan_at: int | None = None, recipe: str = "te-delayed", spike_at: int | None = None
+) -> TinyLM:
+    return fp8lab.nn.convert(TinyLM(nan_at, spike_at), recipe, default_exclude=False)
 
 
 def samples(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -72,6 +72,21 @@ def test_a_planted_nan_is_rolled_back_or_skipped(tmp_path, policy):
     assert states and all(torch.isfinite(ds.state.amax_history).all() for ds in states.values())
 
 
+def test_a_gradient_spike_is_seen_before_the_trainers_clipping(tmp_path):
+    """max_grad_norm=1 clips the 2^40 spike before on_pre_optimizer_step; the guard's norm is
+    taken before clipping (as in the lab), so grad_norm_zscore fires."""
+    model = converted(spike_at=9)
+    guard = fp8lab.AnomalyGuard(
+        checkpoint_every=2, detectors={"grad_norm_zscore": {"min_samples": 4}}
+    )
+    cb = FP8LabCallback(guard=guard)
+    _train(model, cb, tmp_path, samples(32), max_steps=12, max_grad_norm=1.0)
+    assert [(e["action"], e["detector"], e["step"]) for e in cb.events] == [
+        ("rollback", "grad_norm_zscore", 9)
+    ]
+    assert cb.events[0]["value"] > 10
+
+
 def test_without_the_guard_the_nan_reaches_the_weights(tmp_path):
     """The control of the test above: the planted NaN does damage when nobody acts."""
     model = converted(nan_at=5)

@@ -29,7 +29,10 @@ from fp8lab.guard import AnomalyGuard, GuardSession, GuardState
 from fp8lab.guard.guarded_step import guard_checkpoint, load_guard_checkpoint
 from fp8lab.integrations.accelerate import check_prepared
 
-__all__ = ["GUARD_FILE", "CallbackCore"]
+__all__ = ["DEFAULT_GUARD", "GUARD_FILE", "CallbackCore", "CoreCallback"]
+
+#: ``guard=`` left out: every detector, policy "rollback" (``None`` means no guard)
+DEFAULT_GUARD: Any = object()
 
 #: the guard's state in a framework checkpoint directory (beside `fp8lab.nn.FP8_STATE_FILE`)
 GUARD_FILE = "fp8lab_guard.json"
@@ -114,15 +117,16 @@ class CallbackCore:
         """One micro-batch's loss (a tensor or a number), as it was computed."""
         self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
 
-    def before_update(self) -> bool:
+    def before_update(self, grad_norm: float | None = None) -> bool:
         """The gradients are final: run the detectors; True when the guard acts (every
-        gradient is then set to None so that the optimizer step changes nothing)."""
+        gradient is then set to None so that the optimizer step changes nothing).
+        ``grad_norm``: the norm before the framework clipped (default: the norm now)."""
         self.close()
         self.records.extend(self._watch_rows)
         ses = self.session
         if ses is None:
             return False
-        from fp8lab.optim import grad_norm
+        from fp8lab.optim import grad_norm as norm_now
 
         if not self._losses:
             raise RuntimeError(
@@ -130,7 +134,7 @@ class CallbackCore:
                 "no 'loss'); the guard needs it"
             )
         loss = sum(self._losses) / len(self._losses)
-        gnorm = float(grad_norm(self._params))
+        gnorm = float(norm_now(self._params)) if grad_norm is None else float(grad_norm)
         veto = ses.check(self.state.step, loss, gnorm, self._guard_rows)
         if veto:
             for p in self._params:
@@ -208,3 +212,21 @@ class CallbackCore:
                 f"fp8lab callback: {directory} holds no fp8lab state ({GUARD_FILE}); the guard "
                 "starts afresh", UserWarning, stacklevel=3,
             )  # fmt: skip
+
+
+class CoreCallback:
+    """The part the framework callbacks share: a `CallbackCore` as ``core``, and its records and
+    events."""
+
+    def __init__(self, guard: AnomalyGuard | None = DEFAULT_GUARD, watch_every: int = 0) -> None:
+        self.core = CallbackCore(AnomalyGuard() if guard is DEFAULT_GUARD else guard, watch_every)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The watch records so far (one dict per operand of each sampled step)."""
+        return self.core.records
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The guard's event records so far (skip, rollback, escalate)."""
+        return self.core.events

@@ -13,9 +13,9 @@
   batch), in ``records``;
 * **guard**: the lab's detectors, skip / rollback / escalation (`fp8lab.guard.session`). The
   loss is read from the model's output (``.loss``, as transformers models return it; the mean
-  over gradient-accumulation micro-batches), the gradient norm in ``on_pre_optimizer_step``
-  (after the Trainer's clipping: with ``max_grad_norm > 0`` a spike shows as the clipped norm,
-  non-finite values as they are). When the guard acts, the gradients are set to None so the
+  over gradient-accumulation micro-batches), the gradient norm before the Trainer's clipping
+  (with ``max_grad_norm > 0``: summed from per-parameter hooks on the step's last backward, as
+  the lab measures it), the detectors in ``on_pre_optimizer_step``. When the guard acts, the gradients are set to None so the
   Trainer's ``optimizer.step()`` changes nothing; a rollback restores model, optimizer,
   scheduler and RNG from the last-good snapshot at ``on_step_end``. The Trainer's step counter
   and data order go on: rolled-back steps' batches are not replayed;
@@ -36,11 +36,9 @@ import torch
 from transformers import TrainerCallback
 
 from fp8lab.guard import AnomalyGuard
-from fp8lab.integrations._core import CallbackCore
+from fp8lab.integrations._core import DEFAULT_GUARD, CoreCallback
 
 __all__ = ["FP8LabCallback"]
-
-_DEFAULT = object()
 
 
 def _loss_of(output: Any) -> Any:
@@ -54,25 +52,17 @@ def _loss_of(output: Any) -> Any:
     return getattr(output, "loss", None)
 
 
-class FP8LabCallback(TrainerCallback):
+class FP8LabCallback(CoreCallback, TrainerCallback):
     """Watch statistics, the anomaly guard and FP8 state in checkpoints for the HF Trainer
     (see the module doc). ``guard``: an `fp8lab.AnomalyGuard` (default: every detector, policy
     ``"rollback"``; None: watch only); ``watch_every``: operand statistics every N optimizer
     steps (0 = off)."""
 
-    def __init__(self, guard: AnomalyGuard | None = _DEFAULT, watch_every: int = 0) -> None:  # type: ignore[assignment]
-        self.core = CallbackCore(AnomalyGuard() if guard is _DEFAULT else guard, watch_every)
+    def __init__(self, guard: AnomalyGuard | None = DEFAULT_GUARD, watch_every: int = 0) -> None:  # type: ignore[assignment]
+        CoreCallback.__init__(self, guard, watch_every)
         self._hook: Any = None
-
-    @property
-    def records(self) -> list[dict[str, Any]]:
-        """The watch records so far (one dict per operand of each sampled step)."""
-        return self.core.records
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        """The guard's event records so far (skip, rollback, escalate)."""
-        return self.core.events
+        self._grad_hooks: list[Any] = []
+        self._sq: list[torch.Tensor] = []  # per-parameter gradient norms of this step
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(
@@ -93,6 +83,9 @@ class FP8LabCallback(TrainerCallback):
             self.core.resume(where)
         if self._hook is None:
             self._hook = model.register_forward_hook(self._on_forward)
+        if args.max_grad_norm and args.max_grad_norm > 0 and self.core.session is not None:
+            self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                                for p in model.parameters() if p.requires_grad]  # fmt: skip
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if module.training and torch.is_grad_enabled():  # evaluation forwards do not count
@@ -100,11 +93,21 @@ class FP8LabCallback(TrainerCallback):
             if loss is not None:
                 self.core.add_loss(loss)
 
+    def _on_grad(self, p: torch.Tensor) -> None:
+        # the Trainer clips before on_pre_optimizer_step: the lab's norm (before clipping) is
+        # taken here, on the step's last micro-batch, whose backward completes the gradients
+        from accelerate.state import GradientState
+
+        if GradientState().sync_gradients and p.grad is not None:
+            self._sq.append(torch.linalg.vector_norm(p.grad.detach().float()))
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._sq = []
         self.core.step_begin()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.core.before_update()
+        before = float(torch.linalg.vector_norm(torch.stack(self._sq))) if self._sq else None
+        self.core.before_update(before)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.core.step_end()
@@ -115,6 +118,7 @@ class FP8LabCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.core.close()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for h in [self._hook, *self._grad_hooks]:
+            if h is not None:
+                h.remove()
+        self._hook, self._grad_hooks = None, []

@@ -27,34 +27,22 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from fp8lab.guard import AnomalyGuard
-from fp8lab.integrations._core import CallbackCore
+from fp8lab.integrations._core import DEFAULT_GUARD, CoreCallback
 
 __all__ = ["FP8LabCallback"]
 
-_DEFAULT = object()
 
-
-class FP8LabCallback(Callback):
+class FP8LabCallback(CoreCallback, Callback):
     """Watch statistics, the anomaly guard and its state in checkpoints for Lightning (see the
     module doc). ``guard``: an `fp8lab.AnomalyGuard` (default: every detector, policy
     ``"rollback"``; None: watch only); ``watch_every``: operand statistics every N optimizer
     steps (0 = off)."""
 
-    def __init__(self, guard: AnomalyGuard | None = _DEFAULT, watch_every: int = 0) -> None:  # type: ignore[assignment]
-        self.core = CallbackCore(AnomalyGuard() if guard is _DEFAULT else guard, watch_every)
+    def __init__(self, guard: AnomalyGuard | None = DEFAULT_GUARD, watch_every: int = 0) -> None:  # type: ignore[assignment]
+        CoreCallback.__init__(self, guard, watch_every)
         self._in_step = False  # step_begin ran, the optimizer step has not
         self._decide = False  # the optimizer step ran, the decision is due
         self._loaded: dict[str, Any] | None = None
-
-    @property
-    def records(self) -> list[dict[str, Any]]:
-        """The watch records so far (one dict per operand of each sampled step)."""
-        return self.core.records
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        """The guard's event records so far (skip, rollback, escalate)."""
-        return self.core.events
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
