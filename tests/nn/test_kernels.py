@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fp8lab
+from fp8lab.kernels import using_kernels
 from fp8lab.nn._kernels import round_bf16
 from fp8lab.nn.functional import round_high_precision
 
@@ -19,9 +20,14 @@ def _inputs():
     return torch.cat([x, raw, -raw, edges])
 
 
-def test_round_bf16_equals_torch_conversion_and_cast():
+KERNELS = [pytest.param("numba", marks=pytest.mark.numba_only), "torch"]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_round_bf16_equals_torch_conversion_and_cast(kernels):
     x = _inputs()
-    got = round_bf16(x)
+    with using_kernels(kernels):
+        got = round_bf16(x)
     ref = x.to(torch.bfloat16).to(torch.float32)
     fin = torch.isfinite(ref) | torch.isinf(ref)
     assert torch.equal(got[fin], ref[fin])
@@ -31,10 +37,12 @@ def test_round_bf16_equals_torch_conversion_and_cast():
     assert torch.equal(round_high_precision(x, "bf16")[fin], ref[fin])
 
 
-def test_round_bf16_in_place_and_bad_input():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_round_bf16_in_place_and_bad_input(kernels):
     x = torch.randn(7, 5)
     ref = x.to(torch.bfloat16).float()
-    assert round_bf16(x, out=x) is x and torch.equal(x, ref)
+    with using_kernels(kernels):
+        assert round_bf16(x, out=x) is x and torch.equal(x, ref)
     with pytest.raises(TypeError):
         round_bf16(torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError):
