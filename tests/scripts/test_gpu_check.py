@@ -146,6 +146,10 @@ def test_fp32_gemm_bound_holds_for_other_orders_and_catches_larger_errors():
     inf = blas.clone()
     inf[0, 0] = float("inf")
     assert gc.bounded_mismatches(inf, blas, bound)["bound_violations"] == 1
+    nan, other_nan = blas.clone(), blas.clone()
+    nan[1, 1], other_nan[1, 1] = float("nan"), -float("nan")  # another NaN pattern: no violation
+    assert gc.bounded_mismatches(nan, other_nan, bound)["bound_violations"] == 0
+    assert gc.bounded_mismatches(nan, blas, bound)["bound_violations"] == 1
 
 
 def test_run_case_reports_what_differs():
