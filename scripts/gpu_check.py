@@ -657,13 +657,14 @@ def scaled_mm(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, 
         for fa, fb in (("e4m3", "e4m3"), ("e4m3", "e5m2")):
             for unit in (True, False):
                 for k in sizes.scaled_mm_ks:
+                    label = {"a": fa, "b": fb, "k": k, "scales": "unit" if unit else "current"}
                     if time.time() > deadline:
-                        cases.append({"a": fa, "b": fb, "k": k, "skipped": "time"})
+                        cases.append({**label, "skipped": "time"})
                         continue
                     try:
                         cases.append(scaled_mm_case(fa, fb, k, unit, sizes.scaled_mm_mn, device))
                     except Exception as exc:
-                        cases.append({"a": fa, "b": fb, "k": k, "error": _error(exc)})
+                        cases.append({**label, "error": _error(exc)})
     done = [c for c in cases if "fast_accum_mismatches" in c]
     totals = {"never": 0, **{str(p): 0 for p in PROMOTION_INTERVALS}}
     for c in done:
