@@ -698,10 +698,10 @@ def _no_tf32() -> None:
 
 
 def build_step(case: str, sizes: Sizes, device: torch.device) -> Callable[[], None]:
-    """One training step of the lab's GPT for ``case``: ``native-fp32``/``native-bf16`` (torch
-    only: the unconverted model, torch AdamW, bf16 by autocast) or an fp8lab recipe name (the
-    lab's converted model and AdamW.from_recipe); all through the lab's `TrainStep` with
-    gradient clipping at 1.0, on a fixed random batch."""
+    """One training step of the lab's GPT for ``case`` on a fixed random batch, gradients clipped
+    at 1.0: ``native-fp32``/``native-bf16`` are torch's own step (the unconverted model, bf16 by
+    autocast, ``torch.nn.utils.clip_grad_norm_``, torch AdamW); a recipe name is the lab's step
+    (the converted model, `TrainStep`, ``AdamW.from_recipe``)."""
     from fp8lab.lab.gpt import GPTConfig
     from fp8lab.lab.step import TrainStep
     from fp8lab.lab.train import TrainConfig, build_model, make_optimizer
@@ -717,19 +717,24 @@ def build_step(case: str, sizes: Sizes, device: torch.device) -> Callable[[], No
     g = _gen(1)
     idx = torch.randint(0, cfg.vocab_size, (sizes.batch, cfg.block_size + 1), generator=g)
     x, y = idx[:, :-1].to(device), idx[:, 1:].to(device)
-    autocast = case == "native-bf16"
+    if native:
 
-    def loss_fn(_batch: Any) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            return model(x, y)[1]
+        def native_step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=case == "native-bf16"):
+                loss = model(x, y)[1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    step = TrainStep(loss_fn, opt, clip=1.0)
+        return native_step
+    step = TrainStep(lambda _batch: model(x, y)[1], opt, clip=1.0)
     counter = iter(range(1 << 30))
 
-    def run() -> None:
+    def lab_step() -> None:
         step(next(counter), None)
 
-    return run
+    return lab_step
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -872,7 +877,7 @@ def step_time(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, 
     return {
         "model": {**sizes.gpt, "vocab_size": 256, "batch": sizes.batch},
         "method": f"median of up to {sizes.iters} steps after {sizes.warmup} warm-up steps; "
-        "TrainStep with clip 1.0; TF32 off",
+        "clip 1.0; native: torch's own step, recipes: the lab's TrainStep; TF32 off",
         "cases": results,
         "ratios": step_ratios(results),
         "seconds": round(time.time() - t0, 1),
