@@ -3,8 +3,10 @@ escalation) around a user's own step, from the same code as the lab's loop (Guar
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
+import json
 
 import pytest
 import torch
@@ -201,6 +203,7 @@ def test_state_dict_is_plain_data_and_round_trips():
     ({"clip": -1.0}, "clip must be a number >= 0"),
     ({"position": -3}, "position must be an integer >= 0"),
     ({"stateful": {"sched": object()}}, r"stateful\['sched'\]"),
+    ({"watch_every": -1}, "watch_every must be an integer >= 0"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(kwargs, match):
     model = _model(None)
@@ -211,3 +214,26 @@ def test_bad_arguments_are_named(kwargs, match):
 
 def test_reexported_from_fp8lab():
     assert fp8lab.GuardedStep is GuardedStep
+
+
+def test_watch_records_equal_the_labs_and_a_rollback_drops_the_abandoned_ones():
+    from fp8lab.lab.step import TrainStep, WatchHook
+
+    model, data = _model(), _data()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gs = GuardedStep(model, opt, guard=AnomalyGuard(checkpoint_every=2), watch_every=1)
+    for i in range(3):
+        gs.step(functools.partial(_fwd_bwd, model, *data[i]))
+    # the lab's step with its watch hook, same weights, same batches
+    watch, rows = WatchHook(twin, 1), []
+    opt2 = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    ts = TrainStep(lambda b: torch.nn.functional.cross_entropy(twin(b[0]), b[1]), opt2, None, 0.0,
+                   [watch])  # fmt: skip
+    for i in range(3):
+        ts(i, data[i])
+        rows += watch.rows
+    assert rows and json.dumps(gs.records, default=float) == json.dumps(rows, default=float)
+    r = gs.step(functools.partial(_fwd_bwd, model, *data[3], "nan"), position=3)
+    assert r.rolled_back and r.to_step == 2
+    assert {x["step"] for x in gs.records} == {1, 2}

@@ -118,8 +118,10 @@ class GuardedStep:
     scheduler, stepped once per counted step (applied or skipped, as the lab's schedule counts
     steps) and restored by a rollback; ``stateful``: more objects with
     ``state_dict``/``load_state_dict`` that a rollback restores, as they are at the end of a
-    step; ``position``: the data position of the first step. The first last-good snapshot is taken
-    here: construct it after loading a checkpoint."""
+    step; ``position``: the data position of the first step; ``watch_every``: every N-th step's
+    operand statistics (`fp8lab.observe.sample`, the lab's ``stats.jsonl`` records, ``step`` =
+    steps done) go to ``records`` (0 = off; a rollback drops the abandoned steps'). The first
+    last-good snapshot is taken here: construct it after loading a checkpoint."""
 
     def __init__(
         self,
@@ -132,6 +134,7 @@ class GuardedStep:
         scheduler: Any = None,
         stateful: Mapping[str, Any] | None = None,
         position: int = 0,
+        watch_every: int = 0,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -156,6 +159,12 @@ class GuardedStep:
             guard or AnomalyGuard(), model, optimizer, scaler, None, stateful
         )
         self.state = GuardState(cursor=_position(position))
+        if isinstance(watch_every, bool) or not isinstance(watch_every, int) or watch_every < 0:
+            raise ValueError(
+                f"GuardedStep: watch_every must be an integer >= 0, got {watch_every!r}"
+            )
+        self.watch_every = watch_every
+        self.records: list[dict[str, Any]] = []
         self._rows = _converted(model)  # operand percentages need converted layers
         self.session.snapshot(self.state)  # the first last-good state: the start
 
@@ -186,13 +195,18 @@ class GuardedStep:
             st.cursor = _position(position)
         t = st.step
         ses.before_step()
-        rows_cm: Any = contextlib.nullcontext(None)
-        if self._rows and ses.wants_rows(t):
-            from fp8lab.guard.percent import operand_percentages
+        rows, watched = None, []
+        with contextlib.ExitStack() as stack:  # operand observers over forward and backward
+            if self._rows and ses.wants_rows(t):
+                from fp8lab.guard.percent import operand_percentages
 
-            rows_cm = operand_percentages()
-        with rows_cm as rows:
+                rows = stack.enter_context(operand_percentages())
+            if self.watch_every and (t + 1) % self.watch_every == 0:
+                from fp8lab.observe import sample
+
+                watched = stack.enter_context(sample(self.model, t + 1))
             out = closure()
+        self.records.extend(watched)
         loss = float(out.detach()) if isinstance(out, torch.Tensor) else float(out)
         found_inf, gnorm = self._unscale_and_clip()
         veto = ses.check(t, loss, gnorm, rows)
@@ -211,6 +225,8 @@ class GuardedStep:
         events = tuple(ses.take_events())
         to_step = next((e["to_step"] for e in events if e["action"] == "rollback"), None)
         act = "rolled_back" if action == "rollback" else "applied" if applied else "skipped"
+        if to_step is not None:  # the abandoned steps' records go, as in the lab's loop
+            self.records = [r for r in self.records if r["step"] <= to_step]
         return StepResult(act, st.step, self.next_position(), loss, gnorm,
                           tuple(ses.findings), events, to_step)  # fmt: skip
 
