@@ -1100,6 +1100,54 @@ def failures(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The README's tables from a report: bit identity per group, the scaled_mm agreement and
+    the step times, with the card, torch and date they came from."""
+    dev, tch = report["device"], report["torch"]
+    card = dev.get("name") or f"CPU ({dev.get('cpu')})"
+    lines = [
+        f"`python scripts/gpu_check.py` on {card}, torch {tch['version']} (CUDA {tch['cuda']}), "
+        f"fp8lab {report['fp8lab']['commit'] or report['fp8lab']['version']}, {report['date']}:",
+        "",
+        "| bit identity | cases | elements | mismatches | NaN bits only | errors |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    bits = report["bit_identity"]
+    for group in ("cast", "quantize", "qmatmul"):
+        t = bits.get(group, {}).get("summary")
+        if t:
+            lines.append(
+                f"| {group} | {t['exact_cases'] + t['bounded_cases']} | {t['exact_elements']} | "
+                f"{t['exact_mismatches']} | {t['nan_bits_only']} | {t['errors']} |"
+            )
+    if "summary" in bits:
+        t = bits["summary"]
+        lines.append(
+            f"\nfp32 GEMMs: {t['bound_violations']} bound violations, largest difference "
+            f"{t['max_ulp_fp32_gemm']} ulp."
+        )
+    mm = report["scaled_mm"]
+    if "fast_accum_mismatches" in mm:
+        lines.append(
+            f"\n`h100` model vs `torch._scaled_mm(use_fast_accum=True)`: "
+            f"{mm['fast_accum_mismatches']} of {mm['elements']} elements differ; "
+            f"`use_fast_accum=False` fits promotion every {mm['best_interval']} "
+            f"({mm['slow_accum_mismatches_by_interval'][mm['best_interval']]} differ)."
+        )
+    steps = report["step_time"]
+    if "cases" in steps:
+        lines += [
+            "",
+            "| step | ms | / native bf16 | / native fp32 (TF32 off) |",
+            "|---|---:|---:|---:|",
+        ]
+        for case, rec in steps["cases"].items():
+            r = steps["ratios"][case]
+            ms = rec.get("median_ms", rec.get("skipped") or "error")
+            lines.append(f"| {case} | {ms} | {r['vs_native_bf16']} | {r['vs_native_fp32']} |")
+    return "\n".join(lines) + "\n"
+
+
 #: where each section's deadline lies, as a fraction of the budget (time a section leaves unused
 #: passes on to the next)
 SECTION_ENDS = {
@@ -1165,10 +1213,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds for the whole run (default 270; smoke 600)",
     )
     p.add_argument("--progress", action="store_true", help="print each section's end on stderr")
+    p.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="print the tables of an existing report (JSON) as markdown instead of running",
+    )
     p.add_argument("--_step-worker", dest="step_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_dist-worker", dest="dist_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.step_worker is not None or args.dist_worker is not None:
+    if args.step_worker is not None or args.dist_worker is not None or args.markdown:
         return args
     if args.out is None:
         p.error("--out PATH is required")
@@ -1199,6 +1253,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dist_worker is not None:
         dist_worker(json.loads(args.dist_worker))
+        return 0
+    if args.markdown:
+        try:
+            report = json.loads(args.markdown.read_text())
+            print(markdown(report), end="")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"gpu_check: --markdown {args.markdown}: not a gpu_check report ({exc})",
+                file=sys.stderr,
+            )
+            return 2
         return 0
     report = run(args)
     tmp = args.out.with_name(args.out.name + ".tmp")

@@ -71,6 +71,42 @@ def test_smoke_sections_subset_and_budget(tmp_path):
     bits = report["bit_identity"]
     assert bits["summary"]["skipped"] == 3 and bits["summary"]["exact_cases"] == 0
     assert bits["cast"]["cases"][0]["case"].startswith("cast from cast fp32 nearest_even")
+    md = gc.markdown(report)  # the README's tables from the report
+    assert "| cast | 0 | 0 | 0 | 0 | 0 |" in md and "on CPU" in md
+    assert "| step |" not in md  # not run: no step table
+
+
+def test_markdown_step_table_and_bad_report(tmp_path, capsys):
+    report = json.loads(json.dumps(_fake_report()))
+    md = gc.markdown(report)
+    assert "on NVIDIA H100 80GB HBM3, torch 2.11.0 (CUDA 13.0)" in md
+    assert "| te-current | 120.0 | 2.4 | 1.2 |" in md
+    assert "| deepseek-v3-h100 | time | None | None |" in md
+    assert "fits promotion every 128 (0 differ)" in md
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert gc.main(["--markdown", str(bad)]) == 2
+    assert "not a gpu_check report" in capsys.readouterr().err
+
+
+def _fake_report() -> dict:
+    cases = {
+        "native-fp32": {"median_ms": 100.0},
+        "native-bf16": {"median_ms": 50.0},
+        "te-current": {"median_ms": 120.0},
+        "deepseek-v3-h100": {"skipped": "time"},
+    }
+    mm = {"fast_accum_mismatches": 0, "elements": 10, "best_interval": "128"}
+    mm["slow_accum_mismatches_by_interval"] = {"never": 9, "128": 0}
+    return {
+        "device": {"name": "NVIDIA H100 80GB HBM3"},
+        "torch": {"version": "2.11.0", "cuda": "13.0"},
+        "fp8lab": {"commit": "abc", "version": "0.1.0"},
+        "date": "2026-11-28",
+        "bit_identity": {},
+        "scaled_mm": mm,
+        "step_time": {"cases": cases, "ratios": gc.step_ratios(cases)},
+    }
 
 
 # --------------------------------------------------------------------- bad arguments
