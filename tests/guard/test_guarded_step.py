@@ -237,3 +237,30 @@ def test_watch_records_equal_the_labs_and_a_rollback_drops_the_abandoned_ones():
     r = gs.step(functools.partial(_fwd_bwd, model, *data[3], "nan"), position=3)
     assert r.rolled_back and r.to_step == 2
     assert {x["step"] for x in gs.records} == {1, 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_rollback_restores_the_cuda_generator_too():
+    """Dropout on the GPU draws from the CUDA generator: the replay after a rollback equals the
+    clean run only when the snapshot holds that generator's state as well."""
+
+    def run(faults):
+        torch.manual_seed(0)
+        torch.cuda.manual_seed_all(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5),
+                                    torch.nn.Linear(32, 4)).cuda()  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gs = GuardedStep(model, opt, guard=AnomalyGuard(checkpoint_every=2))
+        data, pos, faults = _data(), 0, dict(faults)
+        while gs.steps_done < 8:
+            x, y = (t.cuda() for t in data[pos])
+            fault = faults.pop(gs.steps_done, None)
+            pos = gs.step(
+                functools.partial(_fwd_bwd, model, x, y, fault), position=pos
+            ).next_position
+        return model, gs
+
+    clean, _ = run({})
+    model, gs = run({5: "nan"})
+    assert [e["action"] for e in gs.events] == ["rollback"]
+    assert _same_weights(model, clean)
