@@ -104,6 +104,25 @@ def test_fused_scale_kernels_on_nan_amax():
         assert torch.equal(torch.isnan(torch.from_numpy(inv)), code == 255), name
 
 
+@pytest.mark.numba_only  # runs numba beside torch (the torch run fences numba off)
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_torch_kernels_equal_numba_over_float32(fmt):
+    # issue 24: the device-generic twins (the rule functions on the kernels' constants) give the
+    # kernels' bits over the whole float32 sweep, for every MX rule and the max rule's options
+    from fp8lab.kernels import using_kernels
+
+    amax = float32_sweep()
+    calls = [(mx_rule_scales, (amax, rule, fmt), {}) for rule in MX_RULES]
+    calls += [(max_rule_scales, (amax, fmt), kw) for kw in
+              ({}, {"margin": 3}, {"epsilon": 1e-3}, {"value_for_inf": 448.0})]  # fmt: skip
+    for fn, args, kw in calls:
+        with using_kernels("numba"):
+            s_n, inv_n = fn(*args, **kw)
+        with using_kernels("torch"):
+            s_t, inv_t = fn(*args, **kw)
+        assert same_bits(s_n, s_t) and same_bits(inv_n, inv_t), (fn.__name__, args[1:], kw)
+
+
 def test_unknown_mx_rule_is_refused():
     with pytest.raises(ValueError, match="mx_round"):
         mx_rule_scales(torch.ones(2), "mx_round", "e4m3")
