@@ -171,3 +171,19 @@ def test_a_tuple_output_gives_its_first_element_as_the_loss(tmp_path):
     cb = FP8LabCallback(guard=fp8lab.AnomalyGuard(policy="off"))
     _train(TupleOut(), cb, tmp_path, samples(4), max_steps=2)
     assert cb.core.session.monitor.loss_count == 2
+
+
+def test_bad_arguments_and_files_are_named(tmp_path):
+    from fp8lab.integrations._core import GUARD_FILE
+
+    with pytest.raises(TypeError, match=r"guard must be an fp8lab\.AnomalyGuard"):
+        FP8LabCallback(guard="rollback")
+    with pytest.raises(ValueError, match="watch_every must be an integer >= 0"):
+        FP8LabCallback(watch_every=-1)
+    cb = FP8LabCallback()
+    (tmp_path / GUARD_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=f"{GUARD_FILE}: not an fp8lab guard state"):
+        cb.core.load(tmp_path)
+    assert not cb.core.load(tmp_path / "empty-dir")  # nothing there: nothing restored
+    with pytest.warns(UserWarning, match="holds no fp8lab state"):
+        cb.core.resume(tmp_path / "empty-dir")

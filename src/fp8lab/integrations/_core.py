@@ -97,7 +97,8 @@ class CallbackCore:
     def step_begin(self) -> None:
         """Before the first forward of the optimizer step ``state.step``."""
         t, model = self.state.step, self._model
-        assert model is not None, "step_begin before start"
+        if model is None:
+            raise RuntimeError("fp8lab callback: a training step began before training started")
         self.close()
         self._losses, self._watch_rows, self._guard_rows = [], [], None
         self._stack = contextlib.ExitStack()
