@@ -11,6 +11,10 @@ pass: no floating-point ``log2``, no double rounding. Two kernel families:
   grid spacing`` (`_Params.qtab`); used for float64 input and for formats the fast kernel cannot
   describe, and as the cross-check of the fast one in the tests.
 
+Each kernel has a device-generic twin in `fp8lab.formats.rounding_torch` (torch ops on the same
+integer bit patterns, same bits; one compiled pass where torch.compile works), which `cast` runs
+for tensors off the CPU and under ``FP8LAB_KERNELS=torch`` (`fp8lab.kernels.use_torch`).
+
 A format's constants reach the kernels as one record (`_GenericGrid` / `_FastGrid`, built once
 per format and overflow rule by `_grids`), runtime values rather than compile-time ones, so each
 kernel compiles once (cached on disk) for every format.
@@ -540,15 +544,20 @@ def cast(
     """Round ``x`` onto the grid of ``fmt``; returns a float32 tensor of ``x``'s shape.
 
     Args:
-        x: float32, bfloat16, float16 or float64 CPU tensor. Gradients pass straight through
+        x: float32, bfloat16, float16 or float64 tensor on any device; the result is on the
+            same device (numba kernels on the CPU, the device-generic torch kernels of
+            `fp8lab.formats.rounding_torch` elsewhere or under ``FP8LAB_KERNELS=torch``: same
+            bits, `fp8lab.kernels`). Gradients pass straight through
             (the rounding counts as the identity in backward, `fp8lab.formats.straight_through`)
             when ``x`` requires grad and grad mode is on.
         fmt: a format name (`fp8lab.format_names()`, or any ``eXmY``) or a `FloatFormat`.
         rounding: one of `ROUNDING_MODES`; ``None`` = the format's native rule
             (``nearest_even``; ``nearest_away``, i.e. TA, for HiF8).
         saturate: clamp overflow and ±Inf to ±max (True) or give the format's Inf/NaN (False).
-        generator: torch.Generator for ``stochastic`` rounding (one 64-bit draw per call).
-        out: optional contiguous float32 tensor of the same shape to write into (may be ``x``).
+        generator: torch.Generator for ``stochastic`` rounding (one 64-bit draw per call, on
+            the generator's device; torch's default CPU generator if None, whatever ``x``'s).
+        out: optional contiguous float32 tensor of the same shape and device to write into (may
+            be ``x``).
     """
     fmt = get_format(fmt)
     _check_tensor(x)
