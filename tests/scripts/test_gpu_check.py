@@ -37,7 +37,7 @@ def test_smoke_writes_every_section_with_zero_mismatches(tmp_path):
     assert {"torch", "date", "fp8lab", "failures"} <= set(report)
     assert report["fp8lab"]["version"]
     bits = report["bit_identity"]["summary"]
-    assert bits["exact_cases"] > 700 and bits["bounded_cases"] >= 5
+    assert bits["exact_cases"] > 300 and bits["bounded_cases"] >= 5
     # a NaN's sign and payload are not part of fp8lab's arithmetic (the kernels' convention: CUDA
     # canonicalises NaN); every other bit is, and encode's FP8 codes are compared as integers
     assert bits["exact_mismatches"] == bits["nan_bits_only"]
