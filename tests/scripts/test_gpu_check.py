@@ -314,3 +314,19 @@ def test_a_crashed_worker_is_an_error_naming_its_output(tmp_path):
     assert results["boom"]["error"].startswith("worker exited 3")
     assert "out of memory" in results["boom"]["error"]
     assert pending == []
+
+
+# ------------------------------------------------------------------- scaled_mm's code
+def test_scaled_mm_case_record_on_the_cpu():
+    """The scaled_mm case's code on torch's CPU _scaled_mm (an FP32-exact GEMM there, not a
+    tensor core: the counts are not the GPU's, only the record's shape is checked)."""
+    try:
+        rec = gc.scaled_mm_case("e4m3", "e5m2", 64, False, 32, CPU)
+    except (RuntimeError, NotImplementedError) as exc:  # a torch without the CPU kernel
+        pytest.skip(f"torch._scaled_mm on the CPU: {exc}")
+    assert (rec["a"], rec["b"], rec["k"], rec["scales"], rec["elements"]) == (
+        "e4m3", "e5m2", 64, "current", 32 * 32,
+    )  # fmt: skip
+    fits = rec["slow_accum_mismatches_by_interval"]
+    assert list(fits) == ["never", *map(str, gc.PROMOTION_INTERVALS)]
+    assert rec["best_interval"] in fits and 0 <= rec["fast_accum_mismatches"] <= 32 * 32
