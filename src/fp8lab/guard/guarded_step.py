@@ -146,7 +146,10 @@ class GuardedStep:
             )
         if not (isinstance(clip, int | float) and math.isfinite(clip) and clip >= 0):
             raise ValueError(f"GuardedStep: clip must be a number >= 0, got {clip!r}")
-        stateful = {**(stateful or {}), **({"scheduler": scheduler} if scheduler else {})}
+        stateful = {
+            **(stateful or {}),
+            **({"scheduler": scheduler} if scheduler is not None else {}),
+        }
         for name, obj in stateful.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(
