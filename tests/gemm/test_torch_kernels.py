@@ -263,6 +263,31 @@ def test_fused_dot_published_shapes_and_specials():
             _same_bits(got, want)
 
 
+@pytest.mark.parametrize("block_k", [256, 64, 16])
+def test_tiling_over_rows_columns_and_k_blocks(monkeypatch, block_k):
+    # a tiny tile budget: many ragged row and column tiles, K blocks of one or more groups (the
+    # CPU's 256 and an accelerator's 64 K elements per block) and the dots' row chunks
+    from fp8lab.gemm import fused_torch
+
+    monkeypatch.setattr(fused_torch, "_budget", lambda device: 600)
+    monkeypatch.setattr(fused_torch, "_block_k", lambda device: block_k)
+    qa = _unit(_operand((23, 300), "e4m3", 27), "e4m3")
+    qb = _unit(_operand((300, 19), "e5m2", 28), "e5m2")
+    c = _c(23, 19, 29)
+    for acc in ("h100", "ada", "b200", Accumulator("h100", promote_every=64)):
+        want, got = _both(lambda acc=acc: qmatmul(qa, qb, acc, c=c))
+        _same_bits(got, want)
+    a = _operand((50, 70), "e4m3", 30)
+    want, got = _both(lambda: fused_dot(a, a.flip(0), "h100", c=c.reshape(-1)[:50]))
+    _same_bits(got, want)
+    from fp8lab.gemm import limited_torch  # per-product column chunks
+
+    monkeypatch.setattr(limited_torch, "_BUDGET", {"cpu": block_k * 40})
+    acc = Accumulator("limited", per_product=True, mantissa_bits=7)
+    want, got = _both(lambda: qmatmul(qa, qb, acc))
+    _same_bits(got, want)
+
+
 # ------------------------------------------------ the torch helpers against exact arithmetic
 def test_exact_sum_rz_against_fractions():
     from fractions import Fraction

@@ -54,7 +54,14 @@ Accumulator models
 
 Native path: ``native=True`` calls ``torch._scaled_mm`` (per-tensor E4M3/E5M2 operands, FP32
 accumulator). On CPU (torch 2.13) it dequantizes the operands and runs an FP32 matmul; see
-``tests/test_gemm.py`` for how it compares with the emulation.
+``tests/test_gemm.py`` for how it compares with the emulation. On CUDA it needs FP8 tensor cores
+(compute capability 8.9+).
+
+Devices: the ``limited`` and ``fused`` models and the epilogue have numba kernels (CPU) and
+device-generic torch kernels (`fp8lab.gemm.fused_torch`, `fp8lab.gemm.limited_torch`) that give
+the same bits; `fp8lab.kernels` picks one (CUDA tensors always take torch). The ``fp32`` model
+is torch's GEMM, on CUDA with TF32 off (`fp8lab.gemm.matmul.fp32_matmul`). docs/gemm.md, "GPU
+semantics".
 
 ``c`` (``qmatmul(..., c=)``): an FP32 addend, ``D = A·B + C``; ``bias``: added after the scales
 in one serial epilogue pass (`fp8lab.gemm.matmul.epilogue`), bit for bit ``out.mul_(s).add_(bias)``.
