@@ -89,6 +89,10 @@ def test_block_amax_bits(block, shape):
     a, b = both(block_amax, x, m, k, nr, nc)
     assert b.device == x.device and b.shape == (nr, nc)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # no NaN: exact bits
+    # without NaN the CPU takes the float-reduction shortcut: the same bits (-0 blocks, inf)
+    z = torch.nan_to_num(x, nan=-0.0, posinf=math.inf, neginf=-math.inf)
+    a, b = both(block_amax, z, m, k, nr, nc)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     # an all-NaN block gives 0, as TE's fmaxf reduction from 0
     y = torch.full(shape, math.nan)
     a, b = both(block_amax, y, m, k, nr, nc)
