@@ -62,7 +62,9 @@ def run(sizes: list[int], repeat: int, device: torch.device) -> None:
         for name, acc, blocked in CASES:
             qa, qb = blocks if blocked else per_tensor
             da, db = (
-                dataclasses.replace(q, values=q.values.to(device), scales=q.scales.to(device))
+                dataclasses.replace(
+                    q, values=q.values.to(device), scales=q.scales.to(device), _dense=[None]
+                )
                 for q in (qa, qb)
             )
             with using_kernels("numba"):

@@ -357,7 +357,9 @@ def _to(q, device: str):
     """A QTensor moved to ``device`` (values and scales; the spec is device-free)."""
     import dataclasses
 
-    return dataclasses.replace(q, values=q.values.to(device), scales=q.scales.to(device))
+    return dataclasses.replace(
+        q, values=q.values.to(device), scales=q.scales.to(device), _dense=[None]
+    )
 
 
 @cuda
