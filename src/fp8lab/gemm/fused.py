@@ -35,6 +35,9 @@ of output columns, exact because every term ``trunc(a * b * 2**(F - E))`` is an 
 2**15 and their sum below 2**24 (checked by `fast_path_applies`); lanes whose ``E`` is out of its
 safe range (no nonzero product and a tiny or huge ``c``) fall back to ``_step64``. Both are
 tested against an exact-rational transcription of the steps above (tests/gemm/test_fused.py).
+GEMMs with an inf/NaN operand take ``_step64`` (the fast kernel's int32 truncation would turn a
+NaN term into garbage). `fp8lab.gemm.fused_torch` is the same model in torch tensor operations
+for any device, bit for bit these kernels (tests/gemm/test_torch_kernels.py).
 The fast kernel's two sweeps (the exponent max, the truncated terms) take the group's nonzero K
 elements four at a time, keeping each lane's running max or sum in a register in the same K order:
 the sweeps are bound by loads and stores, and this cut the time at 2048^3 by ~30% on AVX-512.

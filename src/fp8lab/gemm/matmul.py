@@ -210,12 +210,13 @@ def _fp32(
 ) -> torch.Tensor:
     """FP32 accumulation; per-tensor scales and the bias in one serial epilogue pass."""
     k = a.shape[1]
+    k_constant = kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1)
     with fp32_matmul(a.values.device):
-        if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
+        if k_constant:
             out = torch.mm(a.values.float(), b.values.float())
         else:
             out = torch.mm(a.dequantize(), b.dequantize())
-    if kb >= k or (a.scales.shape[1] == 1 and b.scales.shape[0] == 1):
+    if k_constant:
         if (
             a.scales.numel() == 1
             and b.scales.numel() == 1
