@@ -159,15 +159,18 @@ def _step(
     p = torch.clamp_min(p, 2.0**acc.exp_floor)
     scl = 2.0**acc.align_bits / p  # exact: powers of two (0 when p is inf)
     s = torch.where(aligned, torch.trunc(c64 * scl) + 0.0, 0.0)
+    # the terms trunc(prod * scl) in one pass as trunc(prod / (p / 2**F)): the same exact
+    # power-of-two scaling (an inf p gives 0 for finite and NaN for inf products, as numba)
+    unit = p * 2.0**-acc.align_bits
     if prod.dtype == torch.float32:  # FP8 fast domain (`fused_gemm_torch`): float32 is exact
-        # a lane without products (scl up to 2**146) has only zero terms: cap scl finite
-        terms = torch.trunc(prod * torch.clamp_max(scl, 2.0**100).to(torch.float32).unsqueeze(-1))
+        # a lane without products has only zero terms: keep its unit a normal float32
+        unit = torch.clamp_min(unit, 2.0**-100).to(torch.float32)
+        terms = torch.div(prod, unit.unsqueeze(-1), rounding_mode="trunc")
         s = s + terms.sum(-1).to(torch.float64)
     elif _aligned_terms_exact(acc):
-        terms = torch.trunc(prod * scl.unsqueeze(-1))
-        s = s + terms.sum(-1)
+        s = s + torch.div(prod, unit.unsqueeze(-1), rounding_mode="trunc").sum(-1)
     else:  # a sum that can round: numba's K order
-        terms = torch.trunc(prod * scl.unsqueeze(-1))
+        terms = torch.div(prod, unit.unsqueeze(-1), rounding_mode="trunc")
         for j in range(terms.shape[-1]):
             s = s + terms[..., j]
     res = round_out(s / scl, acc.out_bits, acc.out_rounding == "nearest_even")
