@@ -125,3 +125,15 @@ def test_gpu_run_resumes_on_the_cpu_and_back(corpus, tmp_path) -> None:  # pragm
     assert done.summary["complete"] and not done.summary["diverged"]
     run = json.loads((out / "run.json").read_text())
     assert run["machine"]["torch_device"] == "cpu"
+
+
+def test_a_cpu_model_under_nccl_is_refused(monkeypatch) -> None:
+    """Under torchrun with NCCL (simulated: no process group is made) a CPU model fails before
+    DDP wraps it, naming both sides."""
+    import fp8lab.dist.runtime as runtime
+    from fp8lab.lab.loop import _data_parallel
+
+    monkeypatch.setattr(runtime, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(runtime, "collective_device", lambda group=None: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="the model is on cpu but the process group is NCCL"):
+        _data_parallel(torch.nn.Linear(2, 2), "world", "fp32")

@@ -258,13 +258,22 @@ def _data_parallel(
     fp8_allgather: bool = False,
 ) -> Any:  # fmt: skip
     """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
-    checked either way: a bad value is an error even on one rank)."""
+    checked either way: a bad value is an error even on one rank). ValueError for a model on the
+    CPU under an NCCL process group (NCCL reaches GPU tensors only)."""
     from fp8lab.dist.ddp import DataParallel, check_options
-    from fp8lab.dist.runtime import world_size
+    from fp8lab.dist.runtime import collective_device, world_size
 
     check_options(amax_group, grad_comm, fsdp, fp8_allgather)
     if world_size() == 1:
         return None
+    param = next(model.parameters(), None)
+    where = "cpu" if param is None else param.device.type
+    if collective_device().type == "cuda" and where != "cuda":
+        raise ValueError(
+            f"the model is on {where} but the process group is NCCL (GPU tensors only): join "
+            "it with the run's device (fp8lab.dist.runtime.init_from_env(device=...), as "
+            "--torch-device does) or train on the GPU"
+        )
     return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
 
 

@@ -57,18 +57,13 @@ class ScalingState:
         return bool(self.by_key)
 
     def to(self, device: torch.device | str) -> None:
-        """Move every state's tensors to ``device`` in place (dtypes kept: the scales and
-        histories are float32 whatever dtype the module is cast to). The quantizers of the
-        module's plans hold these `DelayedScaling` objects, not their tensors, so they see the
-        moved state. From the ``meta`` device (``to_empty``) the tensors are allocated
-        uninitialised, as the module's parameters are: load a state afterwards."""
-        device = torch.device(device)
+        """Move every state to ``device`` in place (`DelayedScaling.to`: dtypes kept, the scales
+        and histories are float32 whatever dtype the module is cast to; from the ``meta`` device
+        uninitialised, as ``to_empty`` leaves the parameters). The quantizers of the module's
+        plans hold these `DelayedScaling` objects, not their tensors, so they see the moved
+        state."""
         for ds in self.by_key.values():
-            st = ds.state
-            for name, t in st.tensors().items():
-                if t.device != device:
-                    new = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
-                    setattr(st, name, new)
+            ds.to(device)
 
     def update_forward(self) -> None:
         for ds in self.forward:
