@@ -115,6 +115,18 @@ def test_exhaustive_16bit_inputs(fmt):
 
 
 @numba_only
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2fnuz", "hif8", "e8m0", "e2m1", "bf16"])
+def test_eager_torch_kernel_equals_numba(fmt, monkeypatch):
+    """The torch kernel run eagerly (as below `COMPILE_MIN` elements or where compiling fails)
+    rather than compiled: exhaustive over the 16-bit patterns, plus the float32 edge set."""
+    monkeypatch.setattr(rounding_torch, "COMPILE_MIN", 1 << 62)
+    codes = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    _compare(codes.view(torch.bfloat16), fmt, "eager all bf16")
+    _compare(codes.view(torch.float16), fmt, "eager all fp16")
+    _compare(torch.from_numpy(np.concatenate([_f32_edges(), tie_points(fmt)])), fmt, "eager")
+
+
+@numba_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_float32_edges_and_random(fmt):
     """Edge set (every exponent x edge mantissas, ties, max +- ulp) and 10**6 random float32."""

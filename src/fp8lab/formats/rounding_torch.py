@@ -210,7 +210,8 @@ def _below_half_step(
 ) -> torch.Tensor:
     """Result bits where ``s >= 24`` (|x| below half a grid step): 0 or one step."""
     q = (s + ex.clamp(min=1) - 150).clamp(-149, 127)
-    qb = torch.where(q >= -126, (q + 127) << 23, 1 << (q + 149).clamp(0, 30))
+    # one step as float32 bits: normal, or subnormal (no shift of a negative number)
+    qb = torch.where(q >= -126, (q.clamp(min=-126) + 127) << 23, 1 << (q + 149).clamp(0, 30))
     sig = torch.where(ex == 0, a, (a & 0x7FFFFF) | 0x800000)
     if family == 0:
         rne = (k[_K_RNE] != 0) & ((a & 0x7FFFFF) != 0)
