@@ -105,7 +105,13 @@ def _run_rule_torch(
         code = rules.rceil_code(a.abs() * r)  # fl32(amax * fl32(1/fmt_max)), as TE
     else:
         code = rules.mx_code(a, MX_RULES[mode].removeprefix("mx_"), int(emax), int(mbits))
-    return rules.e8m0_to_scale(code), rules.e8m0_to_scale_inv(code)
+    # codes are 0..255 here: gather from the conversions applied to all 256 codes (two passes
+    # over the block scales instead of the conversions' dozen)
+    codes = torch.arange(256, dtype=torch.int32, device=a.device)
+    idx = code.reshape(-1)
+    s, inv = (lut.index_select(0, idx).view(code.shape) for lut in
+              (rules.e8m0_to_scale(codes), rules.e8m0_to_scale_inv(codes)))  # fmt: skip
+    return s, inv
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: x / 0 -> inf, no exception
