@@ -25,6 +25,7 @@ generator), never from a device generator.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -279,7 +280,9 @@ def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int
     if fn is _fast_kernel:
         return fn(u, k, seed_t, family)
     try:
-        return fn(u, k, seed_t, family)
+        with warnings.catch_warnings():  # torch's own deprecation notes on importing inductor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return fn(u, k, seed_t, family)
     except Exception:  # any compiler failure: the eager kernel gives the same bits
         _compiled["failed"] = True
         return _fast_kernel(u, k, seed_t, family)
