@@ -377,13 +377,13 @@ def scale_cast(
     bit for bit what `QTensor.dequantize` computes, fused into the cast pass on the fast path.
     Runs on ``x2``'s device (`fp8lab.kernels.use_torch`); the buffers must be there too.
     """
-    if use_torch(x2, out, deq, what="quantize"):
-        return _t_scale_cast(x2, mult, m, k, g, spec, generator, out, deq, inv, global_scale)
     rows, cols = x2.shape
     if out is None:
-        out = torch.empty((rows, cols), dtype=torch.float32)
+        out = torch.empty((rows, cols), dtype=torch.float32, device=x2.device)
     if x2.numel() == 0:
         return out
+    if use_torch(x2, out, deq, what="quantize"):
+        return _t_scale_cast(x2, mult, (m, k), g, spec, generator, out, deq, inv, global_scale)
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
     xf = x2.view(-1).numpy()
     of = out.view(-1).numpy()

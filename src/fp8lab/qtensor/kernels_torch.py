@@ -190,26 +190,16 @@ def _rne_sat_(o: torch.Tensor, xs: torch.Tensor, g: Any, scratch: torch.Tensor) 
 
 
 def scale_cast(
-    x2: torch.Tensor,
-    mult: torch.Tensor,
-    m: int,
-    k: int,
-    g: Any,
-    spec: Any,
-    generator: torch.Generator | None,
-    out: torch.Tensor | None = None,
-    deq: torch.Tensor | None = None,
-    inv: torch.Tensor | None = None,
-    global_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`fp8lab.qtensor.kernels.scale_cast` on ``x2``'s device: ``values = cast(x * mult[block])``
-    (float32 ``[R, C]``), the dequantized copy into ``deq`` when given. Same arguments."""
+    x2: torch.Tensor, mult: torch.Tensor, block: tuple[int, int], g: Any, spec: Any,
+    generator: torch.Generator | None, out: torch.Tensor, deq: torch.Tensor | None,
+    inv: torch.Tensor | None, global_scale: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """`fp8lab.qtensor.kernels.scale_cast` on ``x2``'s device, into its (allocated) ``out``:
+    ``values = cast(x * mult[block])`` (float32 ``[R, C]``, not empty), the dequantized copy into
+    ``deq`` when given."""
     rows, cols = x2.shape
+    m, k = block
     dev = x2.device
-    if out is None:
-        out = torch.empty((rows, cols), dtype=torch.float32, device=dev)
-    if x2.numel() == 0:
-        return out
     mult = mult.to(device=dev, dtype=torch.float32).reshape(-1, mult.shape[-1])
     inv = None if inv is None else inv.to(device=dev, dtype=torch.float32).reshape(mult.shape)
     if g is None or not _fast_ok(g):
