@@ -396,7 +396,9 @@ class DelayedScaling:
     @property
     def measuring(self) -> bool:
         """Whether this step's amax is recorded (``step % interval == 0``)."""
-        return self.step % self.cfg.interval == 0
+        # interval 1 (TE) measures every step: no read of the step counter, which on a GPU
+        # would be a host sync in every quantize
+        return self.cfg.interval == 1 or self.step % self.cfg.interval == 0
 
     @property
     def total_margin(self) -> int:
