@@ -161,7 +161,7 @@ def pad_to_blocks(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def nan_ignoring_abs(x: torch.Tensor) -> torch.Tensor:
     """``|x|`` with NaN replaced by 0: TE's ``fmaxf`` amax reductions ignore NaN."""
     a = x.abs()
-    return torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype), a)
+    return torch.where(torch.isnan(a), 0.0, a)
 
 
 def block_amax(x: torch.Tensor, block: GranularityLike, pad: bool = True) -> torch.Tensor:
@@ -176,7 +176,7 @@ def block_amax(x: torch.Tensor, block: GranularityLike, pad: bool = True) -> tor
     check_fit(s2, blk, pad)
     m, k = resolve_block(blk, s2)
     if x2d.numel() == 0:
-        return torch.zeros(num_blocks(s2, blk), dtype=torch.float32)
+        return torch.zeros(num_blocks(s2, blk), dtype=torch.float32, device=x2d.device)
     xp = pad_to_blocks(nan_ignoring_abs(x2d), (m, k))
     nr, nc = xp.shape[0] // m, xp.shape[1] // k
     return xp.reshape(nr, m, nc, k).amax(dim=(1, 3))
