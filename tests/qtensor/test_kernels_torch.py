@@ -273,6 +273,13 @@ def test_quantize_on_the_meta_device_creates_nothing_on_the_cpu():
         q = fp8lab.quantize(x, "e4m3", gran, rule)
         assert q.values.device.type == "meta" and q.scales.device.type == "meta"
         assert q.dequantize().device.type == "meta"
+    ds = DelayedScaling(history_len=4)  # created on the CPU: moves to the tensor's device
+    others = [fp8lab.quantize(x, "e2m1", "nvfp4", "nvfp4"), fp8lab.quantize(x, "hif8"),
+              fp8lab.quantize(x, QuantSpec(format="e4m3", scaling=ds)),
+              fp8lab.retile(fp8lab.quantize(x, "e4m3", (1, 128)), measure_error=False)]  # fmt: skip
+    for q in others:
+        assert q.values.device.type == "meta" and q.dequantize().device.type == "meta"
+    assert ds.device.type == "meta"
 
 
 def test_buffers_on_another_device_are_refused():
