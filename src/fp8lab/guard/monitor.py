@@ -115,10 +115,12 @@ class GuardMonitor:
         if not self.states:
             return
         st = [ds.state for _, ds in self.states]
+        # the signals are computed on the CPU (a few numbers per state), whatever device the
+        # model's scaling state lives on (.cpu() of a CPU tensor is the tensor itself)
         self._pre = (
-            torch.stack([s.scale for s in st]),
-            torch.stack([s.step for s in st]),
-            torch.stack([s.initialized for s in st]),
+            torch.stack([s.scale for s in st]).cpu(),
+            torch.stack([s.step for s in st]).cpu(),
+            torch.stack([s.initialized for s in st]).cpu(),
         )
 
     def _scaling_signals(
@@ -134,11 +136,11 @@ class GuardMonitor:
         last = torch.empty(n)
         hmax = torch.empty(n)
         for idx in self._groups:
-            hist = torch.stack([self.states[i][1].state.amax_history for i in idx])
+            hist = torch.stack([self.states[i][1].state.amax_history for i in idx]).cpu()
             last[idx] = hist[:, -1]
             hmax[idx] = hist[:, 1:].max(dim=1).values  # NaN propagates: caught below
         ok = bool(torch.isfinite(hmax).all())
-        fmt_max = torch.stack([ds.state.fmt_max for _, ds in self.states])
+        fmt_max = torch.stack([ds.state.fmt_max for _, ds in self.states]).cpu()
         margin = self._margin
         measured = (step % self._interval == 0) & (init == 1) & (last > 0) & torch.isfinite(last)
         # binades by which amax * scale exceeds the format's max (less the margin): > 0 clamps
