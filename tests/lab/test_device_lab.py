@@ -137,3 +137,19 @@ def test_a_cpu_model_under_nccl_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(runtime, "collective_device", lambda group=None: torch.device("cuda", 0))
     with pytest.raises(ValueError, match="the model is on cpu but the process group is NCCL"):
         _data_parallel(torch.nn.Linear(2, 2), "world", "fp32")
+
+
+def worker_setting(events) -> tuple[str, str]:
+    """A pool job: the torch device and kernel choice its worker process computes with."""
+    from fp8lab.kernels import get_kernels
+
+    return str(torch_device()), get_kernels()
+
+
+def test_spawned_workers_take_the_parents_device_and_kernels() -> None:
+    from fp8lab.kernels import using_kernels
+    from fp8lab.lab.pool import Job, WorkerPool
+
+    with using_kernels("torch"), WorkerPool(2, threads=1) as pool:
+        got = pool.run([Job(f"j{i}", worker_setting) for i in range(2)])
+    assert got == [("cpu", "torch"), ("cpu", "torch")]
