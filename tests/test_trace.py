@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = {"te-delayed": 6, "te-current": 6, "deepseek-v3": 7}
+# issue 23's targets (6, 6, 7) plus fp8lab/kernels.py, the one device rule every kernel asks (issue 24)
+LIMITS = {"te-delayed": 7, "te-current": 7, "deepseek-v3": 8}
 
 
 def _script():
