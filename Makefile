@@ -29,8 +29,11 @@ demo-debug: $(STAMP)
 	$(FP8LAB) debug --scenario gradient-spike --jobs 2 --threads 1 --out runs/demo-debug
 	$(PY) scripts/check_report.py runs/demo-debug/report.html
 
+# The whole suite on the default kernels (numba on the CPU), then the numeric subset again on the
+# device-generic torch kernels (test-torch-kernels, below): the oracle suite on both backends.
 test: $(STAMP)
 	$(PY) -m pytest
+	FP8LAB_KERNELS=torch $(PY) -m pytest $(NUMERIC_TESTS)
 
 # The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
 # stats; the bit-for-bit tests of fp8lab's own arithmetic) again under AVX2 kernels, as on a CPU
