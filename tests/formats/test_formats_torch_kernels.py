@@ -126,6 +126,30 @@ def test_eager_torch_kernel_equals_numba(fmt, monkeypatch):
     _compare(torch.from_numpy(np.concatenate([_f32_edges(), tie_points(fmt)])), fmt, "eager")
 
 
+def test_a_compiled_kernel_that_disagrees_is_not_used(monkeypatch):
+    """A compiled kernel is used only after it gave the eager kernel's bits on the probe (inductor's
+    AVX2 code did not, 2026-11-27): a wrong one here is caught, warned about, and never used."""
+
+    def wrong(u, k, seed, family):
+        return rounding_torch._fast_kernel(u, k, seed, family) ^ 1
+
+    monkeypatch.setattr(rounding_torch, "_compiled", {"fast": wrong})
+    x = torch.randn(rounding_torch.COMPILE_MIN * 2, generator=torch.Generator().manual_seed(3))
+    with using_kernels("torch"), pytest.warns(RuntimeWarning, match="different bits"):
+        got = cast(x, "e4m3")
+    assert rounding_torch._compiled[("verified", "cpu", 0)] is False
+    with using_kernels("torch"):
+        again = cast(x, "e4m3")  # remembered: no second check, still the eager kernel
+    eager = rounding_torch._fast_kernel(
+        x.view(torch.int32),
+        rounding_torch._consts(rounding._grids(get_format("e4m3"), True, 0)[1], 0, 0, x.device),
+        torch.tensor(0),
+        0,
+    ).view(torch.float32)
+    assert torch.equal(got.view(torch.int32), eager.view(torch.int32))
+    assert torch.equal(again.view(torch.int32), eager.view(torch.int32))
+
+
 @numba_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_float32_edges_and_random(fmt):
