@@ -55,3 +55,40 @@ class FastGrid(NamedTuple):
     no_zero: bool
     signed: bool
     signed_zero: bool
+
+
+def _f32_bits(v: float) -> np.uint32:
+    return np.array([v], dtype=np.float32).view(np.uint32)[0]
+
+
+def fast_grid(
+    maxval: float,
+    ovfval: float,
+    infval: float,
+    tinyval: float,
+    flags: int,
+    *,
+    is_hif8: bool = False,
+    s_norm: int = 0,
+    emin_field: int = 0,
+    lowq150: int = 0,
+    s_e0: int = 0,
+) -> FastGrid:
+    """The `FastGrid` of the float32 bit kernels: the overflow, zero and sign constants (the
+    `GenericGrid` fields of the same names) as float32 bits and flags, with the rounding-position
+    fields (zero where only the finishing step is used, as by the torch kernel's
+    integer-significand path)."""
+    return FastGrid(
+        is_hif8,
+        np.int32(s_norm),
+        np.int32(emin_field),
+        np.int32(lowq150),
+        np.int32(s_e0),
+        _f32_bits(maxval),
+        _f32_bits(ovfval),
+        _f32_bits(infval),
+        _f32_bits(tinyval),
+        (flags & F_HAS_ZERO) == 0,
+        (flags & F_SIGNED) != 0,
+        (flags & F_SIGNED_ZERO) != 0,
+    )

@@ -75,6 +75,7 @@ from fp8lab.formats._grid import TAB_LO as _TAB_LO
 from fp8lab.formats._grid import TAB_N as _TAB_N
 from fp8lab.formats._grid import FastGrid as _FastGrid
 from fp8lab.formats._grid import GenericGrid as _GenericGrid
+from fp8lab.formats._grid import fast_grid
 from fp8lab.formats.spec import FloatFormat, get_format
 from fp8lab.formats.straight_through import straight_through
 from fp8lab.kernels import use_torch
@@ -305,10 +306,6 @@ _U = np.uint32
 _I = np.int32
 
 
-def _f32_bits(v: float) -> int:
-    return int(np.array([v], dtype=np.float32).view(np.uint32)[0])
-
-
 @njit(cache=True, inline="always")
 def _shift_of(a, g):
     """(float32 exponent field, rounding position s) of |x| bits ``a``: the number of float32
@@ -451,19 +448,17 @@ def _grids(fmt: FloatFormat, saturate: bool, mode: int) -> tuple[_GenericGrid, _
     generic = _GenericGrid(p.qtab, p.stab, p.max, ovf, infval, p.tiny, p.flags)
     if not p.fast:
         return generic, None
-    fast = _FastGrid(
-        p.is_hif8 != 0,
-        _I(p.s_norm),
-        _I(p.emin_field),
-        _I(p.lowq + 150),
-        _I(p.s_e0),
-        _U(_f32_bits(p.max)),
-        _U(_f32_bits(ovf)),
-        _U(_f32_bits(infval)),
-        _U(_f32_bits(p.tiny)),
-        (p.flags & _F_HAS_ZERO) == 0,
-        (p.flags & _F_SIGNED) != 0,
-        (p.flags & _F_SIGNED_ZERO) != 0,
+    fast = fast_grid(
+        p.max,
+        ovf,
+        infval,
+        p.tiny,
+        p.flags,
+        is_hif8=p.is_hif8 != 0,
+        s_norm=p.s_norm,
+        emin_field=p.emin_field,
+        lowq150=p.lowq + 150,
+        s_e0=p.s_e0,
     )
     return generic, fast
 

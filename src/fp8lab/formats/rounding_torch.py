@@ -31,9 +31,6 @@ import numpy as np
 import torch
 
 from fp8lab.formats._grid import (
-    F_HAS_ZERO,
-    F_SIGNED,
-    F_SIGNED_ZERO,
     HYB_OVF_BITS,
     INF_BITS,
     NAN_BITS,
@@ -41,6 +38,7 @@ from fp8lab.formats._grid import (
     TAB_N,
     FastGrid,
     GenericGrid,
+    fast_grid,
 )
 
 __all__ = ["cast_f32_fast", "cast_generic", "rand32"]
@@ -336,25 +334,7 @@ def _fast_bits_of(g: GenericGrid) -> FastGrid:
     return _finish_grid(g.maxval, g.ovfval, g.infval, g.tinyval, g.flags)
 
 
-@functools.lru_cache(maxsize=256)
-def _finish_grid(maxval: float, ovfval: float, infval: float, tiny: float, flags: int) -> FastGrid:
-    def bits(v: float) -> np.uint32:
-        return np.array([v], dtype=np.float32).view(np.uint32)[0]
-
-    return FastGrid(
-        False,
-        np.int32(0),
-        np.int32(0),
-        np.int32(0),
-        np.int32(0),
-        bits(maxval),
-        bits(ovfval),
-        bits(infval),
-        bits(tiny),
-        (flags & F_HAS_ZERO) == 0,
-        (flags & F_SIGNED) != 0,
-        (flags & F_SIGNED_ZERO) != 0,
-    )
+_finish_grid = functools.lru_cache(maxsize=256)(fast_grid)
 
 
 _QTABS: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
