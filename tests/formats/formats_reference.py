@@ -134,6 +134,31 @@ def hif8_hybrid_ref(x: np.ndarray, saturate: bool = True) -> np.ndarray:
     return res.astype(np.float32)
 
 
+#: every format a cast kernel handles: the named ones, the wide ones and odd eXmY shapes
+KERNEL_FORMATS = [
+    "e4m3",
+    "e5m2",
+    "e4m3fnuz",
+    "e5m2fnuz",
+    "e4m3-ieee",
+    "e3m4",
+    "e8m0",
+    "e2m1",
+    "e2m3",
+    "e3m2",
+    "hif8",
+    "bf16",
+    "fp16",
+    "tf32",
+    "fp32",
+    "e5m6",
+    "e8m3",
+    "e1m2",
+    "e5m0",
+    "e3m0",
+]
+
+
 # ------------------------------------------------------------------------------- input sets
 def all_fp16() -> np.ndarray:
     return np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)

@@ -5,33 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from formats_reference import KERNEL_FORMATS as FORMATS
 from formats_reference import all_bf16, all_fp16, assert_same, random_fp32, tie_points
 
 from fp8lab import cast, get_format
 from fp8lab.formats import rounding
-
-FORMATS = [
-    "e4m3",
-    "e5m2",
-    "e4m3fnuz",
-    "e5m2fnuz",
-    "e4m3-ieee",
-    "e3m4",
-    "e8m0",
-    "e2m1",
-    "e2m3",
-    "e3m2",
-    "hif8",
-    "bf16",
-    "fp16",
-    "tf32",
-    "fp32",
-    "e5m6",
-    "e8m3",
-    "e1m2",
-    "e5m0",
-    "e3m0",
-]
 
 
 def _both(x, fmt, **kw):

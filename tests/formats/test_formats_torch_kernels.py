@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from formats_reference import KERNEL_FORMATS as FORMATS
 from formats_reference import assert_same, random_fp32, tie_points
 
 from fp8lab import cast, decode, encode, get_format
@@ -28,28 +29,6 @@ from fp8lab.formats import rounding, rounding_torch
 from fp8lab.kernels import kernel_counts, using_kernels
 from fp8lab.nn._kernels import round_bf16
 
-FORMATS = [
-    "e4m3",
-    "e5m2",
-    "e4m3fnuz",
-    "e5m2fnuz",
-    "e4m3-ieee",
-    "e3m4",
-    "e8m0",
-    "e2m1",
-    "e2m3",
-    "e3m2",
-    "hif8",
-    "bf16",
-    "fp16",
-    "tf32",
-    "fp32",
-    "e5m6",
-    "e8m3",
-    "e1m2",
-    "e5m0",
-    "e3m0",
-]
 EIGHT_BIT = ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "e4m3-ieee", "e3m4", "e8m0", "hif8", "e2m5"]
 SMALL = ["e2m1", "e2m3", "e3m2", "e3m3"]
 
