@@ -14,6 +14,27 @@ from typing import Any
 TINY_MODEL = {"block_size": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64}
 TINY_TRAIN = {"warmup_steps": 1, "eval_batches": 1, "stats_every": 0}
 
+#: a user's own model file: embedding, one hidden Linear, head (factory ``tiny``)
+TINY_USER_MODEL = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.fc(self.emb(idx))))
+
+
+def tiny():
+    return Tiny()
+"""
+
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
+from tiny_lab import TINY_USER_MODEL as USER_MODEL
 from tiny_lab import tiny_lab_toml
 
 runner = CliRunner()
@@ -103,26 +104,6 @@ def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
     assert r2.exit_code == 0
     assert json.loads(r2.stdout.strip().splitlines()[-1]) == d
 
-
-USER_MODEL = """
-import torch
-from torch import nn
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(256, 32)
-        self.fc = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 256)
-
-    def forward(self, idx):
-        return self.head(torch.relu(self.fc(self.emb(idx))))
-
-
-def tiny():
-    return Tiny()
-"""
 
 # te-delayed, but the hidden layer's input cast to E4M3 with a fixed scale of 2^-14: the
 # embeddings (about N(0, 1)) all fall below E4M3's smallest subnormal, the layer sees zeros

@@ -18,6 +18,7 @@ from fp8lab.lab import models, tokens
 from fp8lab.lab.data import DataConfig, get_batch, load_corpus, split_tokens
 from fp8lab.lab.gpt import GPT
 from fp8lab.lab.models import ModelConfig
+from tiny_lab import TINY_USER_MODEL
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -166,27 +167,12 @@ def test_init_from_gpt_and_factory_strict(tmp_path):
 
 def test_init_from_a_factory_model_uses_its_own_keys(tmp_path):
     src = tmp_path / "fac.py"
-    src.write_text(
-        textwrap.dedent("""
-        import torch
-        from torch import nn
-        class M(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.emb = nn.Embedding(256, 32)
-                self.fc = nn.Linear(32, 32)
-                self.head = nn.Linear(32, 256)
-            def forward(self, idx):
-                return self.head(torch.relu(self.fc(self.emb(idx))))
-        def make():
-            return M()
-    """)
-    )
+    src.write_text(TINY_USER_MODEL)
     torch.manual_seed(7)
-    m = models.resolve(f"{src}:make").make()
+    m = models.resolve(f"{src}:tiny").make()
     w = tmp_path / "m.safetensors"
     safetensors_torch.save_file(m.state_dict(), w)
-    lab = models.build(ModelConfig(factory=f"{src}:make", block_size=8, init_from=str(w)), 0)
+    lab = models.build(ModelConfig(factory=f"{src}:tiny", block_size=8, init_from=str(w)), 0)
     assert torch.equal(lab.model.fc.weight, m.fc.weight)
     # hf:DIR brings its own weights: both is refused
     save_llama(tmp_path / "d")
