@@ -19,11 +19,12 @@ import torch
 
 import fp8lab
 from fp8lab import QuantSpec
+from fp8lab.formats import rounding_torch
 from fp8lab.kernels import kernel_counts, using_kernels
 from fp8lab.qtensor import kernels_torch
 from fp8lab.qtensor.kernels import block_amax, max_abs_diff, mul_blocks
 from fp8lab.scaling import DelayedScaling
-from fp8lab.scaling.granularity import num_blocks, resolve_block
+from fp8lab.scaling.granularity import normalize_granularity, num_blocks, resolve_block
 from fp8lab.scaling.rule_kernels import MX_RULES
 from fp8lab.stats import clip_percentages, error_stats
 
@@ -81,8 +82,6 @@ BLOCKS = [(1, 128), (128, 128), (1, 32), (32, 1), (128, 1), (3, 5), "tensor", "r
 @pytest.mark.parametrize("shape", [(256, 384), (260, 390), (7, 1000), (1, 33)])
 @pytest.mark.numba_only
 def test_block_amax_bits(block, shape):
-    from fp8lab.scaling.granularity import normalize_granularity
-
     x = edge_tensor(shape, seed=len(str(block)) + shape[0]).contiguous()
     m, k = resolve_block(normalize_granularity(block), shape)
     nr, nc = num_blocks(shape, (m, k))
@@ -196,6 +195,88 @@ def test_small_chunks_give_the_same_bits(monkeypatch):
     for gran, rule in (((128, 128), "max"), ((1, 128), "pow2_up"), ("mx_col", "mx_rceil"),
                        ("tensor", "max"), ((3, 5), "max")):  # fmt: skip
         check_quantize(x, "e4m3", gran, rule)
+
+
+# ------------------------------------------------------------- the compiled fast path
+# (260, 384): 99,840 elements, above rounding_torch.COMPILE_MIN, so the torch kernels run the
+# scaled cast compiled (whole-block rectangles: 128-row blocks leave a ragged tail of 4 rows)
+BIG = (260, 384)
+COMPILED = [("e4m3", "tensor", "max"), ("e4m3", (1, 128), "max"), ("e5m2", (128, 128), "max"),
+            ("e4m3", "mx", "mx_floor"), ("e4m3fnuz", "mx_col", "mx_rceil"),
+            ("e2m1", "nvfp4", "nvfp4"), ("e3m2", "col", "pow2_up"), ("e4m3", "row", 2.0**-3),
+            ("e4m3", (3, 5), "max")]  # fmt: skip
+
+
+def _count_compiled_calls(monkeypatch) -> list[int]:
+    """A one-element list counting the compiled scaled-cast calls from now on."""
+    calls = [0]
+    real = rounding_torch.call_compiled
+
+    def counting(fn, *args):
+        calls[0] += fn is rounding_torch._compiled.get("quantize")
+        return real(fn, *args)
+
+    monkeypatch.setattr(rounding_torch, "call_compiled", counting)
+    return calls
+
+
+@pytest.mark.parametrize("fmt, gran, rule", COMPILED)
+@pytest.mark.numba_only
+def test_compiled_quantize_bits(fmt, gran, rule, monkeypatch):
+    """The compiled scaled cast (one fused pass per rectangle) gives numba's bits: values,
+    scales and the dequantized copy, allocated and into out= buffers; the compiled kernel ran
+    except for (3, 5) blocks, whose 384 columns do not tile."""
+    x = edge_tensor(BIG, seed=31)
+    if rule == "nvfp4":
+        x[torch.isnan(x) | torch.isinf(x)] = 1.0  # nvfp4's tensor amax: finite inputs
+    calls = _count_compiled_calls(monkeypatch)
+    check_quantize(x, fmt, gran, rule)
+    ref = fp8lab.quantize(x, fmt, gran, rule)
+    with using_kernels("torch"):
+        out, deq = torch.full_like(x, 3.0), torch.full_like(x, -1.0)
+        q = fp8lab.quantize(x, fmt, gran, rule, out=out, dequantized_out=deq)
+    assert same_bits(out, ref.values) and same_bits(deq, ref.dequantize())
+    assert same_bits(q.scales, ref.scales)
+    m = resolve_block(normalize_granularity(gran), BIG)[0]
+    rects = 0 if gran == (3, 5) else 1 + (BIG[0] % m != 0)  # whole block rows, a ragged tail
+    assert calls[0] == 2 * rects
+
+
+def test_compiled_quantize_equals_the_eager_passes(monkeypatch):
+    """The same check without numba (so the FP8LAB_KERNELS=torch run makes it too): compiled
+    against the eager torch passes, every layout of `COMPILED`, with a dequantized copy."""
+    x = edge_tensor(BIG, seed=32)
+    x[torch.isnan(x) | torch.isinf(x)] = 7.0
+    with using_kernels("torch"):
+        got = [fp8lab.quantize(x, f, g, r, dequantized_out=torch.empty_like(x))
+               for f, g, r in COMPILED]  # fmt: skip
+        monkeypatch.setattr(rounding_torch, "COMPILE_MIN", 1 << 62)
+        want = [fp8lab.quantize(x, f, g, r, dequantized_out=torch.empty_like(x))
+                for f, g, r in COMPILED]  # fmt: skip
+    for a, b, spec in zip(got, want, COMPILED, strict=True):
+        assert same_bits(a.values, b.values) and same_bits(a.dequantize(), b.dequantize()), spec
+
+
+def test_a_compiled_quantize_that_disagrees_is_not_used(monkeypatch):
+    """A compiled scaled cast is used only after it gave the eager passes' bits on its probe (as
+    the compiled cast: inductor's AVX2 code once did not): a wrong one is caught, warned about,
+    and never used; the verdict is remembered per layout."""
+
+    def wrong(x4, mult4, out4, *args):
+        kernels_torch._cast_rect(x4, mult4, out4, *args)
+        out4.view(torch.int32).bitwise_xor_(1)
+
+    monkeypatch.setattr(rounding_torch, "_compiled", {"quantize": wrong})
+    x = edge_tensor(BIG, seed=33)
+    with using_kernels("torch"):
+        with pytest.warns(RuntimeWarning, match="kernel for quantize gave different bits"):
+            got = fp8lab.quantize(x, "e4m3", (1, 128))
+        again = fp8lab.quantize(x, "e4m3", (1, 128))  # remembered: no second warning
+        monkeypatch.setattr(rounding_torch, "COMPILE_MIN", 1 << 62)
+        eager = fp8lab.quantize(x, "e4m3", (1, 128))
+    assert same_bits(got.values, eager.values) and same_bits(again.values, eager.values)
+    verdicts = [ok for k, ok in rounding_torch._compiled.items() if k[0] == "verified"]
+    assert verdicts == [False]
 
 
 @pytest.mark.numba_only

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +89,7 @@ def rand32(seed: int, n: int, device: torch.device) -> torch.Tensor:
 
 # The per-format constants of the float32 kernel travel as ONE small int32 tensor on the device
 # (positions below), not as Python numbers: a compiled kernel is then the same for every format
-# and overflow rule (one compile per rounding family, see `_kernel_for`).
+# and overflow rule (one compile per rounding family, see `cast_f32_fast`).
 (
     _K_HIF8,
     _K_SNORM,
@@ -243,61 +245,82 @@ def _fast_kernel(u: torch.Tensor, k: torch.Tensor, seed: torch.Tensor, family: i
 
 #: below this many elements the kernels run eagerly (a compiled call costs ~0.1 ms of guards)
 COMPILE_MIN = 1 << 16
-#: elements of the check a compiled kernel passes before it is used (`_verified`)
+#: elements of the check a compiled kernel passes before it is used (`verified`)
 PROBE_N = 1 << 17
 _compiled: dict[object, object] = {}
 
 
-def _kernel_for(u: torch.Tensor):
-    """The compiled `_fast_kernel` (torch.compile: inductor's C++ on the CPU, Triton on CUDA: one
-    fused pass instead of ~60 tensor ops) where it pays and works, else the eager one. A compile
-    that fails (no compiler, an old torch) is remembered and the eager kernel used from then on."""
-    if u.shape[0] < COMPILE_MIN or u.device.type not in ("cpu", "cuda"):
-        return _fast_kernel
+def compiled_kernel(name: str, fn: Callable[..., Any], n: int, device: torch.device):
+    """``torch.compile(fn)`` (inductor's C++ on the CPU, Triton on CUDA: one fused pass instead
+    of dozens of tensor ops), built once and kept under ``name``, for a call on ``n`` elements on
+    ``device``; None where the eager ops run instead: below `COMPILE_MIN` elements, on another
+    device type, inside a compile, or once a compile has failed (`compile_failed`).
+
+    The compiled kernel may be used only after `verified` (the same bits as the eager one)."""
+    if n < COMPILE_MIN or device.type not in ("cpu", "cuda"):
+        return None
     if torch.compiler.is_compiling() or _compiled.get("failed"):
-        return _fast_kernel
-    fn = _compiled.get("fast")
-    if fn is None:
-        fn = _compiled["fast"] = torch.compile(_fast_kernel, dynamic=True, fullgraph=True)
-    return fn
+        return None
+    hit = _compiled.get(name)
+    if hit is None:
+        hit = _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return hit
 
 
-def _probe(device: torch.device) -> torch.Tensor:
-    """`PROBE_N` float32 bit patterns: every bf16 pattern (the top 16 bits) and random bits."""
-    gen = torch.Generator().manual_seed(0x5EED)
-    rand = torch.randint(-(2**31), 2**31, (PROBE_N - (1 << 16),), dtype=_I64, generator=gen)
-    every = torch.arange(-(2**15), 2**15, dtype=_I64) << 16
-    return torch.cat([every, rand]).to(_I32).to(device)
+def compile_failed() -> None:
+    """Remember that compiling failed (no compiler, an old torch): eager kernels from now on."""
+    _compiled["failed"] = True
 
 
-def _verified(fn, k: torch.Tensor, family: int, device: torch.device) -> bool:
-    """Does the compiled kernel give the eager kernel's bits on `_probe`, for this rounding family
-    on this device type? Checked once per (device type, family) and remembered.
+def call_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` without torch's own DeprecationWarnings from importing inductor."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return fn(*args)
+
+
+def verified(
+    compiled: Callable[..., Any],
+    eager: Callable[..., Any],
+    key: tuple[object, ...],
+    what: str,
+    check: Callable[[Callable[..., Any]], torch.Tensor],
+    device: torch.device,
+) -> bool:
+    """Does the compiled kernel give the eager kernel's bits: ``check(compiled)`` equal to
+    ``check(eager)`` (``check`` runs a kernel on a probe, e.g. `probe`, and returns its result as
+    an integer tensor)? Checked once per ``key`` (device type first) and remembered; a kernel that
+    fails gets a RuntimeWarning naming ``what`` and is not used.
 
     Why: inductor's C++ for AVX2 (ATEN_CPU_CAPABILITY=avx2) gave wrong bits for about 3 in 4
-    random inputs of this kernel with torch 2.13 (measured 2026-11-27), while the AVX-512 code and
-    the eager ops were exact. A compiled kernel is used only where it is shown to be exact.
+    random inputs of the cast kernel with torch 2.13 (measured 2026-11-27), while the AVX-512 code
+    and the eager ops were exact. A compiled kernel is used only where it is shown to be exact.
     """
-    key = ("verified", device.type, family)
-    ok = _compiled.get(key)
+    vkey = ("verified", *key)
+    ok = _compiled.get(vkey)
     if ok is None:
-        u = _probe(device)
-        seed = torch.tensor(0x243F6A8885A308D3, dtype=_I64, device=device)
-        want = _fast_kernel(u, k, seed, family)
-        with warnings.catch_warnings():  # torch's own deprecation notes on importing inductor
-            warnings.simplefilter("ignore", DeprecationWarning)
-            got = fn(u, k, seed, family)
-        ok = _compiled[key] = bool(torch.equal(got, want))
+        want = check(eager)
+        got = call_compiled(check, compiled)
+        ok = _compiled[vkey] = bool(torch.equal(got, want))
         if not ok:
             warnings.warn(
-                f"fp8lab: torch.compile's kernel for cast (rounding family {family}) gave "
-                f"different bits than the eager torch ops on {device.type} "
-                f"(CPU capability {torch.backends.cpu.get_cpu_capability()}); fp8lab uses the "
-                "eager kernel there (same bits as numba, slower)",
+                f"fp8lab: torch.compile's kernel for {what} gave different bits than the eager "
+                f"torch ops on {device.type} (CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}); fp8lab uses the eager kernel "
+                "there (same bits as numba, slower)",
                 RuntimeWarning,
                 stacklevel=4,
             )
     return ok
+
+
+def probe(device: torch.device) -> torch.Tensor:
+    """`PROBE_N` float32 bit patterns (int32): every bf16 pattern (the top 16 bits), then random
+    bits."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    rand = torch.randint(-(2**31), 2**31, (PROBE_N - (1 << 16),), dtype=_I64, generator=gen)
+    every = torch.arange(-(2**15), 2**15, dtype=_I64) << 16
+    return torch.cat([every, rand]).to(_I32).to(device)
 
 
 def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int) -> torch.Tensor:
@@ -314,17 +337,21 @@ def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int
     k = _consts(g, mode, hyb16, u.device)
     seed_t = torch.tensor(seed, dtype=_I64, device=u.device)
     family = 0 if mode <= 2 else mode
-    fn = _kernel_for(u)
-    if fn is _fast_kernel:
-        return fn(u, k, seed_t, family)
+    fn = compiled_kernel("fast", _fast_kernel, u.shape[0], u.device)
+    if fn is None:
+        return _fast_kernel(u, k, seed_t, family)
+
+    def check(kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        pseed = torch.tensor(0x243F6A8885A308D3, dtype=_I64, device=u.device)
+        return kernel(probe(u.device), k, pseed, family)
+
     try:
-        if not _verified(fn, k, family, u.device):
+        key = (u.device.type, family)
+        if not verified(fn, _fast_kernel, key, f"cast (rounding family {family})", check, u.device):
             return _fast_kernel(u, k, seed_t, family)
-        with warnings.catch_warnings():  # torch's own deprecation notes on importing inductor
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return fn(u, k, seed_t, family)
+        return call_compiled(fn, u, k, seed_t, family)
     except Exception:  # any compiler failure: the eager kernel gives the same bits
-        _compiled["failed"] = True
+        compile_failed()
         return _fast_kernel(u, k, seed_t, family)
 
 

@@ -22,22 +22,29 @@ How the bits are kept with tensor operations:
   put back from ``x`` (the multipliers are positive). Grids whose ``C`` would overflow (a top
   binade above ``2**(104 + mbits)``, e.g. bf16) take `fp8lab.cast` instead.
 
-On the CPU every pass runs over chunks of ``_CPU_CHUNK`` elements (whole block rows, or a part of
-one block row), so the chunk's temporaries stay in cache and are allocated once per call; on other
-devices one chunk covers the tensor (one kernel launch per operation). NaN: a NaN in gives a NaN
-out at the same place; its payload and sign are not part of fp8lab's arithmetic (CUDA returns its
-canonical NaN).
+The scaled cast (multiply, round, sign, and the dequantized copy) runs as ONE compiled pass over
+each rectangle of whole blocks (`_cast_rect` under torch.compile: inductor's C++ on the CPU, Triton
+on CUDA), used only after it gave the eager passes' bits on a probe of its layout
+(`fp8lab.formats.rounding_torch.verified`, as the compiled cast), else as eager passes. Eager, on
+the CPU every pass runs over chunks of ``_CPU_CHUNK`` elements (whole block rows, or a part of one
+block row), so the chunk's temporaries stay in cache and are allocated once per call; on other
+devices one chunk covers the tensor (one kernel launch per operation). No pass reads a value back
+to the host (no ``.item()``), except the CPU amax's NaN check. NaN: a NaN in gives a NaN out at the
+same place; its payload and sign are not part of fp8lab's arithmetic (CUDA returns its canonical
+NaN).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from fp8lab.formats import cast
+from fp8lab.formats import cast, rounding_torch
 
 __all__ = ["block_amax", "max_abs_diff", "mul_blocks", "scale_cast"]
 
@@ -109,36 +116,45 @@ def block_amax(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tens
     """Per-block NaN-ignoring ``max |x|`` of a contiguous float32 ``[R, C]`` tensor: float32
     ``[nr, nc]`` on ``x2``'s device, bit for bit the numba kernel (module doc: the rotation).
 
-    On the CPU a tensor without NaN takes a shortcut: ``max(max x, -min x)`` per block from two
-    float reductions (no temporaries; |x| orders like its bits), ``abs`` making a zero block +0;
-    any NaN sends the call to the rotation (checking a CUDA result would cost a host sync)."""
-    rows, cols = x2.shape
+    On the CPU a first pass takes the integer max of the bits of ``|x|`` (one op per element
+    instead of the rotation's two): NaN sorts above inf there, so only a result above inf's bits
+    (a block with a NaN) sends the call to the rotation (checking a CUDA result would cost a host
+    sync, so other devices rotate at once)."""
     acc = torch.zeros((nr, nc), dtype=torch.int32, device=x2.device)
     if x2.numel() == 0:
         return acc.view(torch.float32)
     if x2.device.type == "cpu":
-        hl = acc.view(torch.float32)
-        for rs, cs, shape4, brs, bcs in _tiles(0, rows, cols, m, k):
-            t = x2[rs, cs].view(shape4)
-            hi, lo = t.amax(dim=3).amax(dim=1), t.amin(dim=3).amin(dim=1)
-            hl[brs, bcs] = torch.maximum(hi, lo.neg_()).abs_()
-        if not bool(torch.isnan(hl).any()):
-            return hl
+        _amax_pass(x2, m, k, acc, rotate=False)
+        if not bool((acc > _EXP).any()):
+            return acc.view(torch.float32)
         acc.zero_()
+    _amax_pass(x2, m, k, acc, rotate=True)
+    return acc.sub_(_ROT).clamp_(min=0).view(torch.float32)
+
+
+def _amax_pass(x2: torch.Tensor, m: int, k: int, acc: torch.Tensor, rotate: bool) -> None:
+    """``acc[block] = max(acc[block], max over the block of t)`` (int32), ``t`` the bits of
+    ``|x|`` or, with ``rotate``, the rotated bits (module doc); one chunk at a time."""
+    rows, cols = x2.shape
     xi = x2.view(torch.int32)
     scratch = None
     for r0, r1 in _row_chunks(rows, cols, m, x2.device):
         n = (r1 - r0) * cols
         if scratch is None:
             scratch = torch.empty(n, dtype=torch.int32, device=x2.device)
-        rot = torch.add(xi[r0:r1], _ROT, out=scratch[:n].view(r1 - r0, cols))
-        rot.bitwise_and_(_ABS)
-        for rs, cs, shape4, brs, bcs in _tiles(r0, r1, cols, m, k):
-            rs = slice(rs.start - r0, rs.stop - r0)
-            part = rot[rs, cs].view(shape4).amax(dim=3).amax(dim=1)
+        t = scratch[:n].view(r1 - r0, cols)
+        if rotate:
+            torch.add(xi[r0:r1], _ROT, out=t).bitwise_and_(_ABS)
+        else:
+            torch.bitwise_and(xi[r0:r1], _ABS, out=t)
+        for rs, cs, (a, b, c, d), brs, bcs in _tiles(r0, r1, cols, m, k):
+            tile = t[slice(rs.start - r0, rs.stop - r0), cs]
+            if m == 1:  # a block row is one row, in no other chunk: no max with acc
+                acc[brs, bcs] = tile.view(a, c, d).amax(dim=2)
+                continue
+            part = tile.view(a, b, c, d).amax(dim=3).amax(dim=1)
             torch.maximum(acc[brs, bcs], part, out=part)
             acc[brs, bcs] = part
-    return acc.sub_(_ROT).clamp_(min=0).view(torch.float32)
 
 
 def mul_blocks(
@@ -171,22 +187,157 @@ def _fast_ok(g: Any) -> bool:
     return (int(g.maxbits) >> 23) + int(g.shift) <= 254
 
 
-def _rne_sat_(o: torch.Tensor, xs: torch.Tensor, g: Any, scratch: torch.Tensor) -> None:
-    """``o = RNE_saturate(o)`` onto the grid ``g`` (a `fp8lab.qtensor.kernels.RneGrid`) in place;
-    ``o`` = ``|xs * multiplier|`` (flat float32), ``xs`` gives the signs, ``scratch`` a float32
-    buffer of ``o``'s size (module doc: the magic-number add)."""
-    fmax, tiny = _f32(g.maxbits), _f32(g.emin_bits)
-    alpha = float(2 ** int(g.shift))
+@functools.lru_cache(maxsize=64)
+def _grid_args(g: Any) -> tuple[float, float, float, float | None]:
+    """``(max, 2**emin, alpha, zero)`` of the grid ``g`` (a `fp8lab.qtensor.kernels.RneGrid`):
+    the constants of `_rne_sat_` (exact float32 values); ``zero`` is None for a format with -0
+    and 0.0 for one without (adding +0 turns -0 into +0)."""
+    zero = None if g.signed_zero else 0.0
+    return _f32(g.maxbits), _f32(g.emin_bits), float(2 ** int(g.shift)), zero
+
+
+_CONSTS: dict[tuple[Any, torch.device], torch.Tensor] = {}
+
+
+def _grid_tensor(g: Any, device: torch.device) -> torch.Tensor:
+    """`_grid_args` as a float32 tensor on ``device`` (cached), ``zero`` -0.0 for a format with
+    -0 (adding -0 changes no value): a compiled `_cast_rect` reads its constants from a tensor,
+    so it is one kernel for every format (no recompile per value)."""
+    hit = _CONSTS.get((g, device))
+    if hit is None:
+        *c, zero = _grid_args(g)
+        hit = torch.tensor([*c, -0.0 if zero is None else zero], device=device)
+        _CONSTS[(g, device)] = hit
+    return hit
+
+
+def _rne_sat_(
+    o: torch.Tensor, xs: torch.Tensor, fmax: Any, tiny: Any, alpha: Any, zero: Any,
+    scratch: torch.Tensor,
+) -> None:  # fmt: skip
+    """``o = RNE_saturate(o)`` onto a grid in place; ``o`` = ``|xs * mult|`` (float32), ``xs``
+    gives the signs, ``scratch`` a float32 buffer of ``o``'s shape; the grid's constants as
+    numbers or 0-d tensors (`_grid_args`; module doc: the magic-number add). Runs eagerly on
+    chunks, and compiled inside `_cast_rect`."""
     o.clamp_(max=fmax)  # saturate first; NaN stays NaN
     torch.clamp(o, min=tiny, out=scratch)  # below 2**emin the quantum is fixed
-    scratch.view(torch.int32).bitwise_and_(_EXP)  # 2**E: C = 2**E * alpha, exact
-    o.add_(scratch, alpha=alpha).sub_(scratch, alpha=alpha)
+    scratch.view(torch.int32).bitwise_and_(_EXP)  # 2**E
+    scratch.mul_(alpha)  # C = 2**E * alpha: exact
+    # (o + C) - C; the clamp above keeps the multiply that made o from being contracted into
+    # this add (an FMA rounds once instead of twice: Triton contracts)
+    o.add_(scratch).sub_(scratch)
     # the sign of x (= the sign of x * multiplier) onto |result|: an OR of the sign bits, which
     # runs faster than torch.copysign on the CPU
     sign = torch.bitwise_and(xs.view(torch.int32), _SIGN, out=scratch.view(torch.int32))
     o.view(torch.int32).bitwise_or_(sign)
-    if not g.signed_zero:
-        o.add_(0.0)  # -0 + 0 = +0: a format without -0
+    if zero is not None:
+        o.add_(zero)  # -0 + 0 = +0 (a format without -0); -0.0 keeps every value
+
+
+def _cast_rect(
+    x: torch.Tensor, mult: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
+    inv: torch.Tensor | None, deq: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """The fast path on whole blocks (a `_rect_layout` view): ``out = RNE_saturate(|x| * mult)``
+    with the signs of ``x`` (``mult`` broadcasts over the blocks), ``deq = out * inv`` when
+    given; ``k``: `_grid_tensor`. `_compiled_cast` compiles it into one pass over the data."""
+    o = torch.abs(x).mul_(mult)
+    _rne_sat_(o, x, k[0], k[1], k[2], k[3], torch.empty_like(o))
+    out.copy_(o)
+    if deq is not None:
+        torch.mul(o, inv, out=deq)
+
+
+def _rect_layout(shape4: tuple[int, int, int, int]) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """A `_tiles` rectangle ``[a, m, c, k]`` (multipliers ``[a, 1, c, 1]``) with its dims of
+    size 1 dropped and neighbours of one role merged: the shape, and per dim whether the
+    multipliers vary along it. E.g. 1x128 blocks: ``[rows * c, 128]``, (True, False); one scale:
+    ``[n]``, (False,). Few layouts, so few compiled kernels (each dynamic in its sizes)."""
+    dims: list[list[int]] = []
+    for size, varies in zip(shape4, (True, False, True, False), strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == varies:
+            dims[-1][0] *= size
+        else:
+            dims.append([size, varies])
+    if not dims:
+        return (1,), (False,)
+    return tuple(d[0] for d in dims), tuple(bool(d[1]) for d in dims)
+
+
+def _canonical_bits(t: torch.Tensor) -> torch.Tensor:
+    """The int32 bits of float32 ``t``, flat, every NaN as one pattern (its payload and sign are
+    not part of fp8lab's arithmetic)."""
+    return torch.where(torch.isnan(t), math.nan, t).view(torch.int32).reshape(-1)
+
+
+def _probe_rect(
+    kernel: Callable[..., None], varies: tuple[bool, ...], k: torch.Tensor, deq: bool
+) -> torch.Tensor:
+    """`_cast_rect` (``kernel``: eager or compiled) on a probe of the layout ``varies``
+    (`_rect_layout`): ~`rounding_torch.PROBE_N` inputs (every bf16 pattern, then random bits;
+    odd sizes, so vector loops take their tails), positive multipliers of every binade (subnormal
+    ones included) and their reciprocals; the outputs' bits, NaN canonical."""
+    sizes = [5, 3, 7][: len(varies) - 1]
+    n = rounding_torch.PROBE_N // math.prod(sizes)
+    sizes.append(n - 1 + n % 2)
+    dev = k.device
+    x = rounding_torch.probe(dev)[: math.prod(sizes)].view(torch.float32).view(sizes)
+    mshape = [size if v else 1 for size, v in zip(sizes, varies, strict=True)]
+    gen = torch.Generator().manual_seed(0x5CA1E)
+    mbits = torch.randint(1, 0x7F800000, mshape, dtype=torch.int32, generator=gen)
+    mbits.view(-1)[0] = 0x3F490FDB  # pi / 4: the only multiplier of a one-scale layout
+    mult = mbits.view(torch.float32).to(dev)
+    out = torch.empty_like(x)
+    inv, dq = (torch.reciprocal(mult), torch.empty_like(x)) if deq else (None, None)
+    kernel(x, mult, out, k, inv, dq)
+    return torch.cat([_canonical_bits(t) for t in (out, dq) if t is not None])
+
+
+def _compiled_cast(
+    x2: torch.Tensor, mult: torch.Tensor, block: tuple[int, int], g: Any, out: torch.Tensor,
+    deq: torch.Tensor | None, inv: torch.Tensor | None,
+) -> bool:  # fmt: skip
+    """The fast path as compiled `_cast_rect` calls (one per rectangle of whole blocks, at most
+    two): True when they ran; False where the eager passes must run instead: few elements (the
+    rules of `fp8lab.formats.rounding_torch.compiled_kernel`), columns that do not tile (strided
+    rectangles), ``out`` being ``x2``, or a compiled kernel that does not give the eager bits on
+    its probe (`rounding_torch.verified`, per device type, layout, output set and grid)."""
+    rows, cols = x2.shape
+    m, k = block
+    if cols % k or out.data_ptr() == x2.data_ptr():
+        return False
+    fn = rounding_torch.compiled_kernel("quantize", _cast_rect, x2.numel(), x2.device)
+    if fn is None:
+        return False
+    kt = _grid_tensor(g, x2.device)
+    calls = []
+    for rs, _, shape4, brs, _ in _tiles(0, rows, cols, m, k):
+        shape, varies = _rect_layout(shape4)
+        mshape = [size if v else 1 for size, v in zip(shape, varies, strict=True)]
+        dq = None if deq is None else (inv[brs].reshape(mshape), deq[rs].view(shape))
+        calls.append((varies, (x2[rs].view(shape), mult[brs].reshape(mshape), out[rs].view(shape),
+                               kt, *(dq or (None, None)))))  # fmt: skip
+    try:
+        with torch._dynamo.config.patch(recompile_limit=_VARIANTS):
+            for varies, _ in calls:
+                key = (x2.device.type, varies, deq is not None, g)
+                check = functools.partial(_probe_rect, varies=varies, k=kt, deq=deq is not None)
+                if not rounding_torch.verified(fn, _cast_rect, key, "quantize", check, x2.device):
+                    return False
+            for _, args in calls:
+                rounding_torch.call_compiled(fn, *args)
+    except Exception:  # any compiler failure: the eager passes give the same bits
+        rounding_torch.compile_failed()
+        return False
+    return True
+
+
+# compiled variants of `_cast_rect` allowed (dynamo's default is 8, and past the limit it runs
+# the function eagerly): a `_rect_layout` has 1 to 4 dims of alternating roles (8 layouts),
+# times with and without the dequantized copy, times CPU and CUDA
+_VARIANTS = 32
 
 
 def scale_cast(
@@ -196,7 +347,8 @@ def scale_cast(
 ) -> torch.Tensor:  # fmt: skip
     """`fp8lab.qtensor.kernels.scale_cast` on ``x2``'s device, into its (allocated) ``out``:
     ``values = cast(x * mult[block])`` (float32 ``[R, C]``, not empty), the dequantized copy into
-    ``deq`` when given."""
+    ``deq`` when given. The fast path runs compiled where that works (`_compiled_cast`), else as
+    eager passes over chunks."""
     rows, cols = x2.shape
     m, k = block
     dev = x2.device
@@ -208,7 +360,8 @@ def scale_cast(
              generator=generator, out=out)  # fmt: skip
         if deq is not None:
             mul_blocks(out, inv, m, k, deq)
-    else:
+    elif not _compiled_cast(x2, mult, block, g, out, deq, inv):
+        fmax, tiny, alpha, zero = _grid_args(g)
         scratch = None
         in_place = out.data_ptr() == x2.data_ptr()  # quantize(y, out=y): keep the signs
         for r0, r1 in _row_chunks(rows, cols, m, dev):
@@ -221,7 +374,7 @@ def scale_cast(
             o = out[r0:r1].view(-1)
             if scratch is None:
                 scratch = torch.empty(o.numel(), dtype=torch.float32, device=dev)
-            _rne_sat_(o, signs, g, scratch[: o.numel()])
+            _rne_sat_(o, signs, fmax, tiny, alpha, zero, scratch[: o.numel()])
             if deq is not None:
                 mul_blocks(out, inv, m, k, deq, (r0, r1))
     if deq is not None and global_scale is not None:
