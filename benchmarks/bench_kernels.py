@@ -11,7 +11,8 @@ count (numba follows it, `fp8lab._threads`). ``--eager``: the torch kernels with
 Report the CPU and ``uptime`` with the numbers.
 Rows: `cast` e4m3 RNE, e5m2 RNE, e4m3 stochastic, hif8 TA (its native rounding), `encode` e4m3;
 `quantize` e4m3 per tensor (te-current), 1x128 (DeepSeek-V3 activations), 128x128 (its weights),
-MXFP8 1x32 (mx_floor). Other kernel families add their rows to `ROWS`.
+MXFP8 1x32 (mx_floor), NVFP4 (e2m1, 1x16 E4M3 scales under a per-tensor scale). Other kernel
+families add their rows to `ROWS`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ ROWS: list[Row] = [
 _OUT: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def _quantize(gran: object, rule: str, out: bool = False) -> Callable[[torch.Tensor], object]:
+def _quantize(
+    gran: object, rule: str, out: bool = False, fmt: str = "e4m3"
+) -> Callable[[torch.Tensor], object]:
     def run(x: torch.Tensor) -> object:
         x2 = x[: x.numel() // 4096 * 4096].view(-1, 4096)
         buf = _OUT.get(tuple(x2.shape)) if out else None
         if out and buf is None:
             buf = _OUT[tuple(x2.shape)] = torch.empty(x2.shape)
-        return quantize(x2, "e4m3", gran, rule, out=buf)
+        return quantize(x2, fmt, gran, rule, out=buf)
 
     return run
 
@@ -64,6 +67,7 @@ ROWS += [
     ("quantize 1x128 act out=", _quantize((1, 128), "max", out=True)),
     ("quantize 128x128 w out=", _quantize((128, 128), "max", out=True)),
     ("quantize mxfp8 1x32 out=", _quantize("mx", "mx_floor", out=True)),
+    ("quantize nvfp4 1x16 out=", _quantize("nvfp4", "nvfp4", out=True, fmt="e2m1")),
 ]
 
 

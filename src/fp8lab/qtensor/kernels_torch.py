@@ -283,7 +283,7 @@ def _probe_rect(
     n = rounding_torch.PROBE_N // math.prod(sizes)
     sizes.append(n - 1 + n % 2)
     dev = k.device
-    x = rounding_torch.probe(dev)[: math.prod(sizes)].view(torch.float32).view(sizes)
+    x = rounding_torch.probe(dev)[: math.prod(sizes)].view(torch.float32).view(sizes).detach()
     mshape = [size if v else 1 for size, v in zip(sizes, varies, strict=True)]
     gen = torch.Generator().manual_seed(0x5CA1E)
     mbits = torch.randint(1, 0x7F800000, mshape, dtype=torch.int32, generator=gen)
@@ -317,8 +317,11 @@ def _compiled_cast(
         shape, varies = _rect_layout(shape4)
         mshape = [size if v else 1 for size, v in zip(shape, varies, strict=True)]
         dq = None if deq is None else (inv[brs].reshape(mshape), deq[rs].view(shape))
-        calls.append((varies, (x2[rs].view(shape), mult[brs].reshape(mshape), out[rs].view(shape),
-                               kt, *(dq or (None, None)))))  # fmt: skip
+        args = (x2[rs].view(shape), mult[brs].reshape(mshape), out[rs].view(shape), kt,
+                *(dq or (None, None)))  # fmt: skip
+        # detached: no view keeps its base, whose sizes dynamo would guard on (one recompile per
+        # caller's slicing, and a kernel other than the probed one)
+        calls.append((varies, tuple(None if a is None else a.detach() for a in args)))
     try:
         with torch._dynamo.config.patch(recompile_limit=_VARIANTS):
             for varies, _ in calls:
