@@ -101,10 +101,21 @@ def test_compare_end_to_end(text, tmp_path):
         compare(tiny(text, lr=1e-4), names, "bf16", out)
 
 
-def test_parallel_processes_equal_sequential(text, tmp_path):
-    names = ["bf16", "te-delayed"]
+PAR_NAMES = ["bf16", "te-delayed"]
+
+
+@pytest.fixture(scope="module")
+def par_run(text, tmp_path_factory):
+    """One comparison in 2 spawned worker processes, shared by the two tests that need one
+    (each start of the pool costs seconds): (its folder, its result)."""
+    out = tmp_path_factory.mktemp("par")
+    return out, compare(tiny(text), PAR_NAMES, "bf16", out, jobs=2, threads=1)
+
+
+def test_parallel_processes_equal_sequential(text, tmp_path, par_run):
+    names = PAR_NAMES
     seq = compare(tiny(text), names, "bf16", tmp_path / "seq", jobs=1, threads=1)
-    par = compare(tiny(text), names, "bf16", tmp_path / "par", jobs=2, threads=1)
+    par = par_run[1]
     for n in names:
         a, b = seq["recipes"][n], par["recipes"][n]
         assert a["final_val_loss"] == b["final_val_loss"]
@@ -377,14 +388,14 @@ def test_machine_is_recorded_and_a_run_resumes_on_another(text, tmp_path, monkey
 
 
 def test_rerun_of_a_finished_comparison_starts_no_process_and_builds_once(
-    text, tmp_path, monkeypatch
+    text, tmp_path, monkeypatch, par_run
 ):
     import fp8lab.lab.compare as lab_compare
     import fp8lab.lab.pool as lab_pool
     from fp8lab.lab import models
 
-    names = ["bf16", "te-delayed"]
-    first = compare(tiny(text), names, "bf16", tmp_path, jobs=2, threads=1)
+    names = PAR_NAMES
+    done, first = par_run  # a finished comparison, run with jobs=2
 
     def no_process(*a, **k):
         raise AssertionError("a worker process was started for a finished run")
@@ -393,7 +404,7 @@ def test_rerun_of_a_finished_comparison_starts_no_process_and_builds_once(
     reads, real_read = [], lab_compare.read_metrics
     monkeypatch.setattr(lab_compare, "read_metrics", lambda d: reads.append(d) or real_read(d))
     events = []
-    again = compare(tiny(text), names, "bf16", tmp_path, jobs=2, threads=1, callback=events.append)
+    again = compare(tiny(text), names, "bf16", done, jobs=2, threads=1, callback=events.append)
     assert json_summary(again)["recipes"] == json_summary(first)["recipes"]
     assert [e["event"] for e in events] == ["start", "end"] * 2
     assert len(reads) == len(names)  # metrics.jsonl read once per recipe
