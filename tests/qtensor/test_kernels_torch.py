@@ -257,6 +257,21 @@ def test_compiled_quantize_equals_the_eager_passes(monkeypatch):
         assert same_bits(a.values, b.values) and same_bits(a.dequantize(), b.dequantize()), spec
 
 
+def test_compiled_quantize_compiles_once_per_layout():
+    """Views with other bases, offsets and shapes of one layout (here [rows * c, 128] for 1x128
+    blocks) reuse the probed kernel: no recompile per caller (dynamo guarded on a view's base
+    before the kernel took detached tensors)."""
+    from torch._dynamo.utils import counters
+
+    big = torch.randn(1000, 512, generator=torch.Generator().manual_seed(34))
+    with using_kernels("torch"):
+        fp8lab.quantize(big[:300].clone(), "e4m3", (1, 128))
+        graphs = counters["stats"]["unique_graphs"]
+        fp8lab.quantize(big[100:400], "e4m3", (1, 128))
+        fp8lab.quantize(big[3:260].view(-1, 256), "e4m3", (1, 128), out=torch.empty(514, 256))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_compiled_quantize_that_disagrees_is_not_used(monkeypatch):
     """A compiled scaled cast is used only after it gave the eager passes' bits on its probe (as
     the compiled cast: inductor's AVX2 code once did not): a wrong one is caught, warned about,
