@@ -23,7 +23,15 @@ Writes ONE JSON (``--out``) with the sections
 * ``device``, ``torch``, ``date``, ``fp8lab`` (version, commit).
 
     python scripts/gpu_check.py --out gpu_check.json          # a CUDA machine: under 5 minutes
+    python scripts/gpu_check.py --out r.json --markdown r.md  # ... and the README's tables
+    python scripts/gpu_check.py --markdown gpu_check.json     # print an existing report's tables
     python scripts/gpu_check.py --smoke --out smoke.json      # tiny sizes on the CPU (the tests)
+
+The JSON is rewritten (atomically) after every section with ``"complete": false`` and the
+section that runs next, so a run that is cut off keeps what it measured. A watchdog ends a run
+that is still going `HARD_GRACE_S` seconds past its budget (a hung compile, a hung collective):
+it writes the report with the section it interrupted (its cases so far, for ``bit_identity``),
+kills the worker processes and exits 1.
 
 ``--smoke`` runs every section at tiny sizes; on the CPU the candidate is the device-generic
 torch kernels against numba on the same CPU, and ``scaled_mm`` is skipped ("needs CUDA").
@@ -34,6 +42,7 @@ The exit code is 0 when every exact case gave 0 mismatches and nothing failed, 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -76,6 +85,11 @@ STEP_CASES = (
 STEP_TARGETS = {"te-current": 1.3, "te-delayed": 1.3, "deepseek-v3-h100": 5.0}
 PROMOTION_INTERVALS = (32, 64, 96, 128, 192, 256, 384, 512)
 GRACE_S = 5.0  # how long past a case's budget the worker may run before it is killed
+#: how long past the whole budget the watchdog lets a run go on (budget 270 s + 20 s + start)
+HARD_GRACE_S = 20.0
+#: the worker processes started (step workers; torchrun, in a session of its own), for the
+#: watchdog to kill
+CHILDREN: list[subprocess.Popen] = []
 _WORKER_TAG = "GPU_CHECK "  # prefix of the step worker's protocol lines on its stdout
 _U = 2.0**-24  # unit roundoff of float32
 
@@ -565,25 +579,28 @@ def _mm_case(label: str, qa: QTensor, qb: QTensor, acc: Accumulator | str, **kw:
     return Case(f"qmatmul {label} acc={desc}", run, bound)
 
 
-def bit_identity(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, Any]:
+def bit_identity(
+    sizes: Sizes, device: torch.device, deadline: float, into: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The ``bit_identity`` section: every case of `cast_cases`, `quantize_cases` and
     `qmatmul_cases`, CPU (numba) against ``device`` (torch kernels). Casts may take the time until
     40 % of the section's, quantize until 70 %, qmatmul the rest; a group that reaches its
-    deadline records the cases it did not run as one ``skipped`` record."""
-    out: dict[str, Any] = {
-        "reference": "cpu, kernels auto (numba)",
-        "candidate": f"{device}, kernels torch",
-    }
+    deadline records the cases it did not run as one ``skipped`` record. ``into``: the dict to
+    fill as cases finish (the watchdog writes what it holds if the section hangs); returned."""
+    out: dict[str, Any] = {} if into is None else into
+    out.update(reference="cpu, kernels auto (numba)", candidate=f"{device}, kernels torch")
     t0 = time.time()
     groups = (("cast", cast_cases, 0.4), ("quantize", quantize_cases, 0.7))
     for group, cases, share in (*groups, ("qmatmul", qmatmul_cases, 1.0)):
         end = t0 + share * (deadline - t0)
         records: list[dict[str, Any]] = []
+        out[group] = {"cases": records}
         for case in cases(sizes):
             if time.time() > end:
                 records.append({"case": f"{group} from {case.name} on", "skipped": "time"})
                 break
-            records.append(run_case(case, device))
+            t = time.time()
+            records.append({**run_case(case, device), "seconds": round(time.time() - t, 3)})
         out[group] = {"summary": summarize(records), "cases": records}
     out["summary"] = summarize(
         [r for g in ("cast", "quantize", "qmatmul") for r in out[g]["cases"]]
@@ -809,6 +826,7 @@ def _spawn(cases: list[str], sizes: Sizes, device: torch.device, deadline: float
     }
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_step-worker", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    CHILDREN.append(proc)
     return proc, reader(proc)
 
 
@@ -924,6 +942,7 @@ def distributed(sizes: Sizes, device: torch.device, deadline: float) -> dict[str
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    CHILDREN.append(proc)
     try:
         out, err = proc.communicate(timeout=left)
     except subprocess.TimeoutExpired:
@@ -1090,16 +1109,16 @@ def failures(report: dict[str, Any]) -> list[str]:
         for key in ("bound_violations", "errors"):
             if bits[key]:
                 out.append(f"bit_identity: {key} = {bits[key]}")
-    for section in ("scaled_mm", "cast_time"):
-        if report.get(section, {}).get("error") or report.get(section, {}).get("errors"):
-            out.append(f"{section}: errors")
+    for section in SECTIONS:
+        if report.get(section, {}).get("error"):
+            out.append(f"{section}: error")
+    if report.get("scaled_mm", {}).get("errors"):
+        out.append("scaled_mm: errors")
     for section in ("distributed", "step_time"):
         cases = report.get(section, {}).get("cases", {})
         errs = [c for c, r in cases.items() if "error" in r or r.get("finite") is False]
         if errs:
             out.append(f"{section}: errors in {', '.join(errs)}")
-    if report.get("distributed", {}).get("error"):
-        out.append("distributed: error")
     return out
 
 
@@ -1162,15 +1181,79 @@ SECTION_ENDS = {
 }
 
 
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` atomically (a temporary file beside it, then a rename): a
+    reader never sees half a report."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def finished(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its ``failures`` and ``warnings``; a ``bit_identity`` cut off mid-group
+    (the watchdog's snapshot) gets the summaries of the cases it holds."""
+    bits = report.get("bit_identity", {})
+    groups = [g for g in ("cast", "quantize", "qmatmul") if g in bits]
+    for g in groups:
+        bits[g].setdefault("summary", summarize(bits[g]["cases"]))
+    if groups and "summary" not in bits:
+        bits["summary"] = summarize([r for g in groups for r in bits[g]["cases"]])
+    return {**report, "failures": failures(report), "warnings": warnings(report)}
+
+
+class Watchdog:
+    """Ends the run at ``deadline`` (epoch seconds) if it is still going: writes a snapshot of
+    ``report`` to ``out`` with ``section`` (the one running) marked, kills `CHILDREN`, exits 1."""
+
+    def __init__(self, report: dict[str, Any], out: Path, deadline: float) -> None:
+        self.report, self.out, self.section = report, out, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(deadline,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self, deadline: float) -> None:
+        if self._done.wait(max(0.0, deadline - time.time())):
+            return
+        for _ in range(20):  # the main thread may be changing the report: snapshot again
+            try:
+                snap = json.loads(json.dumps(self.report, default=str))
+                break
+            except (RuntimeError, ValueError):
+                time.sleep(0.05)
+        else:
+            snap = {k: self.report[k] for k in ("device", "torch", "fp8lab", "date")}
+        note = {"interrupted": "still running at the watchdog's deadline (budget + grace)"}
+        snap[self.section] = {**snap.get(self.section, {}), **note}
+        snap = finished(snap)
+        snap["failures"].append(f"watchdog: {self.section} still running at the hard deadline")
+        write_json(self.out, snap)
+        for proc in CHILDREN:
+            with contextlib.suppress(OSError):  # already gone
+                if os.getpgid(proc.pid) == proc.pid:  # torchrun: its whole session
+                    os.killpg(proc.pid, 9)
+                else:
+                    proc.kill()
+        print(
+            f"gpu_check: FAIL watchdog: {self.section} overran; wrote {self.out}", file=sys.stderr
+        )
+        os._exit(1)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every requested section, in `SECTIONS` order, each by its deadline (`SECTION_ENDS`)."""
+    """Every requested section, in `SECTIONS` order, each by its deadline (`SECTION_ENDS`); the
+    report is written to ``args.out`` after each section (``complete`` false until the end) and
+    by a `Watchdog` at the budget plus `HARD_GRACE_S` if a section hangs."""
     sizes = SMOKE if args.smoke else FULL
     if args.budget_s:
         sizes = dataclasses.replace(sizes, budget_s=args.budget_s)
     device = torch.device(args.device)
     t0 = time.time()
     report = environment(device)
-    report["mode"] = "smoke" if args.smoke else "full"
+    report.update(mode="smoke" if args.smoke else "full", complete=False)
+    dog = Watchdog(report, args.out, t0 + sizes.budget_s + HARD_GRACE_S)
     fns = {
         "bit_identity": bit_identity,
         "scaled_mm": scaled_mm,
@@ -1182,15 +1265,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name not in args.sections:
             report[name] = {"skipped": "not requested"}
             continue
+        report["running"] = dog.section = name
+        write_json(args.out, report)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the worker processes share the GPU's memory
-        report[name] = fns[name](sizes, device, t0 + SECTION_ENDS[name] * sizes.budget_s)
+        deadline = t0 + SECTION_ENDS[name] * sizes.budget_s
+        try:
+            if name == "bit_identity":  # filled case by case: the watchdog writes what it holds
+                report[name] = {}
+                bit_identity(sizes, device, deadline, into=report[name])
+            else:
+                report[name] = fns[name](sizes, device, deadline)
+        except Exception as exc:  # one section's failure must not lose the others' results
+            report[name] = {**report.get(name, {}), "error": _error(exc)}
         if args.progress:
             print(f"gpu_check: {name} done at {time.time() - t0:.0f} s", file=sys.stderr)
-    report["seconds"] = round(time.time() - t0, 1)
-    report["failures"] = failures(report)
-    report["warnings"] = warnings(report)
-    return report
+    report.pop("running", None)
+    report.update(complete=True, seconds=round(time.time() - t0, 1))
+    dog.stop()
+    return finished(report)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -1220,17 +1313,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--markdown",
         type=Path,
         default=None,
-        help="print the tables of an existing report (JSON) as markdown instead of running",
+        help="with --out: also write the report's tables (markdown, for the README) to this "
+        "file; without --out: print the tables of this existing report (JSON) instead of running",
     )
     p.add_argument("--_step-worker", dest="step_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_dist-worker", dest="dist_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.step_worker is not None or args.dist_worker is not None or args.markdown:
+    if args.step_worker is not None or args.dist_worker is not None:
+        return args
+    if args.markdown and args.out is None:
         return args
     if args.out is None:
         p.error("--out PATH is required")
-    if args.out.exists():
-        p.error(f"--out {args.out}: the file exists; gpu_check never overwrites a result")
+    for flag, path in (("--out", args.out), ("--markdown", args.markdown)):
+        if path is not None and path.exists():
+            p.error(f"{flag} {path}: the file exists; gpu_check never overwrites a result")
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
@@ -1257,7 +1354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dist_worker is not None:
         dist_worker(json.loads(args.dist_worker))
         return 0
-    if args.markdown:
+    if args.markdown and args.out is None:
         try:
             report = json.loads(args.markdown.read_text())
             print(markdown(report), end="")
@@ -1269,9 +1366,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     report = run(args)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    os.replace(tmp, args.out)  # atomic: a reader never sees half a report
+    write_json(args.out, report)
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
     for line in report["failures"]:
         print(f"gpu_check: FAIL {line}", file=sys.stderr)
     for line in report["warnings"]:

@@ -330,3 +330,85 @@ def test_scaled_mm_case_record_on_the_cpu():
     fits = rec["slow_accum_mismatches_by_interval"]
     assert list(fits) == ["never", *map(str, gc.PROMOTION_INTERVALS)]
     assert rec["best_interval"] in fits and 0 <= rec["fast_accum_mismatches"] <= 32 * 32
+
+
+# ------------------------------------------------- what a cut-off or failing run keeps
+_HANG = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import gpu_check_module
+gc = gpu_check_module.load()
+gc.HARD_GRACE_S = 0.5
+# the section's own deadline far away: only the watchdog (budget + grace) can end the hang
+gc.SECTION_ENDS = {{**gc.SECTION_ENDS, "bit_identity": 100.0}}
+real, calls = gc.run_case, []
+
+def run_case(case, device):  # the third case hangs (a compile or a kernel that never ends)
+    calls.append(case.name)
+    if len(calls) == 3:
+        time.sleep(120)
+    return real(case, device)
+
+gc.run_case = run_case
+sys.exit(gc.main(sys.argv[1:]))
+"""
+
+
+def test_watchdog_writes_what_a_hung_section_did_and_exits_1(tmp_path):
+    """A section still running past the budget + HARD_GRACE_S: the report on disk holds what
+    was done before it and the cases it finished, marks it interrupted, and the run exits 1."""
+    out = tmp_path / "r.json"
+    code = _HANG.format(tests=str(SCRIPT.parents[1] / "tests"))
+    args = ["--smoke", "--sections", "scaled_mm,bit_identity", "--budget-s", "10"]
+    t0 = time.time()
+    res = subprocess.run(
+        [sys.executable, "-c", code, *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert time.time() - t0 < 100  # not the 120 s the hung case sleeps
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "watchdog: bit_identity overran" in res.stderr
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["running"] == "bit_identity"
+    assert report["device"]["torch_device"] == "cpu" and "scaled_mm" not in report  # not reached
+    bits = report["bit_identity"]
+    assert "interrupted" in bits
+    assert [r["mismatches"] for r in bits["cast"]["cases"]] == [0, 0]  # the two that finished
+    assert bits["summary"]["exact_cases"] == 2
+    assert report["failures"] == ["watchdog: bit_identity still running at the hard deadline"]
+    assert not (tmp_path / "r.json.tmp").exists()
+
+
+def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+    """An exception out of a section (e.g. an API a torch version lacks) is that section's
+    ``error``; the sections after it still run, the report is complete, the exit code 1."""
+
+    def boom(*_args):
+        raise AttributeError("module 'torch' has no attribute 'something_new'")
+
+    monkeypatch.setattr(gc, "scaled_mm", boom)
+    out = tmp_path / "r.json"
+    assert gc.main(["--smoke", "--sections", "scaled_mm,cast_time", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["scaled_mm"]["error"].startswith("AttributeError: module 'torch'")
+    assert report["cast_time"]["cast_nearest_even_ms"] > 0
+    assert report["complete"] is True and "running" not in report
+    assert report["failures"] == ["scaled_mm: error"]
+
+
+def test_out_with_markdown_writes_both_and_refuses_an_existing_markdown(tmp_path, capsys):
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert (
+        gc.main(["--smoke", "--sections", "scaled_mm", "--out", str(out), "--markdown", str(md)])
+        == 0
+    )
+    assert md.read_text() == gc.markdown(json.loads(out.read_text()))
+    assert md.read_text().startswith("`python scripts/gpu_check.py` on CPU")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        gc.main(["--smoke", "--out", str(tmp_path / "new.json"), "--markdown", str(md)])
+    assert exc.value.code == 2
+    assert f"--markdown {md}: the file exists" in capsys.readouterr().err
+    assert not (tmp_path / "new.json").exists()
