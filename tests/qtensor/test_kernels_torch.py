@@ -272,6 +272,25 @@ def test_compiled_quantize_compiles_once_per_layout():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_quantize_probes_each_global_mode():
+    """dynamo compiles a kernel per grad mode and inference mode: the kernels always run without
+    grad (no second kernel), and an inference-mode call probes its own kernel before use."""
+    from torch._dynamo.utils import counters
+
+    x = edge_tensor(BIG, seed=35)
+    with using_kernels("torch"):
+        ref = fp8lab.quantize(x, "e4m3", (1, 128))
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            a = fp8lab.quantize(x, "e4m3", (1, 128))
+        assert counters["stats"]["unique_graphs"] == graphs
+        with torch.inference_mode():
+            b = fp8lab.quantize(x, "e4m3", (1, 128), out=torch.empty_like(x))
+    modes = [k[-1] for k in rounding_torch._compiled if isinstance(k, tuple) and k[0] == "verified"]
+    assert (True, False) in modes
+    assert same_bits(a.values, ref.values) and same_bits(b.values, ref.values)
+
+
 def test_a_compiled_quantize_that_disagrees_is_not_used(monkeypatch):
     """A compiled scaled cast is used only after it gave the eager passes' bits on its probe (as
     the compiled cast: inductor's AVX2 code once did not): a wrong one is caught, warned about,

@@ -273,8 +273,10 @@ def compile_failed() -> None:
 
 
 def call_compiled(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` without torch's own DeprecationWarnings from importing inductor."""
-    with warnings.catch_warnings():
+    """``fn(*args)`` without torch's own DeprecationWarnings from importing inductor, and always
+    without grad: dynamo guards on the grad mode, so a caller's mode other than the probe's would
+    compile a second, unprobed kernel (the kernels take no tensor that needs grad)."""
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", DeprecationWarning)
         return fn(*args)
 
@@ -290,13 +292,16 @@ def verified(
     """Does the compiled kernel give the eager kernel's bits: ``check(compiled)`` equal to
     ``check(eager)`` (``check`` runs a kernel on a probe, e.g. `probe`, and returns its result as
     an integer tensor)? Checked once per ``key`` (device type first) and remembered; a kernel that
-    fails gets a RuntimeWarning naming ``what`` and is not used.
+    fails gets a RuntimeWarning naming ``what`` and is not used. The kernels run without grad
+    (`call_compiled`); inference mode and deterministic algorithms extend the key.
 
     Why: inductor's C++ for AVX2 (ATEN_CPU_CAPABILITY=avx2) gave wrong bits for about 3 in 4
     random inputs of the cast kernel with torch 2.13 (measured 2026-11-27), while the AVX-512 code
     and the eager ops were exact. A compiled kernel is used only where it is shown to be exact.
     """
-    vkey = ("verified", *key)
+    # dynamo also guards on these global modes: another mode compiles another kernel, probed anew
+    modes = (torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled())
+    vkey = ("verified", *key) if modes == (False, False) else ("verified", *key, modes)
     ok = _compiled.get(vkey)
     if ok is None:
         want = check(eager)
