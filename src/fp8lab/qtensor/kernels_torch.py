@@ -337,10 +337,12 @@ def _compiled_cast(
     return True
 
 
-# compiled variants of `_cast_rect` allowed (dynamo's default is 8, and past the limit it runs
-# the function eagerly): a `_rect_layout` has 1 to 4 dims of alternating roles (8 layouts),
-# times with and without the dequantized copy, times CPU and CUDA
-_VARIANTS = 32
+# compiled variants of `_cast_rect` allowed (dynamo's default of 8 is too few; past the limit
+# a fullgraph compile raises, and the eager kernels, the cast's too, run from then on): a
+# `_rect_layout` has 1 to 4 dims of alternating roles (8 layouts), times with and without the
+# dequantized copy, times CPU and CUDA, plus the rarer global modes (inference mode,
+# deterministic algorithms)
+_VARIANTS = 64
 
 
 def scale_cast(
