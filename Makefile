@@ -33,7 +33,7 @@ demo-debug: $(STAMP)
 # device-generic torch kernels (test-torch-kernels, below): the oracle suite on both backends.
 test: $(STAMP)
 	$(PY) -m pytest
-	FP8LAB_KERNELS=torch $(PY) -m pytest $(NUMERIC_TESTS)
+	FP8LAB_KERNELS=torch $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
 
 # The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
 # stats; the bit-for-bit tests of fp8lab's own arithmetic) again under AVX2 kernels, as on a CPU
@@ -41,20 +41,24 @@ test: $(STAMP)
 # Haswell (AVX2 + FMA; NUMBA_CPU_FEATURES empty = that CPU's own features, not the host's). About
 # 2 min on 2 cores. On an AVX2-only host it repeats make test's run of these files.
 NUMERIC_TESTS := tests/formats tests/scaling tests/qtensor tests/gemm tests/recipe tests/optim \
-	tests/nn tests/observe tests/test_stats.py tests/test_layers.py
+	tests/nn tests/observe tests/test_stats.py
+# The repeats (test-torch-kernels, test-avx2) leave out the tests marked no_arithmetic (imports,
+# an exact all-reduce: nothing the kernel choice or the instruction set could change); make
+# test's first pass runs them (tests/test_make_passes.py). tests/test_layers.py is not repeated.
+REPEAT := -m "not no_arithmetic"
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=
 
 test-avx2: $(STAMP)
 	$(AVX2_ENV) $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 		print('torch CPU capability:', c); assert c in ('AVX2', 'DEFAULT'), c"
-	$(AVX2_ENV) $(PY) -m pytest $(NUMERIC_TESTS)
+	$(AVX2_ENV) $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
 
 # The numeric subset again on the device-generic torch kernels (FP8LAB_KERNELS=torch): the same
 # bits as numba. tests/conftest.py makes every numba kernel raise in this run, so a result that
 # still came from numba fails; tests of numba kernels themselves are marked numba_only and skipped.
 test-torch-kernels: $(STAMP)
-	FP8LAB_KERNELS=torch $(PY) -m pytest $(NUMERIC_TESTS)
+	FP8LAB_KERNELS=torch $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
 
 # The README's (and docs') result tables from runs/demo and runs/demo-long (make demo /
 # make demo-long first), each with the machine and date it came from

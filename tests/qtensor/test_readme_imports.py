@@ -8,11 +8,14 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 IMPORT = re.compile(r"from (fp8lab[\w.]*) import ([\w, ]+)")
 
 
+@pytest.mark.no_arithmetic  # imports only: the same on every kernel and CPU
 def test_readme_import_statements_import():
     found = [f for p in PAGES for f in IMPORT.findall(p.read_text(encoding="utf-8"))]
     assert any(mod == "fp8lab.qtensor" for mod, _ in found)  # the retile_counts line
