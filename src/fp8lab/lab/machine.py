@@ -20,6 +20,16 @@ kernel choice (`fp8lab.kernels`): `set_torch_device` (scoped: `using_torch_devic
 lab builds its models, batches and optimizer state there and loads checkpoints onto it; the
 machine record names it (``torch_device``, ``gpu``, ``cuda``, ``kernels``). Not part of a run's
 identity either: a checkpoint written on the GPU resumes on the CPU and the other way round.
+
+On a CUDA device a lab run (`fp8lab.lab.train.train_run`, `fp8lab.lab.replay.replay_step`) runs
+under `deterministic_kernels`: ``torch.use_deterministic_algorithms(True)`` and
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``, both restored afterwards, because a run that resumes from a
+checkpoint is bit-identical to the uninterrupted one only when every kernel gives the same bits
+for the same inputs (cuBLAS with its default workspace, and torch's atomic-add kernels, do not
+promise that). ``FP8LAB_DETERMINISTIC=0`` turns it off (for a model with an op that has no
+deterministic CUDA kernel: torch then raises naming it); the machine record says which
+(``deterministic``). CPU runs are left as they are: torch's CPU kernels the lab uses are
+deterministic at a fixed thread count already.
 """
 
 from __future__ import annotations
@@ -39,7 +49,13 @@ from fp8lab.kernels import get_kernels
 #: environment variables that change the kernels torch or numba run, recorded when set
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "NUMBA_CPU_NAME",
               "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-              "FP8LAB_KERNELS")  # fmt: skip
+              "FP8LAB_KERNELS", "FP8LAB_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG")  # fmt: skip
+
+#: the opt-out of `deterministic_kernels` on CUDA: ``FP8LAB_DETERMINISTIC=0``
+DETERMINISTIC_ENV = "FP8LAB_DETERMINISTIC"
+#: the cuBLAS workspace settings NVIDIA documents as reproducible (cuBLAS guide, "Results
+#: reproducibility"); torch raises in deterministic mode unless one of them is set
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def cpu_model() -> str:
@@ -96,11 +112,60 @@ def using_torch_device(value: str | torch.device | None) -> Iterator[torch.devic
         set_torch_device(old)
 
 
+def deterministic_for(device: torch.device | str) -> bool:
+    """Whether a lab run on ``device`` runs under `deterministic_kernels`' settings: True on a
+    CUDA device unless ``FP8LAB_DETERMINISTIC=0``; False on the CPU (left as it is). True too
+    when the caller already enabled ``torch.use_deterministic_algorithms``.
+
+    Raises:
+        ValueError: ``FP8LAB_DETERMINISTIC`` is neither 0 nor 1.
+    """
+    value = os.environ.get(DETERMINISTIC_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{DETERMINISTIC_ENV}={value!r}: expected 0 or 1")
+    on_cuda = torch.device(device).type == "cuda" and value == "1"
+    return on_cuda or torch.are_deterministic_algorithms_enabled()
+
+
+@contextmanager
+def deterministic_kernels(device: torch.device | str) -> Iterator[bool]:
+    """Run a block with deterministic kernels when `deterministic_for` ``device`` says so:
+    ``torch.use_deterministic_algorithms(True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (a
+    value of the reproducible settings the caller set is kept), restored on exit, also after an
+    exception. Yields whether they apply. On the CPU (and with ``FP8LAB_DETERMINISTIC=0``)
+    nothing changes.
+
+    cuBLAS reads the workspace setting when torch first allocates a handle's workspace: in a
+    process that made cuBLAS calls before, the earlier workspace size stays, which is still
+    reproducible for the lab's single stream. torch checks the variable at every cuBLAS call
+    in deterministic mode, so it must stay set for the whole block.
+    """
+    on = deterministic_for(device)
+    if not on or torch.device(device).type != "cuda":
+        yield on
+        return
+    old_mode = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    old_cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if old_cfg not in CUBLAS_DETERMINISTIC:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield True
+    finally:
+        torch.use_deterministic_algorithms(old_mode, warn_only=old_warn)
+        if old_cfg is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = old_cfg
+
+
 def device_info(device: torch.device | None = None) -> dict[str, Any]:
     """The torch device of the lab (``device``, default `torch_device`) as plain data:
     ``torch_device`` (``"cpu"``, ``"cuda:0"``), ``gpu`` (its name; None on the CPU), ``cuda``
-    (the CUDA version torch was built with; None on the CPU) and ``kernels`` (the kernel
-    choice, `fp8lab.kernels.get_kernels`)."""
+    (the CUDA version torch was built with; None on the CPU), ``kernels`` (the kernel
+    choice, `fp8lab.kernels.get_kernels`) and ``deterministic`` (whether the lab's runs there
+    use deterministic kernels: `deterministic_for`)."""
     dev = torch_device() if device is None else torch.device(device)
     cuda = dev.type == "cuda"
     return {
@@ -108,6 +173,7 @@ def device_info(device: torch.device | None = None) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(dev) if cuda else None,
         "cuda": torch.version.cuda if cuda else None,
         "kernels": get_kernels(),
+        "deterministic": deterministic_for(dev),
     }
 
 

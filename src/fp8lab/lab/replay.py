@@ -31,6 +31,7 @@ from fp8lab.lab.loop import (
     read_metrics,
     train_step,
 )
+from fp8lab.lab.machine import deterministic_kernels, torch_device
 from fp8lab.lab.train import LabConfig, build_model, make_optimizer
 
 __all__ = ["replay_step"]
@@ -89,9 +90,16 @@ def _start(paths: list[Path], step: int) -> tuple[Path, int] | None:
 def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
     """Replay step ``step`` (0-based) of the run in ``run_dir`` (``OUT/runs/RECIPE``); return
     ``{recipe, step, record_step, start_step, checkpoint, batch, loss, grad_norm, record,
-    matches_record, signals, findings}`` (see the module doc). Raises ValueError for a folder
-    without a checkpoint, a step beyond the run, or a training text that changed."""
-    run = Path(run_dir)
+    matches_record, signals, findings, torch_device}`` (see the module doc). Raises ValueError for a folder
+    without a checkpoint, a step beyond the run, or a training text that changed. On a GPU it
+    runs with deterministic kernels, as the run did (`fp8lab.lab.machine.deterministic_kernels`).
+    """
+    with deterministic_kernels(torch_device()):
+        return _replay(Path(run_dir), step)
+
+
+def _replay(run: Path, step: int) -> dict[str, Any]:
+    """`replay_step` under its kernel settings."""
     if not run.is_dir():
         raise ValueError(f"{run}: no such run folder (expected OUT/runs/RECIPE)")
     paths = _candidates(run)
@@ -162,6 +170,7 @@ def replay_step(run_dir: str | Path, step: int) -> dict[str, Any]:
         "matches_record": same,
         "signals": {k: v for k, v in grun.monitor.signals.items() if k != "step"},
         "findings": [f.to_dict() for f in grun.findings],
+        "torch_device": str(torch_device()),
     }
 
 

@@ -377,18 +377,20 @@ def train_run(
     from fp8lab.optim import LossScaler
 
     cfg.check()
-    tc = cfg.train
-    model = build_model(cfg.model, recipe, tc.seed)
-    # before the optimizer: FSDP's fully_shard replaces the parameters
-    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
-    opt = make_optimizer(model, recipe, tc)
-    scaler = None if recipe is None else LossScaler.from_recipe(recipe)
-    injector = Injector(model, cfg.inject)
-    run = Run(
-        cfg=cfg, recipe=recipe, corpus=corpus, model=model, opt=opt, scaler=scaler,
-        injector=injector, dp=dp, grun=_guard_run(guard, model, opt, scaler, recipe),
-        run_path=None if run_dir is None else Path(run_dir),
-        ckpt_cfg=checkpoint_config(cfg, recipe, corpus), emit=callback or (lambda event: None),
-        name=recipe_name(recipe),
-    )  # fmt: skip
-    return run_loop(run, stop_after)
+    # on a GPU, deterministic kernels: a resumed run must give the uninterrupted run's bits
+    with machines.deterministic_kernels(machines.torch_device()):
+        tc = cfg.train
+        model = build_model(cfg.model, recipe, tc.seed)
+        # before the optimizer: FSDP's fully_shard replaces the parameters
+        dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
+        opt = make_optimizer(model, recipe, tc)
+        scaler = None if recipe is None else LossScaler.from_recipe(recipe)
+        injector = Injector(model, cfg.inject)
+        run = Run(
+            cfg=cfg, recipe=recipe, corpus=corpus, model=model, opt=opt, scaler=scaler,
+            injector=injector, dp=dp, grun=_guard_run(guard, model, opt, scaler, recipe),
+            run_path=None if run_dir is None else Path(run_dir),
+            ckpt_cfg=checkpoint_config(cfg, recipe, corpus), emit=callback or (lambda event: None),
+            name=recipe_name(recipe),
+        )  # fmt: skip
+        return run_loop(run, stop_after)
