@@ -1080,7 +1080,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     status = _git("status", "--porcelain", "--untracked-files=no")
-    lab = {"version": fp8lab.__version__, "commit": _git("rev-parse", "HEAD")}
+    # a copy of the tree without .git (a lent GPU machine's): the commit the caller names
+    commit = _git("rev-parse", "HEAD") or os.environ.get("GPU_CHECK_COMMIT") or None
+    lab = {"version": fp8lab.__version__, "commit": commit}
     lab["dirty"] = None if status is None else bool(status)
     return {
         "device": dev,
@@ -1156,6 +1158,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"`use_fast_accum=False` fits promotion every {mm['best_interval']} "
             f"({mm['slow_accum_mismatches_by_interval'][mm['best_interval']]} differ)."
         )
+    lines += _markdown_notes(report)
     steps = report["step_time"]
     if "cases" in steps:
         lines += [
@@ -1168,6 +1171,39 @@ def markdown(report: dict[str, Any]) -> str:
             ms = rec.get("median_ms", rec.get("skipped") or "error")
             lines.append(f"| {case} | {ms} | {r['vs_native_bf16']} | {r['vs_native_fp32']} |")
     return "\n".join(lines) + "\n"
+
+
+def _markdown_notes(report: dict[str, Any]) -> list[str]:
+    """The markdown's lines on the cast time, the distributed run, and every section that was
+    skipped, failed or cut off."""
+    lines = []
+    ct = report.get("cast_time", {})
+    if "copy_ms" in ct:
+        lines.append(
+            f"\nCast of {ct['elements']} float32 onto e4m3: nearest-even "
+            f"{ct['cast_nearest_even_ms']} ms ({ct['cast_nearest_even_vs_copy']}x a device copy, "
+            f"{ct['copy_ms']} ms), stochastic {ct['cast_stochastic_ms']} ms "
+            f"({ct['cast_stochastic_vs_copy']}x)."
+        )
+    dist = report.get("distributed", {})
+    if "cases" in dist:
+        done = [
+            f"{name} {rec['step_ms']} ms/step" if rec.get("finite") else f"{name} FAILED"
+            for name, rec in dist["cases"].items()
+        ]
+        lines.append(
+            f"\nDistributed, {dist['world']} rank ({dist['backend']}), te-delayed: "
+            + ", ".join(done)
+            + "."
+        )
+    for name in SECTIONS:
+        rec = report.get(name, {})
+        why = rec.get("error") or rec.get("interrupted") or rec.get("skipped")
+        if why and why != "not requested":
+            lines.append(f"\n`{name}`: {why}.")
+    if report.get("complete") is False:
+        lines.append("\n**Incomplete run** (cut off): " + "; ".join(report.get("failures", [])))
+    return lines
 
 
 #: where each section's deadline lies, as a fraction of the budget (time a section leaves unused
