@@ -81,8 +81,9 @@ def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
-                       "recovers", "culprit", "attribution", "remedies", "fix", "probes"]  # fmt: skip
-    assert d["schema_version"] == 1 and d["recipe"] == "fp32"
+                       "recovers", "culprit", "attribution", "remedies", "fix", "probes",
+                       "torch_device"]  # fmt: skip
+    assert d["schema_version"] == 1 and d["recipe"] == "fp32" and d["torch_device"] == "cpu"
     assert d["culprit"] is None and d["fix"] is None and d["recovers"] is True
     assert abs(d["gap_pct"]) <= 2 * d["noise_pct"]
     assert d["baseline"] == "bf16" and isinstance(d["recovers"], bool)

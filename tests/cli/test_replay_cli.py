@@ -52,6 +52,7 @@ def test_replay_is_bit_identical(guarded, step):
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["matches_record"] and res["record_step"] == step + 1
+    assert res["torch_device"] == "cpu"  # --torch-device auto, resolved (no CUDA here)
     assert res["loss"] == res["record"]["train_loss"]
     assert res["start_step"] == (8 if step == 9 else 0)
     assert res["signals"]["headroom"] is not None and res["findings"] == []

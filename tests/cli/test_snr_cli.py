@@ -23,7 +23,7 @@ def test_json_schema_and_sweep() -> None:
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert set(data) == {"runs"}
+    assert set(data) == {"runs", "torch_device"} and data["torch_device"] == "cpu"
     assert len(data["runs"]) == 4  # 2 lengths x 2 promotion settings
     for run in data["runs"]:
         assert set(run) == {

@@ -74,7 +74,8 @@ def test_unknown_kernels_exit_2_from_every_command(cmd: str, monkeypatch, tmp_pa
 def test_snr_runs_on_the_cpu_and_inspect_json_records_the_device(tmp_path: Path) -> None:
     res = runner.invoke(app, [*_args("snr", tmp_path), "--json", "--torch-device", "cpu"])
     assert res.exit_code == 0, res.output
-    assert set(json.loads(res.stdout)) == {"runs"}  # the schema of fp8lab snr --json
+    data = json.loads(res.stdout)  # the schema of fp8lab snr --json, with the device
+    assert set(data) == {"runs", "torch_device"} and data["torch_device"] == "cpu"
     res = runner.invoke(app, [*_args("inspect", tmp_path), "--json", "--torch-device", "auto"])
     assert res.exit_code == 0, res.output
     expected = "cuda:0" if torch.cuda.is_available() else "cpu"

@@ -225,7 +225,10 @@ def _setup(
 def _render(result: Any, out: Path, json_out: bool, t0: float) -> None:
     """The result on stdout: JSON, or the verdict, the fix and the report's path."""
     if json_out:
-        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+        from fp8lab.lab.machine import torch_device
+
+        doc = {**result.to_json(), "torch_device": str(torch_device())}  # --torch-device, resolved
+        typer.echo(json.dumps(doc, allow_nan=False))
         return
     typer.echo(result.verdict)
     if result.fix:

@@ -286,11 +286,19 @@ def _report(results: list[Any], pooled: bool, json_out: bool, plot: Path | None)
     if plot is not None:
         _plot_sweep(results, plot)
     if json_out:
-        typer.echo(json.dumps({"runs": [r.to_json(pooled) for r in results]}))
+        runs = {"runs": [r.to_json(pooled) for r in results], **_device()}
+        typer.echo(json.dumps(runs))
     else:
         _print_table(results, pooled, "fp8lab snr")
         if plot is not None:
             typer.echo(f"wrote {plot}")
+
+
+def _device() -> dict[str, str]:
+    """``{"torch_device": "cpu"}``: where the runs computed (--torch-device, resolved)."""
+    from fp8lab.lab.machine import torch_device
+
+    return {"torch_device": str(torch_device())}
 
 
 def _warn_overflow(results: list[Any]) -> None:
@@ -332,7 +340,7 @@ def _run_preset(
     configs = p.configs()
     results = dict(zip(configs, _run_with_progress(configs, json_out), strict=True))
     written = write_preset_report(p, results, out)
-    runs = {"runs": [results[c].to_json(pooled) for c in configs]}
+    runs = {"runs": [results[c].to_json(pooled) for c in configs], **_device()}
     (out / f"{p.name}.json").write_text(json.dumps(runs))
     if json_out:
         typer.echo(json.dumps(runs))
