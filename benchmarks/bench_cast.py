@@ -8,7 +8,11 @@ other format <= 1.5x the native e4m3 round trip, all >= 3x faster than ml_dtypes
 Peak memory is measured in a fresh subprocess per row from the kernel's peak-RSS counter
 (``/proc/self/clear_refs`` + ``VmHWM``), in units of the input's size.
 
-    .venv/bin/python benchmarks/bench_cast.py [--n 16777216] [--repeats 7]
+    .venv/bin/python benchmarks/bench_cast.py [--n 16777216] [--repeats 7] [--torch-device auto]
+
+On a GPU (``--torch-device cuda``) the tensors live there and every time waits for the device;
+ml_dtypes' times are of the same values on the CPU, and the peak-memory rows (host RSS) are
+measured on the CPU only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 import fp8lab
+from _device import add_torch_device, sync, torch_device
 
 FORMATS = [
     "e4m3",
@@ -52,11 +57,12 @@ ML = {
 }
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -112,14 +118,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--peak-child", default=None)
+    add_torch_device(ap)
     args = ap.parse_args()
+    device = torch_device(args)
     if args.peak_child:
         _peak_child(args.peak_child, args.n)
         return
 
-    torch.manual_seed(0)
-    x = torch.randn(args.n) * 50
-    xn = x.numpy()
+    torch.manual_seed(0)  # drawn on the CPU: the same values on every device
+    xn = (torch.randn(args.n) * 50).numpy()
+    x = torch.from_numpy(xn).to(device)
     out = torch.empty_like(x)
     for f in FORMATS:  # compile / load every kernel before timing
         fp8lab.cast(x[:4096], f)
@@ -129,14 +137,15 @@ def main() -> None:
         "e5m2": lambda: x.clamp(-57344.0, 57344.0).to(torch.float8_e5m2).float(),
     }
     rows = []
-    t_native = {k: _best(fn, args.repeats) for k, fn in native.items()}
+    t_native = {k: _best(fn, args.repeats, device) for k, fn in native.items()}
     cases = [(f, None) for f in FORMATS] + [("e4m3", "stochastic"), ("hif8", "hybrid")]
     for f, mode in cases:
-        t_out = _best(lambda f=f, m=mode: fp8lab.cast(x, f, rounding=m, out=out), args.repeats)
-        t_new = _best(lambda f=f, m=mode: fp8lab.cast(x, f, rounding=m), args.repeats)
+        t_out = _best(lambda f=f, m=mode: fp8lab.cast(x, f, rounding=m, out=out), args.repeats,
+                      device)  # fmt: skip
+        t_new = _best(lambda f=f, m=mode: fp8lab.cast(x, f, rounding=m), args.repeats, device)
         ref = "e5m2" if f == "e5m2" else "e4m3"
         # re-measure the native reference next to this row: the machine may be shared
-        t_native[ref] = min(t_native[ref], _best(native[ref], 3))
+        t_native[ref] = min(t_native[ref], _best(native[ref], 3, device))
         t_ml = None
         if f in ML and mode is None:
             dt = ML[f]
@@ -144,7 +153,7 @@ def main() -> None:
         rows.append((f if mode is None else f"{f} {mode}", ref, t_out, t_new, t_ml))
 
     print(
-        f"fp8lab.cast on {args.n:,} float32 elements; torch {torch.__version__}, "
+        f"fp8lab.cast on {args.n:,} float32 elements on {device}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; best of {args.repeats}\n"
     )
     print(
@@ -163,6 +172,8 @@ def main() -> None:
     print()
     for k, t in t_native.items():
         print(f"torch native round trip {k} (clamp, .to(float8), .float()): {t * 1e3:.1f} ms")
+    if device.type != "cpu":
+        return  # the peak rows measure host memory
     print(
         "\nPeak extra memory of one call, in float32 tensors of the input's shape "
         "(fresh process each):"

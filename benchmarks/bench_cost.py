@@ -21,7 +21,11 @@ from fp8lab.cost.devices import DATA
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="No --torch-device: the cost model computes no tensors (it is arithmetic on "
+        "published timings and device specifications).",
+    )
     ap.add_argument("--write", action="store_true", help="rewrite data/calibration.toml")
     args = ap.parse_args()
     cal = C.calibrate()

@@ -183,7 +183,12 @@ def main() -> None:
         a = sys.argv[2:]
         _rank(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]), a[6])
         return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="No --torch-device: the ranks are CPU processes with gloo, one thread each. On "
+        "GPUs the lab's data parallelism runs under torchrun (fp8lab compare --torch-device "
+        "cuda: each rank its LOCAL_RANK GPU and NCCL), not measured here.",
+    )
     ap.add_argument("--recipe", default="te-delayed")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")

@@ -6,6 +6,7 @@ accumulation-precision table under the bit-exact H100 tensor-core model, and how
     .venv/bin/python benchmarks/bench_gemm.py --speed     # speed only
     .venv/bin/python benchmarks/bench_gemm.py --table     # DeepSeek table (three distributions)
     .venv/bin/python benchmarks/bench_gemm.py --disagree  # limited vs the H100 model
+    .venv/bin/python benchmarks/bench_gemm.py --torch-device cuda  # operands on the GPU
 
 Speed targets: per-tensor fp32-accumulation qmatmul incl. quantization <= 1.2x; 1x128 x 128x128
 block-scaled <= 1.5x; limited group-sum accumulation <= 8x; the H100 FP8 model (``fused``,
@@ -23,7 +24,11 @@ from collections.abc import Callable
 
 import torch
 
+from _device import add_torch_device, sync, torch_device
 from fp8lab import Accumulator, QuantSpec, qmatmul, quantize
+
+#: the device of this run (--torch-device); operands are drawn on the CPU, then moved there
+DEVICE = torch.device("cpu")
 
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:
@@ -32,14 +37,15 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        sync(DEVICE)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
 def speed(size: int, repeat: int, per_product: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g)
-    b = torch.randn(size, size, generator=g)
+    a = torch.randn(size, size, generator=g).to(DEVICE)
+    b = torch.randn(size, size, generator=g).to(DEVICE)
     tensor = QuantSpec("e4m3")
     act = QuantSpec("e4m3", (1, 128), "pow2_down")
     wgt = QuantSpec("e4m3", (128, 128), "pow2_down")
@@ -105,7 +111,8 @@ def speed(size: int, repeat: int, per_product: bool) -> None:
                 "(no target)",
             )
         )
-    print(f"## qmatmul speed, M = N = K = {size}, torch threads = {torch.get_num_threads()}\n")
+    print(f"## qmatmul speed, M = N = K = {size}, on {DEVICE}, "
+          f"torch threads = {torch.get_num_threads()}\n")  # fmt: skip
     print("| case | time (s) | ratio vs fp32 a @ b | target |")
     print("|---|---:|---:|---|")
     base = None
@@ -125,7 +132,7 @@ def _operands(dist: str, mn: int, k: int, seed: int) -> tuple[torch.Tensor, torc
         a, b = a.abs(), b.abs()
     elif dist == "a>=0, b mean 0.3":  # e.g. post-ReLU/SwiGLU activations times weights
         a, b = a.abs(), b + 0.3
-    return a, b
+    return a.to(DEVICE), b.to(DEVICE)
 
 
 DISTRIBUTIONS = ("zero-mean", "all-positive", "a>=0, b mean 0.3")
@@ -133,7 +140,8 @@ DISTRIBUTIONS = ("zero-mean", "all-positive", "a>=0, b mean 0.3")
 
 def accuracy(mn: int, ks: list[int]) -> None:
     print(
-        f"## Accumulation error (DeepSeek-V3 §3.3), M = N = {mn}, e4m3 per-tensor operands, "
+        f"## Accumulation error (DeepSeek-V3 §3.3), M = N = {mn}, on {DEVICE}, e4m3 per-tensor "
+        "operands, "
         "bit-exact H100 tensor-core model vs the limited approximation\n"
     )
     print(
@@ -176,8 +184,8 @@ def _published_h100_rate() -> list[str]:
     for line in path.read_text().splitlines():
         if line.startswith("H100 E"):
             head, a, b, _c, d = line.split("|")
-            f = [torch.tensor([int(x, 16) for x in t.split()]).to(torch.int32).view(torch.float32)
-                 for t in (a, b, d)]  # fmt: skip
+            f = [torch.tensor([int(x, 16) for x in t.split()]).to(torch.int32)
+                 .view(torch.float32).to(DEVICE) for t in (a, b, d)]  # fmt: skip
             rows.setdefault(head.split()[1], []).append((f[0], f[1], f[2].item()))
     out = []
     fmt_of = {"E4M3": "e4m3", "E5M2": "e5m2"}
@@ -196,7 +204,7 @@ def _published_h100_rate() -> list[str]:
 
 
 def disagreement() -> None:
-    print("## limited vs the bit-exact H100 model\n")
+    print(f"## limited vs the bit-exact H100 model, on {DEVICE}\n")
     print("Published H100 outputs (one MMA of 32 products, c = 0): results that differ\n")
     print("| format | model | mismatches |")
     print("|---|---|---:|")
@@ -226,6 +234,7 @@ def disagreement() -> None:
             b = torch.randn(k, n, generator=g) * 0.05
             if dist != "zero-mean":
                 a, b = a.abs(), b + 0.015
+            a, b = a.to(DEVICE), b.to(DEVICE)
             qa, qb = quantize(a, act), quantize(b, wgt)
             ref = qa.dequantize().double() @ qb.dequantize().double()
             yl, yh = qmatmul(qa, qb, lim), qmatmul(qa, qb, h100)
@@ -257,7 +266,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-per-product", action="store_true", help="skip the slow per_product run")
     ap.add_argument("--mn", type=int, default=128, help="M = N of the accuracy table")
+    add_torch_device(ap)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch_device(args)
     both = not (args.speed or args.table or args.disagree)
     if args.speed or both:
         speed(args.size, args.repeat, not args.no_per_product)

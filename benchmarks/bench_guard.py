@@ -1,6 +1,8 @@
 """Overhead of the anomaly guard's detectors (issue 15 target: <= 3 % of the step time).
 
-One run: ``python benchmarks/bench_guard.py [--recipe te-delayed] [--steps 100] [--threads 1]``.
+One run: ``python benchmarks/bench_guard.py [--recipe te-delayed] [--steps 100] [--threads 1]
+[--torch-device auto]`` (the models and batches on that device, with the lab's deterministic
+kernels on a GPU: `fp8lab.lab.machine.deterministic_kernels`).
 Two copies of the lab's default GPT (same initial weights) train side by side in one process,
 step by step in alternation, ABBA order (so a change of machine load, and whichever copy runs
 second, hits both alike): one unguarded, one
@@ -24,6 +26,8 @@ import time
 
 import torch
 
+from _device import add_torch_device, sync, torch_device
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,10 +35,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--percentages", type=int, default=0, metavar="N")
+    add_torch_device(ap)
     args = ap.parse_args()
-    if args.percentages:
-        return percentages_ab(args)
+    device = torch_device(args, lab=True)  # the lab's models and batches go there
+    from fp8lab.lab.machine import deterministic_kernels
 
+    with deterministic_kernels(device):  # as a lab run: the two copies must agree bit for bit
+        if args.percentages:
+            percentages_ab(args, device)
+        else:
+            guard_ab(args, device)
+
+
+def guard_ab(args: argparse.Namespace, device: torch.device) -> None:
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab.compare import resolve_recipe, set_threads
     from fp8lab.lab.data import load_corpus
@@ -70,6 +83,7 @@ def main() -> None:
             ts, watch, st, grun = runs[name]
             t0 = time.perf_counter()
             rec, _ = train_step(ts, watch, st, corpus, cfg)  # the lab loop's step (lab.loop)
+            sync(device)
             if grun is not None:
                 assert grun.after_step(st) is None, "the guard acted on a healthy run"
             if i > 0:  # the first step compiles / loads kernels
@@ -80,7 +94,7 @@ def main() -> None:
     m = cfg.model
     print(
         f"guard overhead, {args.recipe}, GPT {m.n_layer} layers d_model {m.d_model}, "
-        f"{cfg.train.batch_size} x {m.block_size} tokens, {args.threads} thread(s), "
+        f"{cfg.train.batch_size} x {m.block_size} tokens, on {device}, {args.threads} thread(s), "
         f"{args.steps} alternating steps each (no event; losses bit-identical)"
     )
     print(
@@ -93,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
-def percentages_ab(args: argparse.Namespace) -> None:
+def percentages_ab(args: argparse.Namespace, device: torch.device) -> None:
     import contextlib
 
     from fp8lab.guard.percent import operand_percentages
@@ -135,11 +149,13 @@ def percentages_ab(args: argparse.Namespace) -> None:
             with variants[k]():
                 _, loss = model(x, y)
                 loss.backward()
+            sync(device)
             model.zero_grad(set_to_none=True)
             if i > 0:
                 times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"sampled step, {args.recipe}, default GPT, {args.percentages} alternating passes each")
+    print(f"sampled step, {args.recipe}, default GPT, on {device}, {args.percentages} "
+          "alternating passes each")  # fmt: skip
     for k, v in med.items():
         print(f"{k:12s} {1000 * v:8.1f} ms  ratio {v / med['none']:.3f}")
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 import fp8lab
-from fp8lab.dist.runtime import resolve_torch_device
+from _device import add_torch_device, torch_device
 from fp8lab.nn import Linear
 
 TARGETS = {"te-current": 1.15, "deepseek-v3 (fp32 acc)": 1.4, "bf16": 1.1}
@@ -59,12 +59,9 @@ def main() -> None:
     ap.add_argument("--out", dest="out_f", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--profile", metavar="ROW", help="profile this row after the table")
-    ap.add_argument("--torch-device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_torch_device(ap)
     args = ap.parse_args()
-    try:
-        device = resolve_torch_device(args.torch_device)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    device = torch_device(args)
 
     torch.manual_seed(0)  # drawn on the CPU: the same layer and data on every device
     base = torch.nn.Linear(args.in_f, args.out_f).to(device)

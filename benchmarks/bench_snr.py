@@ -4,12 +4,14 @@ The preset draws every figure of the dot-product study of the blog article "从D
 训练的挑战" (its simfloat notebook).
 
 One run: ``python benchmarks/bench_snr.py [--samples 200] [--repeats 3] [--figures]
-[--tensor-core]``. Prints the median time of the SNR engine over the preset's configurations (one
+[--tensor-core] [--torch-device auto]``. Prints the median time of the SNR engine over the preset's configurations (one
 warm-up run first, so numba's cache load is excluded), the ratio to the 60 s budget, and the ratio
 to a plain float64 ``np.dot`` baseline computing the same reference dot products in the same
 process. ``--figures`` also times writing the 9 PNGs and the table. ``--tensor-core`` also times
 the study through GEMM accumulator models (length 4096, E4M3, per-vector scaling: no promotion,
-promotion every 128, block 128) beside the exact fp64 accumulator.
+promotion every 128, block 128) beside the exact fp64 accumulator. ``--torch-device``: where the
+engine's casts and GEMM models compute (as ``fp8lab snr --torch-device``); the np.dot baseline
+stays on the CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from _device import add_torch_device, torch_device
 from fp8lab.lab import snr
 
 BUDGET_S = 60.0
@@ -70,7 +73,9 @@ def main() -> None:
     ap.add_argument(
         "--tensor-core", action="store_true", help="also time the GEMM accumulator models"
     )
+    add_torch_device(ap)
     args = ap.parse_args()
+    device = torch_device(args, lab=True)  # the engine computes on the lab's device
 
     preset = snr.preset("seed000", samples=args.samples)
     configs = preset.configs()
@@ -88,7 +93,7 @@ def main() -> None:
 
     print(
         f"seed000 preset: {len(configs)} configurations, {n_dots} dot products, "
-        f"{n_elems / 1e6:.1f} M products"
+        f"{n_elems / 1e6:.1f} M products, on {device}"
     )
     print(
         f"  fp8lab snr engine      {t_engine:8.2f} s   ({t_engine / BUDGET_S:.3f} of the 60 s budget)"

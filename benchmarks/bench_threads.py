@@ -143,7 +143,11 @@ def loop(layers: int, steps: int, repeat: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="No --torch-device: it measures the CPU thread policy of the numba kernels, "
+        "which run on the CPU only.",
+    )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--loop", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from _device import add_torch_device
+from _device import torch_device as parse_torch_device
 from fp8lab.lab.compare import resolve_recipe, set_threads
 from fp8lab.lab.data import load_corpus
-from fp8lab.lab.machine import set_torch_device, torch_device
+from fp8lab.lab.machine import torch_device
 from fp8lab.lab.train import LabConfig, train_run
 
 TARGETS = {"bf16": 1.2}
@@ -32,14 +34,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and numba threads")
     ap.add_argument("--recipes", default=DEFAULT, help="comma-separated; fp32 is always added")
-    ap.add_argument("--torch-device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_torch_device(ap)
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step of a run is not timed)")
-    try:
-        set_torch_device(args.torch_device)  # the lab's models and batches live there
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    parse_torch_device(args, lab=True)  # the lab's models and batches live there
 
     set_threads(args.threads)
     names = ["fp32", *[n for n in args.recipes.split(",") if n and n != "fp32"]]

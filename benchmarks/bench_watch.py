@@ -2,7 +2,8 @@
 the lab's ``stats.jsonl`` at its ``train.stats_every``.
 
 One run: ``python benchmarks/bench_watch.py [--triples 20] [--threads 1]
-[--recipes te-delayed,deepseek-v3,mxfp8] [--lab-every 100]``. A plain PyTorch step (forward,
+[--recipes te-delayed,deepseek-v3,mxfp8] [--lab-every 100] [--torch-device auto]`` (model and
+batches on that device). A plain PyTorch step (forward,
 cross-entropy, backward, AdamW step) on the lab's default GPT (fp8lab.lab.gpt, 2 layers, d_model
 256, 8 x 128 byte tokens of random data), converted to each recipe, is timed three ways in
 adjacent triples, in rotating order: unwatched; a skipped step of an open watch (its counting
@@ -29,6 +30,7 @@ import time
 import torch
 
 import fp8lab
+from _device import add_torch_device, sync, torch_device
 from fp8lab.lab.gpt import GPT, GPTConfig
 from fp8lab.lab.train import TrainConfig
 from fp8lab.nn import convert
@@ -43,6 +45,7 @@ def _step(model, opt, x, y) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    sync(x.device)
     return time.perf_counter() - t0
 
 
@@ -81,7 +84,9 @@ def main() -> None:
     ap.add_argument("--recipes", default="te-delayed,deepseek-v3,mxfp8")
     ap.add_argument("--lab-every", type=int, default=TrainConfig().stats_every,
                     help="the lab's stats_every (default: TrainConfig's)")  # fmt: skip
+    add_torch_device(ap)
     args = ap.parse_args()
+    device = torch_device(args)
     if args.triples < 3:
         raise SystemExit("--triples must be >= 3")
     if args.lab_every < 1:
@@ -91,13 +96,16 @@ def main() -> None:
     batch = 8
     g = torch.Generator().manual_seed(0)
     batches = [
-        tuple(torch.randint(0, 256, (batch, cfg.block_size), generator=g) for _ in range(2))
+        tuple(
+            torch.randint(0, 256, (batch, cfg.block_size), generator=g).to(device) for _ in range(2)
+        )
         for _ in range(12)
     ]
     k = args.lab_every
     print(
         f"watch overhead, GPT {cfg.n_layer} layers d_model {cfg.d_model}, {batch} x "
-        f"{cfg.block_size} tokens, AdamW, {args.threads} thread(s), {args.triples} triples per "
+        f"{cfg.block_size} tokens, AdamW, on {device}, {args.threads} thread(s), {args.triples} "
+        "triples per "
         "recipe; ratios to the unwatched step of the same triple (medians)"
     )
     print(f"{'recipe':12s} {'unwatched':>9s} {'skipped':>7s} {'sampled':>7s} {'(IQR)':>13s} "
@@ -105,7 +113,7 @@ def main() -> None:
           f"unwatched in ms/step; goal <= {GOAL:.2f}")  # fmt: skip
     for n in [n for n in args.recipes.split(",") if n]:
         torch.manual_seed(0)
-        model = GPT(cfg)
+        model = GPT(cfg).to(device)
         convert(model, n)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _triples(model, opt, batches, 2)  # warm-up: numba compilation, allocator

@@ -15,6 +15,9 @@ the unguarded run's skipped steps and final validation loss.
 ``--hot-lr M`` instead: no fault, the peak learning rate x M (a hot run, where delayed scales go
 stale on many steps), with ``AnomalyGuard()``: prints on how many steps each detector fired or
 warned, the guard's events and the final losses (``--steps`` as given, e.g. 200).
+
+``--torch-device cpu|cuda|cuda:N|auto`` (default auto): the lab's device for every run, named
+as ``torch_device`` in the printed JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from _device import add_torch_device, torch_device
 
 
 def grad_underflow(run: Path) -> dict[int, dict[str, float]]:
@@ -44,7 +49,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/guard-spike"))
     ap.add_argument("--nan-step", type=int, default=None)
     ap.add_argument("--hot-lr", type=float, default=None)
+    add_torch_device(ap)
     args = ap.parse_args()
+    args.torch_device = str(torch_device(args, lab=True))  # resolved: the runs' device
     torch.set_num_threads(1)
     if args.nan_step is not None:
         return nan_main(args)
@@ -79,6 +86,7 @@ def main() -> None:
     ref = runs["clean"].summary["final_val_loss"]
     out = {
         "recipe": args.recipe, "steps": args.steps, "spike_step": args.spike,
+        "torch_device": args.torch_device,
         "clean_guarded_events": runs["clean_guarded"].summary["guard_events"],
         "clean_guarded_bit_identical": same,
         "events": runs["spiked_guarded"].summary["guard_events"],
@@ -114,6 +122,7 @@ def nan_main(args: argparse.Namespace) -> None:
     key = [(r["step"], r["train_loss"], r["grad_norm"]) for r in clean.records]
     out = {
         "recipe": args.recipe, "steps": args.steps, "nan_step": args.nan_step,
+        "torch_device": args.torch_device,
         "events": guarded.summary["guard_events"],
         "records_equal_clean": key == [(r["step"], r["train_loss"], r["grad_norm"])
                                        for r in guarded.records],
@@ -151,6 +160,7 @@ def hot_main(args: argparse.Namespace) -> None:
     events = res.summary["guard_events"]
     out = {
         "recipe": args.recipe, "steps": args.steps, "lr": cfg.train.lr,
+        "torch_device": args.torch_device,
         "steps_fired": dict(fired), "steps_warned": dict(warned),
         "events": [{k: e.get(k) for k in ("action", "step", "detector", "tensor", "value")}
                    for e in events],

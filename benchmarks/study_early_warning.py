@@ -2,7 +2,9 @@
 cries wolf on healthy runs (issue 15; definitions in docs/early_warning.md).
 
 One command: ``python benchmarks/study_early_warning.py [--seeds 3] [--healthy-seeds 1]
-[--jobs 2] [--out runs/early-warning] [--figure PATH]``. Every run trains the lab's default GPT
+[--jobs 2] [--out runs/early-warning] [--figure PATH] [--torch-device auto]`` (where the
+spawned workers train; recorded as ``torch_device`` per run and in the settings, not part of a
+cached run's identity). Every run trains the lab's default GPT
 (2 layers, d_model 256, 8 x 128 bytes per step, the built-in corpus) with
 ``AnomalyGuard(policy="off")``: the guard's detectors run and report every step (warnings and
 acting findings alike), nothing acts on them, so each run is bit-identical to an unguarded one.
@@ -157,8 +159,9 @@ def range_test_config(base: Any, ramp: dict[str, Any]) -> Any:
                      ramp_steps=ramp["steps"], ramp_mult=ramp["mult"])  # fmt: skip
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """Train one run with the guard's detectors off-policy and every signal recorded."""
+def run_job(job: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Train one run on torch device ``device`` with the guard's detectors off-policy and every
+    signal recorded."""
     import torch
 
     torch.set_num_threads(1)
@@ -187,10 +190,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     rec = ew.SignalRecorder()
     t0 = time.perf_counter()
     with ew.recording(rec):
-        res = train_run(recipe, cfg, corpus, None, rec, guard=AnomalyGuard(policy="off"))
+        res = train_run(recipe, cfg, corpus, None, rec, guard=AnomalyGuard(policy="off"),
+                        torch_device=device)  # fmt: skip
     s = res.summary
     return {
         "job": job,
+        "torch_device": device,
         "seconds": time.perf_counter() - t0,
         "summary": {k: s.get(k) for k in ("final_train_loss", "final_val_loss", "diverged")},
         "records": rec.records,
@@ -207,10 +212,10 @@ def _cached(path: Path, job: dict[str, Any]) -> dict[str, Any] | None:
     return d if d.get("job") == job else None
 
 
-def _work(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
-    job, path = args
+def _work(args: tuple[dict[str, Any], str, str]) -> dict[str, Any]:
+    job, path, device = args
     try:
-        out = run_job(job)
+        out = run_job(job, device)
     except Exception as exc:  # one bad run must not take the others down
         return {"job": job, "error": f"{type(exc).__name__}: {exc}"}
     tmp = Path(path + ".tmp")
@@ -223,18 +228,20 @@ def _work(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
 
 
 def run_all(
-    jobs: list[dict[str, Any]], out: Path, n_jobs: int, log, train: bool = True
-) -> list[dict[str, Any]]:
-    """Cached results of ``jobs``, training the missing ones (``train``) or leaving them out."""
+    jobs: list[dict[str, Any]], out: Path, n_jobs: int, log, train: bool = True,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Cached results of ``jobs``, training the missing ones (``train``) on torch device
+    ``device`` or leaving them out."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     done, todo = [], []
     for j in jobs:
         p = out / "runs" / f"{j['name']}.json"
         c = _cached(p, j)
-        (done if c else todo).append(c if c else (j, str(p)))
+        (done if c else todo).append(c if c else (j, str(p), device))
     log(f"{len(done)} runs cached, {len(todo)} to train ({n_jobs} processes)")
     if todo and not train:
-        log("--analyze-only: left out " + ", ".join(j["name"] for j, _ in todo))
+        log("--analyze-only: left out " + ", ".join(j["name"] for j, _, _ in todo))
     elif todo:
         with mp.get_context("spawn").Pool(n_jobs, maxtasksperchild=1) as pool:
             for r in pool.imap_unordered(_work, todo):
@@ -531,6 +538,8 @@ def figure(results: list[dict[str, Any]], an: dict[str, Any], path: Path) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _device import add_torch_device, torch_device
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds 1337, 1338, ...")
     p.add_argument(
@@ -544,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--figure", default=None, help="PNG path (default OUT/early_warning.png)")
     p.add_argument("--summary", default=None, help="summary JSON path (default OUT/summary.json)")
     p.add_argument("--analyze-only", action="store_true", help="use the cached runs only")
+    add_torch_device(p)
     a = p.parse_args(argv)
+    device = str(torch_device(a))  # checked here, used by the spawned workers
     if a.seeds < 1 or a.jobs < 1 or a.healthy_seeds < 0:
         p.error("--seeds and --jobs must be >= 1, --healthy-seeds >= 0")
     out = Path(a.out)
@@ -552,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     log = lambda m: print(m, flush=True)  # noqa: E731
     results = run_all(jobs_for(seeds, a.healthy_seeds), out, a.jobs, log,
-                      train=not a.analyze_only)  # fmt: skip
+                      train=not a.analyze_only, device=device)  # fmt: skip
     an = analyze(results)
     table = format_table(an)
     range_table = format_range_table(results)
@@ -570,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "ramp_tail": RAMP_TAIL, "spike_scale": SPIKE_SCALE, "outliers": OUTLIER,
         "divergence_factor": ew.DIVERGENCE_FACTOR, "lookback": ew.LOOKBACK,
         "z_threshold": ew.Z_THRESHOLD, "z_window": ew.Z_WINDOW, "attn_abs": ATTN_ABS,
+        "torch_device": device,
     }  # fmt: skip
     doc = {"settings": settings, "table": an["table"], "divergence": an["divergence"],
            "runs": an["runs"], "markdown": table, "markdown_range": range_table,
