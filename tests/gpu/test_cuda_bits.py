@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -49,6 +50,52 @@ def test_quantize_bits_equal_cpu(spec):
 
 def test_qmatmul_bits_equal_cpu():
     _check(gc.qmatmul_cases(gc.SMOKE))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rounding"),
+    [("e4m3", "nearest_even"), ("e5m2", "toward_zero"), ("e4m3", "stochastic"), ("hif8", "hybrid")],
+)
+def test_compiled_cast_on_cuda_is_used_and_gives_the_cpu_bits(fmt, rounding):
+    """At gpu_check's full size (more than COMPILE_MIN elements) the float32 cast runs the
+    torch.compile'd (Triton) kernel: it must pass its probe on CUDA (no RuntimeWarning, the
+    verified flag set) and give numba's bits. The smoke-sized cases above stay below
+    COMPILE_MIN, so this is the only test of the Triton kernel."""
+    from fp8lab.formats import rounding_torch
+
+    x = gc.cast_inputs(fmt, gc.FULL)
+    assert x.numel() >= rounding_torch.COMPILE_MIN
+    cpu = fp8lab.cast(x, fmt, rounding, generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed probe warns: fail here
+        cuda = fp8lab.cast(x.cuda(), fmt, rounding, generator=torch.Generator().manual_seed(3))
+    mode = fp8lab.ROUNDING_MODES.index(rounding)
+    family = 0 if mode <= 2 else mode
+    assert rounding_torch._compiled.get(("verified", "cuda", family)) is True
+    rec = gc.bit_mismatches(cpu, cuda)
+    assert rec["mismatches"] == rec.get("nan_bits_only", 0), rec
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        fp8lab.QuantSpec("e4m3", "tensor", "max"),
+        fp8lab.QuantSpec("e4m3", (1, 128), "max"),
+        fp8lab.QuantSpec("e4m3", (128, 128), "max"),
+        fp8lab.QuantSpec("e4m3", "mx", "mx_rceil"),
+    ],
+    ids=str,
+)
+def test_compiled_quantize_on_cuda_is_used_and_gives_the_cpu_bits(spec):
+    """quantize of a 512 x 768 tensor (above COMPILE_MIN: the compiled scaled cast) on CUDA: no
+    failed probe, numba's bits in values and scales."""
+    x = gc.quant_inputs((512, 768), "edge", seed=4)
+    cpu = fp8lab.quantize(x, spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        cuda = fp8lab.quantize(x.cuda(), spec)
+    rec = gc.bit_mismatches(cpu, cuda)
+    assert rec["mismatches"] == rec.get("nan_bits_only", 0), rec
 
 
 def test_stochastic_rounding_takes_the_cpu_generator_draws():
