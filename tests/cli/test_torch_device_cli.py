@@ -71,6 +71,14 @@ def test_unknown_kernels_exit_2_from_every_command(cmd: str, monkeypatch, tmp_pa
     _bad(res, "FP8LAB_KERNELS", "'fastest'", "auto, numba, torch")
 
 
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_bad_deterministic_setting_exits_2(cmd: str, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("FP8LAB_DETERMINISTIC", "yes")
+    res = runner.invoke(app, [*_args(cmd, tmp_path), "--torch-device", "cpu"])
+    _bad(res, "FP8LAB_DETERMINISTIC='yes': expected 0 or 1")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "dbg").exists()
+
+
 def test_snr_runs_on_the_cpu_and_inspect_json_records_the_device(tmp_path: Path) -> None:
     res = runner.invoke(app, [*_args("snr", tmp_path), "--json", "--torch-device", "cpu"])
     assert res.exit_code == 0, res.output
