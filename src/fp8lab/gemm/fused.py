@@ -52,9 +52,9 @@ from numba import njit, prange
 from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
 from fp8lab._threads import parallel
-from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
-from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch
+from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
+from fp8lab.gemm.fused_triton import fused_gemm_triton, triton_mode, verified_kernel
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
 from fp8lab.kernels import use_torch
 from fp8lab.qtensor import QTensor
@@ -65,16 +65,6 @@ _NT = 512  # output columns per tile of the fast kernel (long SIMD loops; b rows
 _RB = 16  # output rows per job of the fast kernel
 _LO = np.float32(2.0**-100)  # 2**E outside (_LO, _HI): a lane of the fast kernel falls back
 _HI = np.float32(2.0**100)
-
-
-def pow2_exponents(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``2**e_x`` per element (float32), ``e_x = max(floor(log2|x|), emin(fmt))``; 0 for zeros.
-
-    ``values`` are float32 on ``fmt``'s grid; FP32 subnormals (bf16's) take the emin floor."""
-    v = values.to(torch.float32).contiguous()
-    p = (v.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2|x|), 0 if tiny
-    p = torch.clamp_min_(p, 2.0 ** get_format(fmt).emin)
-    return p.masked_fill_(v == 0, 0.0)
 
 
 @njit(cache=True)
@@ -431,8 +421,13 @@ def fused(
     else:
         sa = torch.ones((m, 1), dtype=torch.float32, device=dev)
         sb = torch.ones((1, n), dtype=torch.float32, device=dev)
-    if generic:  # one kernel for the fast and reference paths: they compute the same bits
+    mode = triton_mode(dev) if use_fast and generic else None
+    if mode is not None and verified_kernel(acc, (fa, fb), dev, mode == "interpret"):
+        # the fast domain as one Triton kernel (GPU), probed against the torch kernel's bits
+        fused_gemm_triton(va, vb, accbuf, out, sa, sb, acc, gpp, (fa, fb), mode == "interpret")
+    elif generic:  # one kernel for the fast and reference paths: they compute the same bits
         fused_gemm_torch(va, pa, vb, pb, accbuf, out, sa, sb, acc, gpp, use_fast)
+    if generic:
         return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
     floor_p = 2.0**acc.exp_floor
     args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(),

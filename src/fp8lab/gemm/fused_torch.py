@@ -25,11 +25,24 @@ from __future__ import annotations
 
 import torch
 
+from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
 
-__all__ = ["exact_sum_rz", "fused_dots_torch", "fused_gemm_torch", "round_out"]
+__all__ = [
+    "exact_sum_rz", "fused_dots_torch", "fused_gemm_torch", "pow2_exponents", "round_out",
+]  # fmt: skip
 
 _LIMB = 40  # bits per lower limb of the exact sum
+
+
+def pow2_exponents(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``2**e_x`` per element (float32), ``e_x = max(floor(log2|x|), emin(fmt))``; 0 for zeros.
+
+    ``values`` are float32 on ``fmt``'s grid; FP32 subnormals (bf16's) take the emin floor."""
+    v = values.to(torch.float32).contiguous()
+    p = (v.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2|x|), 0 if tiny
+    p = torch.clamp_min_(p, 2.0 ** get_format(fmt).emin)
+    return p.masked_fill_(v == 0, 0.0)
 
 
 def _budget(device: torch.device) -> int:
