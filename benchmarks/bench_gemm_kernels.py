@@ -7,7 +7,10 @@
 For each accumulator and size (M = K = N) it times `qmatmul` on pre-quantized operands under
 ``numba`` and under ``torch`` (on ``--device``; numba always on the CPU) and prints the times
 and the ratio torch / numba, both measured in the same process, best of ``--repeat``. It also
-checks that both gave the same bits. On the CPU numba stays the default (the torch kernels are
+checks that both gave the same bits. On a CUDA device the fused accumulator's FP8 fast domain
+runs as one Triton kernel (`fp8lab.gemm.fused_triton`): there the ``torch`` column is the torch
+kernel alone (``FP8LAB_TRITON=0``) and the ``triton`` column the default (Triton, probed), with
+its ratio to the torch kernel and its own bit check; elsewhere the column says why it is empty. On the CPU numba stays the default (the torch kernels are
 there for other devices and as the oracle's second implementation); the issue's GPU targets are
 measured by ``scripts/gpu_check.py`` on a GPU.
 """
@@ -15,13 +18,17 @@ measured by ``scripts/gpu_check.py`` on a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from fp8lab import Accumulator, QuantSpec, qmatmul, quantize
+from fp8lab.gemm.fused import fast_path_applies
+from fp8lab.gemm.fused_triton import triton_available
 from fp8lab.kernels import using_kernels
 
 CASES = [
@@ -47,9 +54,42 @@ def best_of(fn: Callable[[], torch.Tensor], repeat: int, device: torch.device) -
     return min(times)
 
 
+@contextlib.contextmanager
+def triton_env(value: str | None) -> Iterator[None]:
+    """``FP8LAB_TRITON`` set to ``value`` (None: unset) inside the block, restored after."""
+    old = os.environ.pop("FP8LAB_TRITON", None)
+    if value is not None:
+        os.environ["FP8LAB_TRITON"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("FP8LAB_TRITON", None)
+        if old is not None:
+            os.environ["FP8LAB_TRITON"] = old
+
+
+def triton_row(da, db, acc: Accumulator, repeat: int, device: torch.device, want, t_torch) -> str:
+    """The Triton column of one row: its time, ratio to the torch kernel and bit check, or why
+    there is none."""
+    if device.type != "cuda":
+        return "   (no CUDA)"
+    if not triton_available():
+        return "(no triton)"
+    if not fast_path_applies(acc.resolve("e4m3", "e4m3"), "e4m3", "e4m3"):
+        return "(not fast)"
+    with using_kernels("torch"), triton_env(None):
+        t = best_of(lambda: qmatmul(da, db, acc), repeat, device)
+        got = qmatmul(da, db, acc).cpu()
+    same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+    return f"{t:9.4f} {t / t_torch:6.2f}x {'same' if same else 'DIFFER'}"
+
+
 def run(sizes: list[int], repeat: int, device: torch.device) -> None:
     print(f"device for torch kernels: {device}; torch threads {torch.get_num_threads()}")
-    print(f"{'case':44s} {'size':>5s} {'numba s':>9s} {'torch s':>9s} {'torch/numba':>11s} bits")
+    if device.type != "cuda":
+        print("triton: skipped (the Triton fused kernel runs on CUDA devices only)")
+    print(f"{'case':44s} {'size':>5s} {'numba s':>9s} {'torch s':>9s} {'torch/numba':>11s} bits "
+          f"{'triton s':>9s} {'/torch':>7s} bits")  # fmt: skip
     for size in sizes:
         g = torch.Generator().manual_seed(size)
         a = torch.randn(size, size, generator=g)
@@ -71,14 +111,15 @@ def run(sizes: list[int], repeat: int, device: torch.device) -> None:
                 t_numba = best_of(lambda qa=qa, qb=qb, acc=acc: qmatmul(qa, qb, acc), repeat,
                                   torch.device("cpu"))  # fmt: skip
                 want = qmatmul(qa, qb, acc)
-            with using_kernels("torch"):
+            with using_kernels("torch"), triton_env("0"):
                 t_torch = best_of(lambda da=da, db=db, acc=acc: qmatmul(da, db, acc), repeat,
                                   device)  # fmt: skip
                 got = qmatmul(da, db, acc).cpu()
             same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+            tri = triton_row(da, db, acc, repeat, device, want, t_torch)
             print(
                 f"{name:44s} {size:5d} {t_numba:9.4f} {t_torch:9.4f} {t_torch / t_numba:11.1f} "
-                f"{'same' if same else 'DIFFER'}"
+                f"{'same' if same else 'DIFFER'} {tri}"
             )
 
 

@@ -53,7 +53,7 @@ def fused_tile(va, vb, acc_ptr, out_ptr, sa_ptr, sb_ptr, M, N, K, ng, gpp, n_sb,
         s = tl.reduce(terms, 1, tl.standard._sum_combine)  # exact: int32 below 2**24
         # c's term: its significand (c = mant * 2**(cexp' - 150)) shifted right by E - F - ...
         mant = tl.where(cexp == 0, cb & 0x7FFFFF, (cb & 0x7FFFFF) | 0x800000)
-        c_sh = tl.minimum(big_e - F - (tl.maximum(cexp, 1) - 150), 31)
+        c_sh = tl.minimum(tl.maximum(big_e - F - (tl.maximum(cexp, 1) - 150), 0), 31)
         c_term = tl.where(cnz & cfin, mant >> c_sh, 0)
         s += tl.where(cb < 0, -c_term, c_term)
         # round |s| * 2**(E - F) toward zero to OUT_BITS fraction bits, exponent floor -126
