@@ -156,3 +156,12 @@ def test_off_switch_and_cpu_default(monkeypatch):
     monkeypatch.delenv("FP8LAB_TRITON")
     assert ft.triton_mode(torch.device("cpu")) is None  # the CPU keeps numba / torch
     assert ft.triton_mode(torch.device("cuda")) == "jit"
+
+
+def test_status_for_reports(monkeypatch):
+    monkeypatch.setenv("FP8LAB_TRITON", "interpret")
+    st = ft.triton_status(torch.device("cpu"))
+    assert st["mode"] == "interpret" and st["verified"] == {"h100": True, "ada": True}
+    assert st["triton"] and "warnings" not in st
+    monkeypatch.setenv("FP8LAB_TRITON", "0")
+    assert ft.triton_status(torch.device("cpu"))["verified"] == {}

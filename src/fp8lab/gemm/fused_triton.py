@@ -47,7 +47,9 @@ from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_gemm_torch, pow2_exponents
 
-__all__ = ["fused_gemm_triton", "triton_available", "verified_kernel"]
+__all__ = [
+    "fused_gemm_triton", "triton_available", "triton_mode", "triton_status", "verified_kernel",
+]  # fmt: skip
 
 _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per group
 
@@ -223,3 +225,29 @@ def verified_kernel(
             stacklevel=3,
         )
     return ok
+
+
+def triton_status(device: torch.device) -> dict[str, Any]:
+    """For a report (scripts/gpu_check.py): the Triton version, whether the fused fast domain
+    takes the Triton kernel on ``device`` (``mode``: "jit", "interpret" or None) and, per GPU
+    model on E4M3 operands, whether it passed its probe there (and so is used): runs the probes
+    (a compile per model on a GPU). JSON-ready."""
+    try:
+        import triton
+
+        version = triton.__version__
+    except ImportError:
+        version = None
+    mode = triton_mode(device)
+    out: dict[str, Any] = {"triton": version, "mode": mode, "verified": {}}
+    if mode is None:
+        return out
+    for hw in ("h100", "ada"):
+        acc = Accumulator(hw).resolve("e4m3", "e4m3")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            ok = verified_kernel(acc, ("e4m3", "e4m3"), device, mode == "interpret")
+        out["verified"][hw] = ok
+        if caught:
+            out.setdefault("warnings", []).extend(str(w.message) for w in caught)
+    return out

@@ -49,7 +49,8 @@ from fp8lab.kernels import get_kernels
 #: environment variables that change the kernels torch or numba run, recorded when set
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "NUMBA_CPU_NAME",
               "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-              "FP8LAB_KERNELS", "FP8LAB_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG")  # fmt: skip
+              "FP8LAB_KERNELS", "FP8LAB_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG",
+              "FP8LAB_TRITON")  # fmt: skip
 
 #: the opt-out of `deterministic_kernels` on CUDA: ``FP8LAB_DETERMINISTIC=0``
 DETERMINISTIC_ENV = "FP8LAB_DETERMINISTIC"
