@@ -148,6 +148,11 @@ def test_wrong_kernel_warns_and_falls_back(interpret, monkeypatch):
         _same_bits(qmatmul(qa, qb, "h100"), want)
 
 
+def test_int32_offsets_bound_the_sizes():
+    assert ft.fits(4096, 8192, 4096, 32) and ft.fits(1, 2**26, 1, 32)
+    assert not ft.fits(65536, 32768, 16, 32) and not ft.fits(16, 2**27, 16, 32)
+
+
 def test_off_switch_and_cpu_default(monkeypatch):
     monkeypatch.setenv("FP8LAB_TRITON", "0")
     assert ft.triton_mode(torch.device("cpu")) is None

@@ -54,7 +54,7 @@ from fp8lab._bits import f64_to_u64 as f64_bits
 from fp8lab._threads import parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
-from fp8lab.gemm.fused_triton import fused_gemm_triton, triton_mode, verified_kernel
+from fp8lab.gemm.fused_triton import fits, fused_gemm_triton, triton_mode, verified_kernel
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
 from fp8lab.kernels import use_torch
 from fp8lab.qtensor import QTensor
@@ -421,7 +421,7 @@ def fused(
     else:
         sa = torch.ones((m, 1), dtype=torch.float32, device=dev)
         sb = torch.ones((1, n), dtype=torch.float32, device=dev)
-    mode = triton_mode(dev) if use_fast and generic else None
+    mode = triton_mode(dev) if use_fast and generic and fits(m, k, n, acc.group) else None
     if mode is not None and verified_kernel(acc, (fa, fb), dev, mode == "interpret"):
         # the fast domain as one Triton kernel (GPU), probed against the torch kernel's bits
         fused_gemm_triton(va, vb, accbuf, out, sa, sb, acc, gpp, (fa, fb), mode == "interpret")

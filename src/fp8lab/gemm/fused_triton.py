@@ -48,7 +48,8 @@ from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_gemm_torch, pow2_exponents
 
 __all__ = [
-    "fused_gemm_triton", "triton_available", "triton_mode", "triton_status", "verified_kernel",
+    "fits", "fused_gemm_triton", "triton_available", "triton_mode", "triton_status",
+    "verified_kernel",
 ]  # fmt: skip
 
 _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per group
@@ -76,6 +77,13 @@ def triton_mode(device: torch.device) -> str | None:
     if device.type == "cpu" and os.environ.get("FP8LAB_TRITON") == "interpret":
         return "interpret"
     return None
+
+
+def fits(m: int, k: int, n: int, group: int) -> bool:
+    """Do the kernel's int32 element offsets reach every element of [M, K] x [K, N] -> [M, N],
+    masked overhangs of a tile and a K group included? Larger GEMMs take the torch kernel."""
+    kg = k + 2 * group
+    return max((m + _BM) * kg, kg * (n + _BN), (m + _BM) * (n + _BN)) < 2**31
 
 
 @cache
