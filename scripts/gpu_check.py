@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 import fp8lab
-from fp8lab.gemm import Accumulator
+from fp8lab.gemm import Accumulator, fused_triton
 from fp8lab.kernels import kernel_counts, using_kernels
 from fp8lab.qtensor import QTensor
 
@@ -1317,6 +1317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report[name] = {**report.get(name, {}), "error": _error(exc)}
         if args.progress:
             print(f"gpu_check: {name} done at {time.time() - t0:.0f} s", file=sys.stderr)
+    # was the Triton fused-accumulator kernel verified (its probe) and so used on this device
+    report["triton_fused"] = fused_triton.triton_status(device)
     report.pop("running", None)
     report.update(complete=True, seconds=round(time.time() - t0, 1))
     dog.stop()
