@@ -46,8 +46,11 @@ NUMERIC_TESTS := tests/formats tests/scaling tests/qtensor tests/gemm tests/reci
 # an exact all-reduce: nothing the kernel choice or the instruction set could change); make
 # test's first pass runs them (tests/test_make_passes.py). tests/test_layers.py is not repeated.
 REPEAT := -m "not no_arithmetic"
+# Its own inductor cache: torch 2.13's on-disk cache does not key on ATEN_CPU_CAPABILITY, so an
+# AVX2 run would load kernels generated for AVX-512 (wrong bits) and leave AVX2 ones that a
+# later AVX-512 run loads (16-lane stores into 8-lane buffers: heap corruption, measured).
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=
+	NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES= TORCHINDUCTOR_CACHE_DIR=/tmp/fp8lab-inductor-avx2
 
 test-avx2: $(STAMP)
 	$(AVX2_ENV) $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
