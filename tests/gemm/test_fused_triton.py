@@ -90,9 +90,12 @@ def test_short_k_and_cancellation(k, interpret):
     a = _operand((4, k), "e4m3", 14)
     a[0], a[1] = 448.0, 0.0  # a row of maxima, a row of zeros (c alone through the steps)
     a[0, k // 2 :] = -448.0  # cancels exactly against the constant column
-    b = _operand((k, 5), "e4m3", 15)
+    b = _operand((k, 7), "e4m3", 15)
     b[:, 0] = 448.0
-    c = torch.tensor([[0.0, -0.0, 2.0**-140, -3e38, 1.0]] * 4)
+    # with the zero row: c alone, cut to 13 bits below 2**-126 (subnormal results), huge, -0
+    c = torch.tensor(
+        [[0.0, -0.0, 2.0**-140, -3e38, 1.0, -(2.0**-130), 3 * 2.0**-139 + 2.0**-149]] * 4
+    )
     qa, qb = _unit(a, "e4m3"), _unit(b, "e4m3")
     for acc in ("h100", Accumulator("h100", promote_every=32)):
         want, got = _triton_vs_numba(lambda acc=acc: qmatmul(qa, qb, acc, c=c), interpret)

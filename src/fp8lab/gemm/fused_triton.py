@@ -157,7 +157,16 @@ def probe_case(acc: Accumulator, formats: tuple[str, str], gpp: int, device: tor
         torch.randint(-140, 120, (m, n), generator=gen)
     )
     c.view(-1)[:9] = torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-130), 3e38, -1e-30, 1.0, float("inf"), float("nan")])  # fmt: skip
-    c[1] = torch.tensor([2.0**-140, 2.0**100, -(2.0**127)]).repeat(n)[:n]
+    # the zero row: c alone, on FP32's subnormal grid of the output bits, normal, huge
+    row = [
+        2.0**-140,
+        3 * 2.0**-139 + 2.0**-149,
+        -(2.0**-130),
+        1.5 * 2.0**-126,
+        2.0**100,
+        -(2.0**127),
+    ]
+    c[1] = torch.tensor(row).repeat(n)[:n]
     ng = -(-k // acc.group)
     t = -(-ng // gpp) if gpp else 1
     sa = torch.randn(m, t, generator=gen).exp()
