@@ -173,3 +173,35 @@ def test_status_for_reports(monkeypatch):
     assert st["triton"] and "warnings" not in st
     monkeypatch.setenv("FP8LAB_TRITON", "0")
     assert ft.triton_status(torch.device("cpu"))["verified"] == {}
+
+
+@pytest.mark.parametrize("promote", [False, True])
+def test_compiles_for_hopper_without_fma_ftz_or_float_division(promote):
+    # Triton compiles (no GPU needed) to PTX for sm_90: the pitfalls the interpreter cannot
+    # show are absent from the code a GPU would run: no fused multiply-add, no flush-to-zero,
+    # no float division; float->int conversions truncate (cvt.rzi); the promotion's multiply
+    # and add round separately to nearest (mul.rn / add.rn)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fp8lab.gemm.fused_triton_kernel import fused_tile
+
+    fn = triton.jit(fused_tile)
+    ptrs = ("va", "vb", "acc_ptr", "out_ptr", "sa_ptr", "sb_ptr")
+    sig = {
+        **dict.fromkeys(ptrs, "*fp32"),
+        **dict.fromkeys(("M", "N", "K", "ng", "gpp", "n_sb"), "i32"),
+    }
+    const = dict(G=32, GP=32, F=13, OUT_BITS=13, EXP_FLOOR=-133, EMIN_A=-6, EMIN_B=-9,
+                 PROMOTE=promote, BM=16, BN=16)  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})  # fmt: skip
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=ft.COMPILE_OPTIONS)
+    ptx = ptx.asm["ptx"]
+    assert "fma." not in ptx and ".ftz" not in ptx
+    assert "div.rn.f32" not in ptx and "div.approx" not in ptx and "div.full" not in ptx
+    assert "cvt.rzi.s32.f32" in ptx
+    if promote:
+        assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx

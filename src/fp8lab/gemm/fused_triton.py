@@ -53,6 +53,8 @@ __all__ = [
 ]  # fmt: skip
 
 _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per group
+#: compile options of every launch: no a*b+c contraction into FMA (the promotion rounds twice)
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 def triton_available() -> bool:
@@ -125,7 +127,7 @@ def fused_gemm_triton(
     args = [x.contiguous() for x in (va, vb)]
     grid = (-(-m // _BM), -(-n // _BN))
     gp = 1 << max(0, (g - 1).bit_length())
-    opts = {} if interpret else {"enable_fp_fusion": False}
+    opts = {} if interpret else COMPILE_OPTIONS
     fn[grid](
         *args, accbuf, out, sa.contiguous(), sb.contiguous(), m, n, k, -(-k // g), max(gpp, 1),
         sa.shape[1], G=g, GP=gp, F=acc.align_bits, OUT_BITS=acc.out_bits,
