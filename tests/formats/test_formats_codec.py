@@ -105,7 +105,10 @@ def test_torch_interop_same_bits(fmt):
 
 
 def test_to_torch_from_floats_matches_torch_cast():
-    x = torch.randn(100_000) * 100
+    # within e4m3's range: beyond 448 torch's own cast saturates in torch 2.13 but gives NaN in
+    # 2.11 (test_formats_oracles.test_torch_native_casts reads which); unseeded, about 1 run in
+    # 3 drew a value past 464 and failed under torch 2.11
+    x = (torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 100).clamp(-448, 448)
     t = to_torch_float8(x, "e4m3")
     assert torch.equal(t.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
     t = to_torch_float8(x, "e5m2", saturate=False)
