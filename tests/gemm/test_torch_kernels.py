@@ -328,6 +328,16 @@ def test_round_out_edges():
 
 def test_fp32_matmul_scopes_tf32_off_and_restores():
     m = torch.backends.cuda.matmul
+    if not hasattr(m, "fp32_precision"):  # torch < 2.9 (2.8: the lower bound): allow_tf32
+        old = m.allow_tf32
+        try:
+            m.allow_tf32 = True
+            with fp32_matmul(torch.device("cuda")):
+                assert m.allow_tf32 is False
+            assert m.allow_tf32 is True
+        finally:
+            m.allow_tf32 = old
+        return
     old = m.fp32_precision
     try:
         m.fp32_precision = "tf32"
