@@ -133,7 +133,8 @@ def test_user_model_file_end_to_end(tmp_path, config):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
-                       "recovers", "culprit", "attribution", "remedies", "fix", "probes"]  # fmt: skip
+                       "recovers", "culprit", "attribution", "remedies", "fix", "probes",
+                       "torch_device"]  # fmt: skip
     full = json.loads((out / "debug_result.json").read_text())
     layers = full["details"]["layers"]
     fc = [n for n in layers if n.endswith("fc")]
