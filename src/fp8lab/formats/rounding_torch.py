@@ -328,6 +328,12 @@ def probe(device: torch.device) -> torch.Tensor:
     return torch.cat([every, rand]).to(_I32).to(device)
 
 
+def canonical_bits(t: torch.Tensor) -> torch.Tensor:
+    """The int32 bits of float32 ``t``, flat, every NaN as one pattern: how a probe compares two
+    kernels' results (a NaN's payload and sign are not part of fp8lab's arithmetic)."""
+    return torch.where(torch.isnan(t), float("nan"), t).view(torch.int32).reshape(-1)
+
+
 def cast_f32_fast(u: torch.Tensor, g: FastGrid, mode: int, seed: int, hyb16: int) -> torch.Tensor:
     """`rounding._det_one` / `_sr_one` on every element of ``u`` (float32 bits as int32, flat):
     the result's float32 bits (int32, ``u``'s device).

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from fp8lab.formats import get_format
+from fp8lab.formats.rounding_torch import canonical_bits
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_gemm_torch, pow2_exponents
 
@@ -181,15 +182,14 @@ def probe_case(acc: Accumulator, formats: tuple[str, str], gpp: int, device: tor
 def _run_probe(
     run: Callable[..., None], device: torch.device, acc: Accumulator, formats
 ) -> torch.Tensor:
-    """The probe's results (int32 bits; NaN canonical) without and with promotion."""
+    """The probe's results (int32 bits, flat; NaN canonical) without and with promotion."""
     outs = []
     for gpp in (0, 2):
         va, vb, c, sa, sb = probe_case(acc, formats, gpp, device)
         accbuf, out = c.clone(), torch.zeros_like(c)
         run(va, vb, accbuf, out, sa, sb, gpp)
         outs += [accbuf, out]
-    r = torch.stack(outs)
-    return torch.where(torch.isnan(r), float("nan"), r).view(torch.int32)
+    return canonical_bits(torch.stack(outs))
 
 
 def torch_reference(

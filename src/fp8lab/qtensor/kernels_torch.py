@@ -266,12 +266,6 @@ def _rect_layout(shape4: tuple[int, int, int, int]) -> tuple[tuple[int, ...], tu
     return tuple(d[0] for d in dims), tuple(bool(d[1]) for d in dims)
 
 
-def _canonical_bits(t: torch.Tensor) -> torch.Tensor:
-    """The int32 bits of float32 ``t``, flat, every NaN as one pattern (its payload and sign are
-    not part of fp8lab's arithmetic)."""
-    return torch.where(torch.isnan(t), math.nan, t).view(torch.int32).reshape(-1)
-
-
 def _probe_rect(
     kernel: Callable[..., None], varies: tuple[bool, ...], k: torch.Tensor, deq: bool
 ) -> torch.Tensor:
@@ -292,7 +286,7 @@ def _probe_rect(
     out = torch.empty_like(x)
     inv, dq = (torch.reciprocal(mult), torch.empty_like(x)) if deq else (None, None)
     kernel(x, mult, out, k, inv, dq)
-    return torch.cat([_canonical_bits(t) for t in (out, dq) if t is not None])
+    return torch.cat([rounding_torch.canonical_bits(t) for t in (out, dq) if t is not None])
 
 
 def _compiled_cast(
