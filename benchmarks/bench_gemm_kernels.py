@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/bench_gemm_kernels.py                 # CPU, sizes 128 256 512
     .venv/bin/python benchmarks/bench_gemm_kernels.py --sizes 256 --repeat 5
-    .venv/bin/python benchmarks/bench_gemm_kernels.py --device cuda   # torch kernels on a GPU
+    .venv/bin/python benchmarks/bench_gemm_kernels.py --torch-device cuda   # torch kernels on a GPU
 
 For each accumulator and size (M = K = N) it times `qmatmul` on pre-quantized operands under
-``numba`` and under ``torch`` (on ``--device``; numba always on the CPU) and prints the times
+``numba`` and under ``torch`` (on ``--torch-device``, default auto; numba always on the CPU) and prints the times
 and the ratio torch / numba, both measured in the same process, best of ``--repeat``. It also
 checks that both gave the same bits. On a CUDA device the fused accumulator's FP8 fast domain
 runs as one Triton kernel (`fp8lab.gemm.fused_triton`): there the ``torch`` column is the torch
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from _device import HELP, sync, torch_device
 from fp8lab import Accumulator, QuantSpec, qmatmul, quantize
 from fp8lab.gemm.fused import fast_path_applies
 from fp8lab.gemm.fused_triton import triton_available
@@ -44,12 +45,10 @@ def best_of(fn: Callable[[], torch.Tensor], repeat: int, device: torch.device) -
     fn()  # warm-up (numba compilation, caching allocator)
     times = []
     for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -127,12 +126,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512])
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--device", default="cpu", help="device of the torch kernels (cpu, cuda)")
+    # --device: this benchmark's first name of the flag (elsewhere --device is the cost model's GPU)
+    p.add_argument("--torch-device", "--device", dest="torch_device", default="auto",
+                   help=f"{HELP} (--device: deprecated alias)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch (and numba) threads")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args.sizes, args.repeat, torch.device(args.device))
+    run(args.sizes, args.repeat, torch_device(args))
 
 
 if __name__ == "__main__":

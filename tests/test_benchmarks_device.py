@@ -18,11 +18,12 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-WITH_DEVICE = ("bench_cast", "bench_gemm", "bench_guard", "bench_linear", "bench_snr",
-               "bench_train_step", "bench_watch", "guard_spike", "study_early_warning")  # fmt: skip
+WITH_DEVICE = ("bench_cast", "bench_gemm", "bench_gemm_kernels", "bench_guard", "bench_linear",
+               "bench_snr", "bench_train_step", "bench_watch", "guard_spike",
+               "study_early_warning")  # fmt: skip
 #: no --torch-device, with the reason in their --help; the kernel benchmarks are other parts'
 WITHOUT = ("bench_cost", "bench_threads", "bench_dist")
-OTHERS = ("ab_rev", "bench_gemm_kernels", "bench_kernels", "_device")
+OTHERS = ("ab_rev", "bench_kernels", "_device")  # bench_kernels: numba vs torch on the CPU
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 
