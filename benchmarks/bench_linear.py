@@ -22,7 +22,7 @@ import warnings
 import torch
 
 import fp8lab
-from _device import add_torch_device, torch_device
+from _device import add_torch_device, sync, torch_device
 from fp8lab.nn import Linear
 
 TARGETS = {"te-current": 1.15, "deepseek-v3 (fp32 acc)": 1.4, "bf16": 1.1}
@@ -33,8 +33,7 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> float:
     layer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     layer(xx).backward(dy)
-    if xx.is_cuda:  # the kernels run asynchronously: time them, not their launch
-        torch.cuda.synchronize(xx.device)
+    sync(xx.device)  # the kernels run asynchronously: time them, not their launch
     return time.perf_counter() - t0
 
 
