@@ -72,10 +72,15 @@ def test_unknown_kernels_exit_2_from_every_command(cmd: str, monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
-def test_bad_deterministic_setting_exits_2(cmd: str, monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("FP8LAB_DETERMINISTIC", "yes")
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [("FP8LAB_DETERMINISTIC", "yes", "FP8LAB_DETERMINISTIC='yes': expected 0 or 1"),
+     ("FP8LAB_TRITON", "off", "FP8LAB_TRITON='off': expected 0, 1 or interpret")],
+)  # fmt: skip
+def test_bad_deterministic_setting_exits_2(cmd, var, value, message, monkeypatch, tmp_path):
+    monkeypatch.setenv(var, value)
     res = runner.invoke(app, [*_args(cmd, tmp_path), "--torch-device", "cpu"])
-    _bad(res, "FP8LAB_DETERMINISTIC='yes': expected 0 or 1")
+    _bad(res, message)
     assert not (tmp_path / "out").exists() and not (tmp_path / "dbg").exists()
 
 

@@ -166,6 +166,12 @@ def test_off_switch_and_cpu_default(monkeypatch):
     assert ft.triton_mode(torch.device("cuda")) == "jit"
 
 
+def test_a_bad_setting_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("FP8LAB_TRITON", "false")
+    with pytest.raises(ValueError, match="FP8LAB_TRITON='false': expected 0, 1 or interpret"):
+        ft.triton_mode(torch.device("cuda"))
+
+
 def test_status_for_reports(monkeypatch):
     monkeypatch.setenv("FP8LAB_TRITON", "interpret")
     st = ft.triton_status(torch.device("cpu"))

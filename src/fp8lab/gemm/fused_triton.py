@@ -49,8 +49,8 @@ from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_gemm_torch, pow2_exponents
 
 __all__ = [
-    "fits", "fused_gemm_triton", "triton_available", "triton_mode", "triton_status",
-    "verified_kernel",
+    "fits", "fused_gemm_triton", "triton_available", "triton_mode", "triton_setting",
+    "triton_status", "verified_kernel",
 ]  # fmt: skip
 
 _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per group
@@ -58,9 +58,22 @@ _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per gro
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
+def triton_setting() -> str:
+    """``FP8LAB_TRITON``: "1" (the default: the Triton kernel on CUDA), "0" (off) or
+    "interpret" (also Triton's interpreter on CPU tensors, for tests).
+
+    Raises:
+        ValueError: another value (naming the variable), rather than silently leaving it on.
+    """
+    value = os.environ.get("FP8LAB_TRITON", "1").strip()
+    if value not in ("0", "1", "interpret"):
+        raise ValueError(f"FP8LAB_TRITON={value!r}: expected 0, 1 or interpret")
+    return value
+
+
 def triton_available() -> bool:
     """Is Triton importable and not turned off (``FP8LAB_TRITON=0``)?"""
-    if os.environ.get("FP8LAB_TRITON", "1") == "0":
+    if triton_setting() == "0":
         return False
     try:
         import triton  # noqa: F401
@@ -77,7 +90,7 @@ def triton_mode(device: torch.device) -> str | None:
         return None
     if device.type == "cuda":
         return "jit"
-    if device.type == "cpu" and os.environ.get("FP8LAB_TRITON") == "interpret":
+    if device.type == "cpu" and triton_setting() == "interpret":
         return "interpret"
     return None
 
@@ -267,6 +280,9 @@ def triton_status(device: torch.device) -> dict[str, Any]:
             warnings.simplefilter("always", RuntimeWarning)
             ok = verified_kernel(acc, ("e4m3", "e4m3"), device, mode == "interpret")
         out["verified"][hw] = ok
-        if caught:
-            out.setdefault("warnings", []).extend(str(w.message) for w in caught)
+        # fp8lab's own warnings only: the interpreter's numpy also warns (IEEE overflow to inf,
+        # which the probe's huge accumulators are meant to produce)
+        ours = [str(w.message) for w in caught if str(w.message).startswith("fp8lab:")]
+        if ours:
+            out.setdefault("warnings", []).extend(ours)
     return out
