@@ -1,7 +1,7 @@
 """``--torch-device`` for the benchmarks: one definition of the flag, its parsing and its exit.
 
 Same values as the CLI's (``cpu``, ``cuda``, ``cuda:N``, ``auto``; default ``auto``: ``cuda`` when
-CUDA is available, else ``cpu``), resolved by `fp8lab.dist.runtime.resolve_torch_device`. A
+CUDA is available, else ``cpu``), resolved by `fp8lab.distributed.runtime.resolve_torch_device`. A
 value the machine cannot honour (``cuda`` without CUDA, an unknown name) prints the problem on
 stderr and exits 2 before any work, as the CLI does. A benchmark names the resolved device in
 its output and creates its tensors there.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fp8lab.dist.runtime import resolve_torch_device
+from fp8lab.distributed.runtime import resolve_torch_device
 
 HELP = "torch device to compute on: cpu, cuda, cuda:N or auto (cuda when available, else cpu)"
 

@@ -1,15 +1,15 @@
 """Data-parallel throughput (1 vs 2 gloo ranks, one thread each) and gradient bytes per step.
 
 Throughput: the default lab GPT (``GPTConfig()``) under a recipe, trained with
-`fp8lab.dist.ddp.DataParallel` (DDP, or FSDP2 with or without the FP8 all-gather) on a fixed
-global batch split across the ranks (`fp8lab.dist.data`: global-token-count loss, summed
+`fp8lab.distributed.ddp.DataParallel` (DDP, or FSDP2 with or without the FP8 all-gather) on a fixed
+global batch split across the ranks (`fp8lab.distributed.data`: global-token-count loss, summed
 gradients, ``--amax-group world``, the amax all-reduces batched into one per step, or one per
 state and update with the ``unbatched`` setup), one thread per rank, timed after warm-up
 steps; tokens/s counts the global batch. ``amax all-reduces/step`` counts the MAX all-reduces
 rank 0 issues (delayed-scaling amaxes; with the FP8 all-gather also one per gathered
 current-scaled weight: a delayed-scaled one needs none).
 Bytes: what one rank sends per step to all-reduce the model's gradients at each
-``--grad-comm`` precision (`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets), for
+``--grad-comm`` precision (`fp8lab.distributed.comm.bytes_per_rank`, DDP's 25 MiB buckets), for
 N = 2, 4, 8, 16.
 
     .venv/bin/python benchmarks/bench_dist.py [--recipe te-delayed] [--steps 6] [--batch 8]
@@ -44,8 +44,8 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 def _rank(rank: int, world: int, port: str, recipe: str, steps: int, batch: int, mode: str) -> None:
     torch.set_num_threads(1)
-    from fp8lab.dist.data import global_token_loss, shard_batch
-    from fp8lab.dist.ddp import DataParallel
+    from fp8lab.distributed.data import global_token_loss, shard_batch
+    from fp8lab.distributed.ddp import DataParallel
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
@@ -208,7 +208,7 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(modes) <= set(MODES):
         raise SystemExit(f"--modes: expected a comma list of {', '.join(MODES)}")
-    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+    from fp8lab.distributed.comm import GRAD_COMMS, bytes_per_rank
     from fp8lab.lab.gpt import GPT, GPTConfig
 
     rows = README_ROWS if args.readme else ((args.recipe, tuple(modes)),)

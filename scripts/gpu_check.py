@@ -930,7 +930,7 @@ DIST_CASES = (("ddp", False, False), ("fsdp", True, False), ("fsdp-fp8-allgather
 
 def distributed(sizes: Sizes, device: torch.device, deadline: float) -> dict[str, Any]:
     """The ``distributed`` section: one torchrun rank (``--standalone --nproc-per-node 1``) joins
-    the process group the lab's way (`fp8lab.dist.runtime.init_from_env`: NCCL on LOCAL_RANK's GPU
+    the process group the lab's way (`fp8lab.distributed.runtime.init_from_env`: NCCL on LOCAL_RANK's GPU
     on CUDA, gloo on the CPU) and trains three steps of the lab's GPT under te-delayed (amax group
     world) with DDP, FSDP2 and FSDP2 with the FP8 all-gather. More ranks: not measured here."""
     left = deadline - time.time()
@@ -965,11 +965,11 @@ def _sizes_json(sizes: Sizes) -> dict[str, Any]:
 
 def dist_worker(spec: dict[str, Any]) -> None:
     """The torchrun rank of `distributed`: join, train each of `DIST_CASES`, leave, report."""
-    from fp8lab.dist.runtime import init_from_env, leave_group, resolve_torch_device
+    from fp8lab.distributed.runtime import init_from_env, leave_group, resolve_torch_device
 
     sizes = Sizes(**spec["sizes"])
     device = resolve_torch_device(spec["device"])
-    joined = "fp8lab.dist.runtime.init_from_env"
+    joined = "fp8lab.distributed.runtime.init_from_env"
     if init_from_env(device=spec["device"]) is None:
         # the lab joins a group only when WORLD_SIZE > 1; one rank joins here the same way
         joined = "gpu_check (init_from_env joins only when WORLD_SIZE > 1)"
@@ -994,7 +994,7 @@ def dist_worker(spec: dict[str, Any]) -> None:
 
 
 def _dist_case(sizes: Sizes, device: torch.device, fsdp: bool, fp8: bool) -> dict[str, Any]:
-    from fp8lab.dist.ddp import DataParallel
+    from fp8lab.distributed.ddp import DataParallel
     from fp8lab.lab.gpt import GPTConfig
     from fp8lab.lab.loop import DataParallelHook
     from fp8lab.lab.step import TrainStep

@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "optim": 5,
     "observe": 6,
     "cost": 6,
-    "dist": 6,
+    "distributed": 6,
     "guard": 7,  # the anomaly guard: reads nn/observe state, runs inside lab's loop
     "lab": 8,
     "integrations": 8,  # framework callbacks: guard/observe/nn below, never lab (nor lab them)

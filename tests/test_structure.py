@@ -127,21 +127,21 @@ def test_the_scan_sees_every_kind_of_definition(tmp_path: Path) -> None:
 
 
 def test_one_amax_all_reduce() -> None:
-    """Every all-reduce with MAX is the amax one (`fp8lab.dist.amax.reduce_amax`), except the
-    guard's agreement on a flag (`fp8lab.dist.runtime.agree_any`)."""
-    allowed = {("dist/amax.py", "reduce_amax"), ("dist/runtime.py", "agree_any")}
+    """Every all-reduce with MAX is the amax one (`fp8lab.distributed.amax.reduce_amax`), except the
+    guard's agreement on a flag (`fp8lab.distributed.runtime.agree_any`)."""
+    allowed = {("distributed/amax.py", "reduce_amax"), ("distributed/runtime.py", "agree_any")}
     max_reduces = [
         (rel, fn) for rel, fn, call in _calls("all_reduce") if "ReduceOp.MAX" in ast.unparse(call)
     ]
-    assert ("dist/amax.py", "reduce_amax") in max_reduces
+    assert ("distributed/amax.py", "reduce_amax") in max_reduces
     assert set(max_reduces) <= allowed, max_reduces
 
 
 def test_world_size_is_asked_in_one_module() -> None:
-    """torch.distributed's rank and world size are read by `fp8lab.dist.runtime` only."""
+    """torch.distributed's rank and world size are read by `fp8lab.distributed.runtime` only."""
     for attr in ("get_world_size", "get_rank"):
         where = sorted({rel for rel, _, _ in _calls(attr)})
-        assert where == ["dist/runtime.py"], f"{attr}: {where}"
+        assert where == ["distributed/runtime.py"], f"{attr}: {where}"
 
 
 @pytest.mark.parametrize("key", [pytest.param("pool", marks=_mark("pool"))])

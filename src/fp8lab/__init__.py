@@ -71,11 +71,11 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def _install_amax_reduction(module: str) -> None:
-    # A public name beyond the formats installs TE's default amax all-reduce (fp8lab.dist), so
-    # delayed scaling under torchrun reduces over the world without `import fp8lab.dist`; the
+    # A public name beyond the formats installs TE's default amax all-reduce (fp8lab.distributed), so
+    # delayed scaling under torchrun reduces over the world without `import fp8lab.distributed`; the
     # scaling layer never communicates itself. The formats alone stay torch-free and quick.
     if module not in ("fp8lab.formats", "fp8lab.kernels"):
-        importlib.import_module("fp8lab.dist.amax")
+        importlib.import_module("fp8lab.distributed.amax")
 
 
 def __getattr__(name: str) -> Any:

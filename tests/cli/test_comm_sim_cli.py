@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
-from fp8lab.dist.comm import bytes_per_rank, ring_allreduce, synthetic_grads
+from fp8lab.distributed.comm import bytes_per_rank, ring_allreduce, synthetic_grads
 
 runner = CliRunner()
 

@@ -3,7 +3,7 @@
 Conventions (docs/cost.md, `fp8lab.cost.collectives`): a ring all-reduce sends 2(N-1)/N of the
 data per rank, a reduce-scatter or all-gather (N-1)/N; fp8 grad-comm adds a 4-byte scale per
 message (2(N-1) per bucket), fp8-msamp one 4-byte amax all-reduce per bucket ((N-1) x 4 bytes,
-`fp8lab.dist.comm`'s count); the step's delayed-scaling amaxes travel in one batched all-reduce
+`fp8lab.distributed.comm`'s count); the step's delayed-scaling amaxes travel in one batched all-reduce
 (DataParallel's default); FSDP gathers each weight twice per step (forward, backward) and
 reduce-scatters float32 gradients.
 """

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp8lab import Accumulator, qmatmul, quantize
-from fp8lab.gemm.epilogue import epilogue
+from fp8lab.gemm.matmul import epilogue
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -45,7 +45,7 @@ SCHEMA_KEYS = {
     "tokens_per_s",
     "diverged",
     "predicted_step_ms",
-    "distributed",  # null on one process (fp8lab.dist.ddp.comm_summary)
+    "distributed",  # null on one process (fp8lab.distributed.ddp.comm_summary)
     "guard_events",  # [] without an anomaly guard (fp8lab.guard)
 }
 

@@ -130,7 +130,7 @@ def test_gpu_run_resumes_on_the_cpu_and_back(corpus, tmp_path) -> None:  # pragm
 def test_a_cpu_model_under_nccl_is_refused(monkeypatch) -> None:
     """Under torchrun with NCCL (simulated: no process group is made) a CPU model fails before
     DDP wraps it, naming both sides."""
-    import fp8lab.dist.runtime as runtime
+    import fp8lab.distributed.runtime as runtime
     from fp8lab.lab.loop import _data_parallel
 
     monkeypatch.setattr(runtime, "world_size", lambda group=None: 2)

@@ -8,7 +8,7 @@ import torch
 
 from fp8lab.nn import Linear
 from fp8lab.nn import functional as F8
-from fp8lab.nn.buffers import POOL
+from fp8lab.qtensor.quantizer import POOL
 from fp8lab.recipe import get_recipe
 
 RECIPES = ["te-current", "deepseek-v3-fp32", "deepseek-v3", "mxfp8", "bf16", "te-delayed"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8lab.nn import Linear, autocast, collect_operands, convert, layer_settings
-from fp8lab.nn.operand import round_high_precision
+from fp8lab.nn.linear import round_high_precision
 from fp8lab.recipe import LayerRule, get_recipe
 
 

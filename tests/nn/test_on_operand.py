@@ -1,7 +1,5 @@
 """`fp8lab.nn.on_operand`: the one hook point of operand observers."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -45,26 +43,6 @@ def test_handle_is_a_context_manager_and_observers_are_per_thread() -> None:
     assert n == 6
     _step(layer)
     assert len(seen) == n
-
-
-def test_collectors_alias_still_registers_with_a_deprecation_warning() -> None:
-    from fp8lab.nn.operand import COLLECTORS
-
-    layer = Linear(32, 16, recipe="te-current")
-    seen = []
-
-    def cb(*a: object) -> None:
-        seen.append(a)
-
-    with pytest.warns(DeprecationWarning, match="on_operand"):
-        COLLECTORS.active.append(cb)
-    try:
-        _step(layer)
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            COLLECTORS.active.remove(cb)
-    assert len(seen) == 6
 
 
 def test_on_operand_rejects_a_non_callable() -> None:

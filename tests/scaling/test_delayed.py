@@ -339,7 +339,7 @@ def test_public_api_installs_the_default_amax_reduction():
     import sys
 
     code = (
-        "import sys, fp8lab; fp8lab.FloatFormat; assert 'fp8lab.dist' not in sys.modules; "
+        "import sys, fp8lab; fp8lab.FloatFormat; assert 'fp8lab.distributed' not in sys.modules; "
         "fp8lab.DelayedScaling; from fp8lab.scaling.delayed import amax_reduction_installed; "
         "assert amax_reduction_installed()"
     )

@@ -1,4 +1,4 @@
-"""The scaling layer never communicates: amax reductions are installed from above (fp8lab.dist)."""
+"""The scaling layer never communicates: amax reductions are installed from above (fp8lab.distributed)."""
 
 import ast
 from pathlib import Path

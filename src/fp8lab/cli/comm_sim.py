@@ -1,6 +1,6 @@
 """``fp8lab comm-sim``: numerics of low-precision gradient all-reduce for N simulated ranks.
 
-Runs `fp8lab.dist.comm.study` (pure functions, one process): a ring all-reduce of synthetic
+Runs `fp8lab.distributed.comm.study` (pure functions, one process): a ring all-reduce of synthetic
 data-parallel gradients at every ``--grad-comm`` precision and every ``--ranks`` count.
 """
 
@@ -55,7 +55,7 @@ def _ranks(value: str) -> list[int]:
 
 def _grad_comms(value: str) -> list[str]:
     from fp8lab.cli._common import comma_items
-    from fp8lab.dist.comm import check_grad_comm
+    from fp8lab.distributed.comm import check_grad_comm
 
     return [check_grad_comm(v) for v in comma_items(value, "grad-comm")]
 
@@ -104,7 +104,7 @@ def comm_sim_command(
             raise ValueError(f"--bucket-numel must be >= 1, got {bucket_numel}")
         if not 0.0 <= shared <= 1.0:
             raise ValueError(f"--shared must be in [0, 1], got {shared}")
-        from fp8lab.dist.comm import study
+        from fp8lab.distributed.comm import study
 
         rows = study(
             _ranks(ranks), _grad_comms(grad_comm), numel, bucket_numel=bucket_numel,

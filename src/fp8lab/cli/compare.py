@@ -506,14 +506,14 @@ def _plan(
         from fp8lab.cost import get_device
 
         get_device(device)
-    from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
+    from fp8lab.distributed.runtime import check_global_batch, check_jobs, init_from_env
 
     check_jobs(n_jobs)  # under torchrun the ranks are the parallelism
     check_global_batch(cfg.train.batch_size)  # ... and split the global batch
     dist = _dist_options(*dist_flags)
     amax_group, fp8_allgather = dist_flags[0], dist_flags[3]
     if fp8_allgather:  # refuse a weight it cannot gather before any recipe trains
-        from fp8lab.dist.fsdp import check_fp8_allgather_recipe
+        from fp8lab.distributed.fsdp import check_fp8_allgather_recipe
         from fp8lab.lab.compare import resolve_recipe
 
         for n in dict.fromkeys([base, *names]):
@@ -647,8 +647,8 @@ def _dist_options(amax_group: str, grad_comm: str, fsdp: bool, fp8_allgather: bo
     """train_run's distributed keywords from the flags; ValueError on a bad value or
     combination, or on a non-default one without torchrun (one process has nothing to
     reduce, shard or communicate: the flag would silently do nothing)."""
-    from fp8lab.dist.ddp import check_options
-    from fp8lab.dist.runtime import under_torchrun
+    from fp8lab.distributed.ddp import check_options
+    from fp8lab.distributed.runtime import under_torchrun
 
     check_options(amax_group, grad_comm, fsdp, fp8_allgather)
     given = [f for f, on in (("--fsdp", fsdp), ("--fp8-allgather", fp8_allgather),
@@ -684,7 +684,7 @@ def _follow_rank0(
         time.sleep(0.2)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
     run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus, guard=guard, dist=dist)
-    from fp8lab.dist.runtime import leave_group
+    from fp8lab.distributed.runtime import leave_group
 
     leave_group()  # rank 0 summarizes alone (run_comparison leaves the group too)
 

@@ -374,7 +374,7 @@ def _dist(
         return None
     if ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {ranks}")
-    from fp8lab.dist.ddp import check_options
+    from fp8lab.distributed.ddp import check_options
 
     dist = {
         "ranks": ranks,

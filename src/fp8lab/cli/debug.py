@@ -180,7 +180,7 @@ def debug_cmd(
                            callback=_progress(quiet or not main), scenario=scenario,
                            start=from_checkpoint)  # fmt: skip
         if rank_ctx is not None:
-            from fp8lab.dist.runtime import leave_group
+            from fp8lab.distributed.runtime import leave_group
 
             leave_group()  # the ranks' shared work is done
         if not main:
@@ -197,7 +197,7 @@ def _setup(
     """Check the options before any training: (recipe, LabConfig, the planted fault's
     expectation, layer globs, the torchrun rank context). ``inputs``: --tokenizer,
     --token-dtype, --init-from (`with_run_options`)."""
-    from fp8lab.dist.runtime import check_global_batch, check_jobs, init_from_env
+    from fp8lab.distributed.runtime import check_global_batch, check_jobs, init_from_env
     from fp8lab.lab.debug.scenarios import get_scenario, plant
     from fp8lab.lab.machine import torch_device
 

@@ -1,14 +1,14 @@
 """Collective bytes of one data-parallel training step, from tensor sizes and formats.
 
-Bytes are what **one rank sends per step** (the convention of `fp8lab.dist.comm.bytes_per_rank`),
+Bytes are what **one rank sends per step** (the convention of `fp8lab.distributed.comm.bytes_per_rank`),
 for ``N`` ranks, counted per Linear from the recipe's counted step (`count_linear_step`: which
 tensors are quantized, in which format and blocks) plus the model's other parameters. The
-options are `fp8lab.dist.ddp.DataParallel`'s (checked by `fp8lab.dist.ddp.check_options`, the
+options are `fp8lab.distributed.ddp.DataParallel`'s (checked by `fp8lab.distributed.ddp.check_options`, the
 same messages as ``fp8lab compare``'s flags):
 
 * **gradient reduction** over every gradient element (Linear weights + other parameters):
 
-  - DDP: a ring all-reduce in the ``grad_comm`` precision, `fp8lab.dist.comm.bytes_per_rank`
+  - DDP: a ring all-reduce in the ``grad_comm`` precision, `fp8lab.distributed.comm.bytes_per_rank`
     (``2(N-1)/N`` of the data; ``fp32``, ``bf16``, ``fp8`` = E5M2 with a 4-byte scale per
     message, ``fp8-msamp`` = E4M3 with one amax all-reduce per bucket), buckets of
     `DDP_BUCKET_NUMEL` float32 elements (DDP's default ``bucket_cap_mb = 25``);
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8lab.cost.counting import StepCounts, scale_bytes
-from fp8lab.dist.comm import bytes_per_rank
+from fp8lab.distributed.comm import bytes_per_rank
 from fp8lab.formats import get_format
 from fp8lab.recipe import Recipe, get_recipe
 
@@ -160,11 +160,11 @@ def collective_bytes(
 ) -> CollectiveBytes:
     """Bytes one rank sends in one step of data-parallel training of ``linears`` (``[(name, in,
     out)]``, a recipe with per-layer rules is applied per name) plus ``other`` parameter
-    elements, on ``ranks`` ranks, with `fp8lab.dist.ddp.DataParallel`'s options (module
+    elements, on ``ranks`` ranks, with `fp8lab.distributed.ddp.DataParallel`'s options (module
     docstring). ``ranks`` = 1: all zeros. ValueError for ranks < 1 or an invalid option or
-    combination (`fp8lab.dist.ddp.check_options`)."""
+    combination (`fp8lab.distributed.ddp.check_options`)."""
     from fp8lab.cost.model import _counts, layer_recipe
-    from fp8lab.dist.ddp import check_options
+    from fp8lab.distributed.ddp import check_options
 
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")

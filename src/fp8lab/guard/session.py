@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.runtime import agree_any, world_size
+from fp8lab.distributed.runtime import agree_any, world_size
 from fp8lab.guard.config import AnomalyGuard
 from fp8lab.guard.detectors import Finding
 from fp8lab.guard.monitor import GuardMonitor

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.ddp import comm_summary
+from fp8lab.distributed.ddp import comm_summary
 from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, load_corpus
@@ -785,7 +785,7 @@ def run_comparison(
     run_recipes(cfg, [*names, *replicas], out, jobs=jobs, threads=threads, callback=callback,
                 corpus=corpus, guard=guard, dist=dist)  # fmt: skip
     if dist is not None:  # torchrun: the ranks are done; what follows is rank 0's alone
-        from fp8lab.dist.runtime import leave_group
+        from fp8lab.distributed.runtime import leave_group
 
         leave_group()
     metrics = {n: read_metrics(run_dir(out, n)) for n in names}  # read once

@@ -165,7 +165,7 @@ def summarize(
 
 # ----------------------------------------------------------------------------- the step
 class DataParallelHook:
-    """`fp8lab.dist.ddp.DataParallel` as TrainStep hooks: each rank trains on its shard of the
+    """`fp8lab.distributed.ddp.DataParallel` as TrainStep hooks: each rank trains on its shard of the
     batch, the reported loss is the global batch's, the step's communication fields go to the
     metrics record (``ctx.extra["record"]``) and every rank's scaling state to the checkpoint."""
 
@@ -257,11 +257,11 @@ def _data_parallel(
     model: torch.nn.Module, amax_group: str, grad_comm: str, fsdp: bool = False,
     fp8_allgather: bool = False,
 ) -> Any:  # fmt: skip
-    """`fp8lab.dist.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
+    """`fp8lab.distributed.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
     checked either way: a bad value is an error even on one rank). ValueError for a model on the
     CPU under an NCCL process group (NCCL reaches GPU tensors only)."""
-    from fp8lab.dist.ddp import DataParallel, check_options
-    from fp8lab.dist.runtime import collective_device, world_size
+    from fp8lab.distributed.ddp import DataParallel, check_options
+    from fp8lab.distributed.runtime import collective_device, world_size
 
     check_options(amax_group, grad_comm, fsdp, fp8_allgather)
     if world_size() == 1:
@@ -271,7 +271,7 @@ def _data_parallel(
     if collective_device().type == "cuda" and where != "cuda":
         raise ValueError(
             f"the model is on {where} but the process group is NCCL (GPU tensors only): join "
-            "it with the run's device (fp8lab.dist.runtime.init_from_env(device=...), as "
+            "it with the run's device (fp8lab.distributed.runtime.init_from_env(device=...), as "
             "--torch-device does) or train on the GPU"
         )
     return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)

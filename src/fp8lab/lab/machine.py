@@ -16,7 +16,7 @@ machine's rounding).
 
 The torch device the lab computes on (``--torch-device``) is a setting of the process, like the
 kernel choice (`fp8lab.kernels`): `set_torch_device` (scoped: `using_torch_device`) resolves it
-(`fp8lab.dist.runtime.resolve_torch_device`) and `torch_device` reads it (default: the CPU). The
+(`fp8lab.distributed.runtime.resolve_torch_device`) and `torch_device` reads it (default: the CPU). The
 lab builds its models, batches and optimizer state there and loads checkpoints onto it; the
 machine record names it (``torch_device``, ``gpu``, ``cuda``, ``kernels``). Not part of a run's
 identity either: a checkpoint written on the GPU resumes on the CPU and the other way round.
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.runtime import resolve_torch_device
+from fp8lab.distributed.runtime import resolve_torch_device
 from fp8lab.kernels import get_kernels
 
 #: environment variables that change the kernels torch or numba run, recorded when set
@@ -89,7 +89,7 @@ def torch_device() -> torch.device:
 
 def set_torch_device(value: str | torch.device | None) -> torch.device:
     """Compute the lab's models and batches on ``value`` (``cpu``, ``cuda``, ``cuda:N``,
-    ``auto``: `fp8lab.dist.runtime.resolve_torch_device`) from now on; a CUDA device also
+    ``auto``: `fp8lab.distributed.runtime.resolve_torch_device`) from now on; a CUDA device also
     becomes torch's current device. Returns the previous device.
 
     Raises:

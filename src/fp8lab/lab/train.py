@@ -363,7 +363,7 @@ def train_run(
     many steps in total (for tests of resume; the run is then incomplete).
 
     Under torch.distributed (torchrun) the model runs as DDP on every rank
-    (`fp8lab.dist.ddp.DataParallel`: the global batch split across ranks, loss = token sum /
+    (`fp8lab.distributed.ddp.DataParallel`: the global batch split across ranks, loss = token sum /
     global token count, ``amax_group`` world|none, ``grad_comm`` fp32|bf16|fp8|fp8-msamp; or
     FSDP2 with ``fsdp``, gathering weights as FP8 codes with ``fp8_allgather``); rank 0 alone
     writes metrics (plus the ranks' communication fields), checkpoints (consolidated) and

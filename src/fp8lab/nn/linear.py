@@ -51,7 +51,6 @@ from fp8lab.recipe import Recipe, get_recipe
 from fp8lab.scaling.delayed import DelayedScaling, amax_reduction_installed
 
 __all__ = [
-    "COLLECTORS",
     "GatheredWeight",
     "Linear",
     "Operand",
@@ -113,20 +112,6 @@ def on_operand(fn: OperandObserver) -> OperandHandle:
     return OperandHandle(fn)
 
 
-class _CollectorsAlias:
-    """Deprecated ``fp8lab.nn.operand.COLLECTORS``: ``COLLECTORS.active.append(fn)`` /
-    ``.remove(fn)`` register and unregister an operand observer (use `on_operand`)."""
-
-    @property
-    def active(self) -> list[OperandObserver]:
-        warnings.warn("fp8lab.nn.operand.COLLECTORS is deprecated: use fp8lab.nn.on_operand",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
-        return _OBSERVERS.active
-
-
-COLLECTORS = _CollectorsAlias()
-
-
 def _notify(op: OperandPlan, source: torch.Tensor, used: torch.Tensor | QTensor) -> None:
     for fn in list(_OBSERVERS.active):
         fn(op.layer or "?", op.gemm, op.role, source, used)
@@ -176,7 +161,7 @@ class Operand:
 
 @dataclass(frozen=True, slots=True)
 class GatheredWeight:
-    """A weight FSDP all-gathered as FP8 codes (`fp8lab.dist.fsdp`), handed to the Linear's
+    """A weight FSDP all-gathered as FP8 codes (`fp8lab.distributed.fsdp`), handed to the Linear's
     forward with `Linear.use_gathered_weight`: ``qtensor`` quantized under ``spec`` with the
     scale of ``delayed`` (the Linear's own state of the fprop weight; None: not delayed). The
     fprop GEMM uses it when its weight quantizer has that spec and that state."""
@@ -423,14 +408,14 @@ def linear(
 
 # =========================================================================== the module
 def _warn_unreduced_amax() -> None:
-    """Delayed scaling under torch.distributed reduces amaxes through `fp8lab.dist` (installed
+    """Delayed scaling under torch.distributed reduces amaxes through `fp8lab.distributed` (installed
     when it is imported; the scaling layer never communicates): say so if it is missing, since
     ranks with local amaxes drift apart silently."""
     d = torch.distributed
     if d.is_available() and d.is_initialized() and not amax_reduction_installed():
         warnings.warn(
             "fp8lab: delayed scaling under torch.distributed without an amax reduction: "
-            "`import fp8lab.dist` (or fp8lab.dist.set_amax_group(model, 'world')) so the amaxes "
+            "`import fp8lab.distributed` (or fp8lab.distributed.set_amax_group(model, 'world')) so the amaxes "
             "are all-reduced over the ranks as Transformer Engine does",
             RuntimeWarning,
             stacklevel=4,
@@ -636,7 +621,7 @@ class Linear(torch.nn.Linear):
 
     def use_gathered_weight(self, gathered: GatheredWeight | None) -> None:
         """The weight's quantized form for the next forwards, already made by FSDP's FP8
-        all-gather (`fp8lab.dist.fsdp`); None drops it (FSDP frees it at the reshard)."""
+        all-gather (`fp8lab.distributed.fsdp`); None drops it (FSDP frees it at the reshard)."""
         if gathered is not None and not isinstance(gathered, GatheredWeight):
             raise TypeError(f"expected a GatheredWeight, got {type(gathered).__name__}")
         self._gathered = gathered

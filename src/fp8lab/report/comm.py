@@ -1,9 +1,9 @@
 """The distributed section of the compare report: ranks, amax group, gradient communication.
 
-Built from the metrics records a run under torchrun writes (`fp8lab.dist.ddp.DataParallel.state`
+Built from the metrics records a run under torchrun writes (`fp8lab.distributed.ddp.DataParallel.state`
 fields); empty for single-process runs. Bytes per step by precision are counted from the
 gradient's element count, the rank count and each precision's wire format
-(`fp8lab.dist.comm.bytes_per_rank`, DDP's 25 MiB buckets).
+(`fp8lab.distributed.comm.bytes_per_rank`, DDP's 25 MiB buckets).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ COLUMNS = (
 
 def comm_rows(metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, str]]:
     """One row per recipe trained on several ranks (none for single-process runs), from
-    `fp8lab.dist.ddp.comm_summary`: rel. error = mean over steps of the relative L2 error of the
+    `fp8lab.distributed.ddp.comm_summary`: rel. error = mean over steps of the relative L2 error of the
     reduced gradients against the fp32 all-reduce; underflow / overflow = % of the partial-sum
     elements put on the wire over the run; scale spread = the largest per-rank spread of a
     delayed scale (``--amax-group none``); MiB = what one rank sends per step for the
     gradients, this run's precision and each precision."""
-    from fp8lab.dist.ddp import comm_summary
+    from fp8lab.distributed.ddp import comm_summary
 
     rows = []
     for name, recs in metrics.items():

@@ -54,9 +54,9 @@ State (`state_dict`) is a plain dict of tensors: ``scale`` (float32 scalar), ``a
 ``fmt_max`` (float32; 0 until a format has been seen).
 
 Amax reduction (``reduce_amax``): this layer never communicates. A state's runtime ``group`` may
-hold a reducer (an object with ``defer_update(state, fmt)``, e.g. `fp8lab.dist.amax.AmaxBatch`)
+hold a reducer (an object with ``defer_update(state, fmt)``, e.g. `fp8lab.distributed.amax.AmaxBatch`)
 that takes `update` over and calls back ``update(fmt, reduced=...)`` with the reduced amax; else
-the reducer installed from above with `set_amax_reduction` (`fp8lab.dist` installs TE's default,
+the reducer installed from above with `set_amax_reduction` (`fp8lab.distributed` installs TE's default,
 an all-reduce MAX over the state's process group, when it is imported) serves a measured step
 while its ``active()`` says a process group is up.
 """
@@ -516,7 +516,7 @@ class DelayedScaling:
         Returns the new scale. On steps that are not measured (``interval``) it only advances the
         step counter. ``reduced``: the staged amax already all-reduced by the caller (no
         collective here). Otherwise a reducer may take the call over (module doc): a batched one
-        (`fp8lab.dist.amax.AmaxBatch`) reduces every deferred state's amax in one all-reduce
+        (`fp8lab.distributed.amax.AmaxBatch`) reduces every deferred state's amax in one all-reduce
         later and calls ``update(fmt, reduced=...)`` for each; until then the old scale is
         returned.
         """
@@ -561,7 +561,7 @@ def set_amax_reduction(reducer: Any, active: Callable[[], bool]) -> None:
     """Install the amax reduction of delayed-scaling updates whose state has no reducer of its
     own: ``reducer.defer_update(state, fmt)`` serves a measured update of a ``reduce_amax``
     state while ``active()`` is true (e.g. while a process group is up). Called by
-    `fp8lab.dist` when it is imported; ``reducer=None`` keeps every amax local."""
+    `fp8lab.distributed` when it is imported; ``reducer=None`` keeps every amax local."""
     _REDUCTION.reducer = reducer
     _REDUCTION.active = active  # type: ignore[method-assign]
 

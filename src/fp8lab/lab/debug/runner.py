@@ -21,7 +21,7 @@ progress events.
 Under torchrun (``torch.distributed`` initialized with more than one rank) there is no pool: every
 rank runs the same tasks in the same order in its own process (``jobs`` > 1 is refused), each
 probe trains through the lab's distributed path (`fp8lab.lab.train.train_run` with
-`fp8lab.dist.ddp.DataParallel`: the global batch split across ranks, gradients summed), rank 0
+`fp8lab.distributed.ddp.DataParallel`: the global batch split across ranks, gradients summed), rank 0
 alone writes files (:func:`is_writer`; the converted start checkpoint, copied metrics and
 snapshots here, every file of the runs in ``train_run``), and every rank waits for the others
 after each task (:func:`barrier`), so a file rank 0 wrote is there when the others read it.
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.runtime import check_global_batch, check_jobs, rank, world_size
+from fp8lab.distributed.runtime import check_global_batch, check_jobs, rank, world_size
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.pool import Callback, Job, WorkerPool
 from fp8lab.lab.train import (
@@ -75,7 +75,7 @@ def barrier() -> None:
 def check_distributed(jobs: int, batch_size: int) -> None:
     """Under torchrun (an initialized group of more than one rank): ValueError for ``jobs`` > 1
     (the ranks are the parallelism) and for a global batch size not divisible by the world
-    size (`fp8lab.dist.runtime.check_jobs`, `check_global_batch`)."""
+    size (`fp8lab.distributed.runtime.check_jobs`, `check_global_batch`)."""
     world = dist_world()[1]
     check_jobs(jobs, "probes (each on every rank)", world)
     check_global_batch(batch_size, world)
@@ -123,13 +123,13 @@ def rank0_writes(fn: Callable[..., Any], ctx: Any, *args: Any) -> Any:
 
 
 def replay_parallel(model: torch.nn.Module) -> Any:
-    """`fp8lab.dist.ddp.DataParallel` of a replay's model under torchrun, None on one process:
+    """`fp8lab.distributed.ddp.DataParallel` of a replay's model under torchrun, None on one process:
     the replayed step then runs as the training step ran on the ranks (this rank's shard of the
     global batch, the loss over the global token count, gradients summed over the ranks, the
     delayed-scaling amaxes all-reduced in one batch at the end of the backward). Collective."""
     if dist_world()[1] == 1:
         return None
-    from fp8lab.dist.ddp import DataParallel
+    from fp8lab.distributed.ddp import DataParallel
 
     return DataParallel(model)
 

@@ -1,4 +1,4 @@
-"""Run tests/dist/_ddp_worker.py on N local processes with a bounded wait."""
+"""Run tests/distributed/_ddp_worker.py on N local processes with a bounded wait."""
 
 from __future__ import annotations
 

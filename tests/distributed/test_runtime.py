@@ -1,11 +1,11 @@
-"""fp8lab.dist.runtime without a process group: torchrun detection, --jobs, agree_any."""
+"""fp8lab.distributed.runtime without a process group: torchrun detection, --jobs, agree_any."""
 
 from __future__ import annotations
 
 import pytest
 
-from fp8lab.dist.data import shard_batch
-from fp8lab.dist.runtime import agree_any, check_jobs, init_from_env, under_torchrun
+from fp8lab.distributed.data import shard_batch
+from fp8lab.distributed.runtime import agree_any, check_jobs, init_from_env, under_torchrun
 
 
 def test_jobs_under_torchrun_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,7 +39,7 @@ def test_rank_and_world_without_and_with_a_one_rank_group(tmp_path) -> None:
     """The one rank/world helper: (0, 1) without a group; the group's values inside one."""
     import torch.distributed as d
 
-    from fp8lab.dist.runtime import is_distributed, rank, world_size
+    from fp8lab.distributed.runtime import is_distributed, rank, world_size
 
     assert not is_distributed() and (rank(), world_size()) == (0, 1)
     store = d.FileStore(str(tmp_path / "store"), 1)

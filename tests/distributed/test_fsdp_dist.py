@@ -7,7 +7,7 @@ import pytest
 import torch
 from _dist_launch import run_ranks
 
-from fp8lab.dist.fsdp import check_shardable, shard_rows
+from fp8lab.distributed.fsdp import check_shardable, shard_rows
 from fp8lab.qtensor import QuantSpec
 
 MODES = "fsdp,fsdp8,fsdp32,ddp8,fsdp8d,fsdp8du,world,fsdp8h,ddph"
@@ -40,7 +40,7 @@ def test_gathered_weight_equals_unsharded_quantization(ranks: list[dict]) -> Non
 
 
 def test_grad_comm_hook_equals_simulation(ranks: list[dict]) -> None:
-    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+    from fp8lab.distributed.comm import GRAD_COMMS, bytes_per_rank
 
     for res in ranks:
         for p in GRAD_COMMS:
@@ -93,7 +93,7 @@ def test_fp8_allgather_amax_all_reduces_per_step(ranks: list[dict]) -> None:
 
 
 def test_delayed_weights_with_per_rank_amaxes_are_refused() -> None:
-    from fp8lab.dist.fsdp import check_fp8_allgather_recipe
+    from fp8lab.distributed.fsdp import check_fp8_allgather_recipe
     from fp8lab.recipe import get_recipe
 
     check_fp8_allgather_recipe(get_recipe("te-delayed"))  # world: gathered

@@ -1,4 +1,4 @@
-"""A tiny lab training run under torchrun (or alone): tests/dist/test_lab_ddp.py.
+"""A tiny lab training run under torchrun (or alone): tests/distributed/test_lab_ddp.py.
 
 argv: run_dir steps [kill_at [mode]]. With kill_at >= 0, the last rank kills itself (SIGKILL)
 right after that step's event (a checkpoint is written every 3 steps). mode: ddp (te-delayed,
@@ -23,7 +23,7 @@ def main() -> None:
     kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     torch.set_num_threads(1)
-    from fp8lab.dist.runtime import init_from_env
+    from fp8lab.distributed.runtime import init_from_env
     from fp8lab.lab.data import DataConfig, load_corpus
     from fp8lab.lab.gpt import GPTConfig
     from fp8lab.lab.train import LabConfig, TrainConfig, train_run

@@ -1,4 +1,4 @@
-"""The anomaly guard under torchrun (2 gloo ranks): tests/dist/test_guard_dist.py.
+"""The anomaly guard under torchrun (2 gloo ranks): tests/distributed/test_guard_dist.py.
 
 argv: out_dir [fsdp]. Runs three tiny guarded te-delayed trainings one after another in the
 same process group -- clean; ``inject.nan_step`` 4; and "split", where rank 1 alone finds a
@@ -17,7 +17,7 @@ def main() -> None:
     out_dir = sys.argv[1]
     fsdp = len(sys.argv) > 2 and sys.argv[2] == "fsdp"
     torch.set_num_threads(1)
-    from fp8lab.dist.runtime import init_from_env
+    from fp8lab.distributed.runtime import init_from_env
     from fp8lab.guard import AnomalyGuard, Finding
     from fp8lab.guard import monitor as guard_monitor
     from fp8lab.lab.data import DataConfig, load_corpus

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fp8lab.dist.runtime import world_size
+from fp8lab.distributed.runtime import world_size
 
 __all__ = ["allreduce_sum_hook", "gather_token_losses", "global_token_loss", "shard_batch"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8lab.dist.amax import AmaxBatch
+from fp8lab.distributed.amax import AmaxBatch
 from fp8lab.scaling.delayed import DelayedScaling
 
 
@@ -49,7 +49,7 @@ def test_a_state_updated_twice_before_the_flush_updates_once() -> None:
 
 
 def test_report_section_from_metrics() -> None:
-    from fp8lab.dist.comm import bytes_per_rank
+    from fp8lab.distributed.comm import bytes_per_rank
     from fp8lab.report.comm import comm_markdown, comm_rows
 
     rec = {"ranks": 2, "amax_group": "none", "grad_comm": "fp8", "sharding": "ddp",

@@ -25,7 +25,7 @@ with the unsharded weight's scale without a collective, bit for bit, as torchao'
 all-gather does under delayed scaling (pytorch-labs/float8_experimental PR #312,
 ``WeightWithDelayedFloat8CastTensor``). The shard's own amax is what this rank observes; the
 all-reduce MAX of the step's amaxes (after quantization, batched with the others by
-`fp8lab.dist.amax.AmaxBatch`) turns it into the whole weight's amax before it enters the
+`fp8lab.distributed.amax.AmaxBatch`) turns it into the whole weight's amax before it enters the
 history, so the histories stay identical. Two exceptions need the global amax first: the first
 step of ``first_step="current"`` (HiFloat8: current scaling until the first update), which
 all-reduces it before quantizing, and ``--amax-group none`` (per-rank histories, so per-rank
@@ -70,8 +70,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fp8lab.dist.amax import reduce_amax
-from fp8lab.dist.runtime import collective_device, world_size
+from fp8lab.distributed.amax import reduce_amax
+from fp8lab.distributed.runtime import collective_device, world_size
 from fp8lab.formats import decode, encode, get_format
 from fp8lab.nn.linear import GatheredWeight
 from fp8lab.nn.state import state_key
@@ -514,7 +514,7 @@ def shard_model(
     ``fp8_allgather``: every `fp8lab.nn.Linear` weight is all-gathered as FP8 codes under its
     fprop weight spec (module doc); a weight whose spec cannot be gathered that way raises
     ValueError naming the layer before anything is sharded. ``amax_group``: the delayed-scaling
-    amax group the model trains with (`fp8lab.dist.amax`); a delayed-scaled weight needs
+    amax group the model trains with (`fp8lab.distributed.amax`); a delayed-scaled weight needs
     ``"world"`` (identical histories) to be gathered as FP8. Collective: call on every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,8 +1,8 @@
-"""A DDP communication hook with the wire numerics of `fp8lab.dist.comm` (``--grad-comm``).
+"""A DDP communication hook with the wire numerics of `fp8lab.distributed.comm` (``--grad-comm``).
 
 `GradCommHook(precision).register(ddp)` (the state of `grad_comm_hook`) all-gathers each
 bucket's float32 gradients (every rank then holds all ``N`` of them) and runs the simulated ring
-all-reduce `fp8lab.dist.comm.ring_allreduce` on them, so every rank gets the same averaged
+all-reduce `fp8lab.distributed.comm.ring_allreduce` on them, so every rank gets the same averaged
 gradient, bit for bit the one ``comm-sim`` computes for these gradients. The bytes moved by the
 all-gather are not what is modelled: the counters report the modelled wire (bytes from message
 sizes and formats), plus the error against the fp32 ring all-reduce of the same gradients.
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.comm import check_grad_comm, ring_allreduce
-from fp8lab.dist.runtime import world_size
+from fp8lab.distributed.comm import check_grad_comm, ring_allreduce
+from fp8lab.distributed.runtime import world_size
 
 __all__ = ["GradCommHook", "grad_comm_hook"]
 
@@ -32,7 +32,7 @@ class GradCommHook:
     precision: str = "fp32"
     group: Any = None
     #: return the sum over ranks (``mean * N``: exact for a power-of-two N) instead of the mean,
-    #: for losses already divided by the global token count (`fp8lab.dist.data`)
+    #: for losses already divided by the global token count (`fp8lab.distributed.data`)
     sum_over_ranks: bool = False
     messages: int = 0
     underflow: int = 0

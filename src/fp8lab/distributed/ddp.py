@@ -1,10 +1,10 @@
 """`DataParallel`: what a training loop needs to run one model on every torchrun rank.
 
-DDP (PyTorch's DistributedDataParallel) or FSDP2 (``fully_shard``, `fp8lab.dist.fsdp`) with the
-numerics of the global batch (`fp8lab.dist.data`): contiguous batch shards, each rank's loss =
+DDP (PyTorch's DistributedDataParallel) or FSDP2 (``fully_shard``, `fp8lab.distributed.fsdp`) with the
+numerics of the global batch (`fp8lab.distributed.data`): contiguous batch shards, each rank's loss =
 its token sum / the global token count, gradients summed over ranks (fp32 by default, or the
-simulated ``--grad-comm`` wire of `fp8lab.dist.hooks` under DDP), and the amax group of every
-delayed-scaling state set (`fp8lab.dist.amax`), its reductions batched into one all-reduce per
+simulated ``--grad-comm`` wire of `fp8lab.distributed.hooks` under DDP), and the amax group of every
+delayed-scaling state set (`fp8lab.distributed.amax`), its reductions batched into one all-reduce per
 step at the end of the backward. The loss it reports is the all-reduced global loss, the same
 value on every rank, so guard decisions taken from it agree.
 """
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.amax import AMAX_GROUPS, AmaxBatch, batch_amax_reduction, set_amax_group
-from fp8lab.dist.comm import WIRE_BYTES, check_grad_comm
-from fp8lab.dist.data import allreduce_sum_hook, global_token_loss, shard_batch
-from fp8lab.dist.hooks import GradCommHook
-from fp8lab.dist.runtime import is_distributed, rank, world_size
+from fp8lab.distributed.amax import AMAX_GROUPS, AmaxBatch, batch_amax_reduction, set_amax_group
+from fp8lab.distributed.comm import WIRE_BYTES, check_grad_comm
+from fp8lab.distributed.data import allreduce_sum_hook, global_token_loss, shard_batch
+from fp8lab.distributed.hooks import GradCommHook
+from fp8lab.distributed.runtime import is_distributed, rank, world_size
 
 __all__ = ["DataParallel", "check_options", "comm_summary"]
 
@@ -72,7 +72,7 @@ class DataParallel:
         if fsdp:
             from torch.distributed.fsdp import FSDPModule
 
-            from fp8lab.dist.fsdp import shard_model
+            from fp8lab.distributed.fsdp import shard_model
 
             self.gather_bytes = _allgather_bytes(model, self.world, fp8_allgather)
             self.ddp = shard_model(model, fp8_allgather, amax_group=amax_group)
@@ -136,7 +136,7 @@ class DataParallel:
         """What a checkpoint keeps of the ranks beyond the consolidated model (which holds rank
         0's scaling state): ``rank_scaling``, every rank's delayed-scaling state by state name,
         in rank order (plain tensors; they differ with ``--amax-group none``). Collective."""
-        from fp8lab.dist.runtime import gather_scaling_states
+        from fp8lab.distributed.runtime import gather_scaling_states
 
         return {"rank_scaling": gather_scaling_states(self.module)}
 
@@ -160,9 +160,9 @@ class DataParallel:
 
     def comm_bytes(self) -> dict[str, float]:
         """Bytes one rank sends per step for the gradients, by precision (ring all-reduce of
-        DDP's 25 MiB buckets, `fp8lab.dist.comm.bytes_per_rank`), counted from the parameter
+        DDP's 25 MiB buckets, `fp8lab.distributed.comm.bytes_per_rank`), counted from the parameter
         count and each precision's wire format."""
-        from fp8lab.dist.comm import bytes_per_rank
+        from fp8lab.distributed.comm import bytes_per_rank
 
         bucket = 25 * 1024 * 1024 // 4
         return {p: bytes_per_rank(self.grad_numel, self.world, p, bucket) for p in WIRE_BYTES}
@@ -199,7 +199,7 @@ class DataParallel:
             c.messages = c.underflow = c.overflow = 0
             c.bytes_sent = c.sq_error = c.sq_ref = 0.0
         if self.amax_group == "none":
-            from fp8lab.dist.amax import scale_spread
+            from fp8lab.distributed.amax import scale_spread
 
             spread = list(scale_spread(self.module).values())
             out["scale_spread_binades"] = max(spread) if spread else 0.0
@@ -245,11 +245,11 @@ def comm_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     ``grad_bytes_per_step`` (mean bytes one rank sent per step at this precision; FSDP: the
     fp32 reduce-scatter), ``allgather_bytes_per_step`` (FSDP's weight all-gather; None for DDP),
     ``grad_bytes_per_step_by_precision`` (every precision, counted from the gradient's element
-    count, the ranks and the wire formats: `fp8lab.dist.comm.bytes_per_rank`, 25 MiB buckets),
+    count, the ranks and the wire formats: `fp8lab.distributed.comm.bytes_per_rank`, 25 MiB buckets),
     ``grad_comm_rel_error`` (mean over steps; 0 for fp32), ``grad_comm_underflow_pct`` and
     ``grad_comm_overflow_pct`` (% of the partial-sum elements put on the wire; None for fp32),
     ``max_scale_spread_binades`` (``--amax-group none``; 0 with world)."""
-    from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank
+    from fp8lab.distributed.comm import GRAD_COMMS, bytes_per_rank
 
     recs = [r for r in records if "ranks" in r]
     if not recs:
@@ -278,7 +278,7 @@ def comm_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a dim-0 sharded DTensor (torch.chunk shards; collective)."""
-    from fp8lab.dist.fsdp import local_weight
+    from fp8lab.distributed.fsdp import local_weight
 
     world = world_size()
     full_rows = t.shape[0]

@@ -1,4 +1,4 @@
-"""Devices under fp8lab.dist.runtime (issue 24): ``--torch-device`` resolved to a concrete
+"""Devices under fp8lab.distributed.runtime (issue 24): ``--torch-device`` resolved to a concrete
 device, this rank's GPU under torchrun, and where collectives put their tensors. CPU only: CUDA
 is simulated by patching torch.cuda's availability and device count, never called."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8lab.dist.runtime import collective_device, resolve_torch_device
+from fp8lab.distributed.runtime import collective_device, resolve_torch_device
 
 
 def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
@@ -65,7 +65,7 @@ def test_under_torchrun_each_rank_takes_its_local_gpu(monkeypatch: pytest.Monkey
 def test_collectives_use_the_cpu_without_a_group_and_under_gloo(tmp_path) -> None:
     import torch.distributed as d
 
-    from fp8lab.dist.runtime import agree_any
+    from fp8lab.distributed.runtime import agree_any
 
     assert collective_device() == torch.device("cpu")
     store = d.FileStore(str(tmp_path / "store"), 1)

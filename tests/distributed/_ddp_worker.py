@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo tests (run as a script by tests/dist/test_*_dist.py).
+"""One rank of the 2-process gloo tests (run as a script by tests/distributed/test_*_dist.py).
 
 argv: rank world port out_file modes [steps]; modes is a comma list, each mode's results keyed
 ``mode:key``. world == 1 runs without torch.distributed (the one-rank references on the same
@@ -44,9 +44,9 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
     fsdp8du (FSDP2 with the FP8 all-gather, amax all-reduces batched / one per state and update),
     whose reference is world; under hif8-delayed (first step current-scaled, interval 5):
     fsdp8h and ddph."""
-    from fp8lab.dist.amax import assert_identical_scales, delayed_states, scale_spread
-    from fp8lab.dist.data import gather_token_losses, global_token_loss, shard_batch
-    from fp8lab.dist.ddp import DataParallel
+    from fp8lab.distributed.amax import assert_identical_scales, delayed_states, scale_spread
+    from fp8lab.distributed.data import gather_token_losses, global_token_loss, shard_batch
+    from fp8lab.distributed.ddp import DataParallel
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import convert
 
@@ -104,14 +104,14 @@ def train(mode: str, rank: int, world: int, steps: int) -> dict[str, object]:
         hists = [ds.amax_history for ds in delayed_states(model).values()]
         result[f"hist{step}"] = torch.stack(hists) if hists else torch.zeros(0)
     if world > 1:  # the trained weights, whole (FSDP: every rank's rows gathered)
-        from fp8lab.dist.ddp import _full
+        from fp8lab.distributed.ddp import _full
 
         full = _full(dict(model.named_parameters()))
         result["weights"] = torch.cat([full[k].detach().reshape(-1) for k in sorted(full)])
     if dp is not None and dp.amax is not None:
         result["amax_flushes"] = torch.tensor(dp.amax.flushes)
     if world > 1 and mode == "none":
-        from fp8lab.dist.runtime import agree_any, gather_scaling_states
+        from fp8lab.distributed.runtime import agree_any, gather_scaling_states
 
         result["agree"] = torch.tensor([agree_any(rank == 1), agree_any(False)])
         states = gather_scaling_states(model)
@@ -159,7 +159,7 @@ def _unsharded(model: torch.nn.Module) -> int:
     """How many fp8lab Linear weights FSDP holds unsharded (their gathered data allocated)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fp8lab.dist.fsdp import _fsdp_params
+    from fp8lab.distributed.fsdp import _fsdp_params
     from fp8lab.nn import Linear
 
     n = 0
@@ -179,7 +179,7 @@ def _alive(seen: list, model: torch.nn.Module) -> int:
 
     from torch.distributed.fsdp import FSDPModule
 
-    from fp8lab.dist.fsdp import _fsdp_params
+    from fp8lab.distributed.fsdp import _fsdp_params
 
     gc.collect()
     n = sum(1 for r in seen if r() is not None and r().nbytes() > 0)
@@ -196,8 +196,8 @@ def grad_comm(rank: int) -> dict[str, object]:
     """DDP with GradCommHook: the gradient equals ring_allreduce of the ranks' local gradients."""
     import copy
 
-    from fp8lab.dist.comm import GRAD_COMMS, ring_allreduce
-    from fp8lab.dist.hooks import GradCommHook
+    from fp8lab.distributed.comm import GRAD_COMMS, ring_allreduce
+    from fp8lab.distributed.hooks import GradCommHook
 
     result: dict[str, object] = {}
     for p in GRAD_COMMS:
@@ -222,7 +222,7 @@ def grad_comm(rank: int) -> dict[str, object]:
 
 def fsdp_gather(rank: int, world: int) -> dict[str, object]:
     """FP8 all-gather of every Linear weight of the default lab GPT vs unsharded quantization."""
-    from fp8lab.dist.fsdp import fp8_all_gather, shard_rows
+    from fp8lab.distributed.fsdp import fp8_all_gather, shard_rows
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.qtensor import quantize
     from fp8lab.recipe import get_recipe
@@ -249,7 +249,7 @@ def _delayed_gather(model: torch.nn.Module, rank: int, world: int) -> dict[str, 
     """fp8_all_gather under a bound DelayedScaling (te-delayed with a scale from a history,
     hif8-delayed's current-scaled first step) vs quantizing the unsharded weight with an equal
     state: bit for bit; the gather's state observed this rank's shard amax."""
-    from fp8lab.dist.fsdp import fp8_all_gather, shard_rows
+    from fp8lab.distributed.fsdp import fp8_all_gather, shard_rows
     from fp8lab.qtensor import quantize
     from fp8lab.recipe import get_recipe
     from fp8lab.scaling.delayed import DelayedScaling
@@ -297,7 +297,7 @@ def fully_shard_gather(rank: int, world: int) -> dict[str, object]:
     Linear's gathered QTensor vs the unsharded quantization of the same weight, bit for bit."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fp8lab.dist.fsdp import shard_model
+    from fp8lab.distributed.fsdp import shard_model
     from fp8lab.lab.gpt import GPT, GPTConfig
     from fp8lab.nn import Linear, convert
     from fp8lab.qtensor import quantize

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.dist.runtime import is_distributed, rank, world_size
+from fp8lab.distributed.runtime import is_distributed, rank, world_size
 from fp8lab.nn.state import delayed_states
 from fp8lab.scaling.delayed import DelayedScaling, set_amax_reduction
 

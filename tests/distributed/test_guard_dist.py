@@ -1,4 +1,4 @@
-"""The anomaly guard under torchrun (2 gloo ranks, tests/dist/_guard_worker.py), DDP and FSDP2:
+"""The anomaly guard under torchrun (2 gloo ranks, tests/distributed/_guard_worker.py), DDP and FSDP2:
 every rank takes the same decision, an injected NaN costs one rollback on both ranks and the run
 ends equal to the clean 2-rank run; an anomaly only one rank sees rolls back both."""
 

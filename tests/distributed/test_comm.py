@@ -1,4 +1,4 @@
-"""fp8lab.dist.comm against an exact rational model of the ring schedule.
+"""fp8lab.distributed.comm against an exact rational model of the ring schedule.
 
 The reference below is independent of the implementation: ranks hold their own buffers and pass
 messages one hop at a time (no vectorised chunk indexing), and every float32 / bf16 / fp8 rounding
@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from fp8lab.dist.comm import GRAD_COMMS, bytes_per_rank, msamp_scale, ring_allreduce
+from fp8lab.distributed.comm import GRAD_COMMS, bytes_per_rank, msamp_scale, ring_allreduce
 
 # (mantissa bits, min normal exponent, max finite)
 F32 = (23, -126, Fraction((2 - Fraction(1, 2**23)) * 2**127))

@@ -1,4 +1,4 @@
-"""The debugger's one-step attribution replay under torchrun (or alone): tests/dist/test_debug_dist.py.
+"""The debugger's one-step attribution replay under torchrun (or alone): tests/distributed/test_debug_dist.py.
 
 argv: out_dir text_file. Trains a tiny te-delayed probe (a gradient spike at step 3) with
 snapshots at steps 3 and 4 through the debugger's runner (under torchrun: DDP, the global batch
@@ -21,7 +21,7 @@ import torch
 def main() -> None:
     out, text = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    from fp8lab.dist.runtime import init_from_env, leave_group
+    from fp8lab.distributed.runtime import init_from_env, leave_group
     from fp8lab.lab.data import DataConfig, load_corpus
     from fp8lab.lab.debug.attribution import StepReplay
     from fp8lab.lab.debug.runner import ProbeSpec, TaskPool, load_state, run_probe, snapshot_path
