@@ -5,7 +5,7 @@ FP8LAB  := .venv/bin/fp8lab
 # demo-long has no time budget: it adds te-current to the default recipes
 LONG_RECIPES := fp32,bf16,te-delayed,te-current,deepseek-v3,mxfp8,hif8-delayed,e4m3-unscaled-grads
 
-.PHONY: demo demo-long demo-debug test test-avx2 test-torch-kernels readme-tables lint format docs bench clean
+.PHONY: demo demo-long demo-debug test test-slow test-avx2 test-torch-kernels readme-tables lint format docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -29,11 +29,17 @@ demo-debug: $(STAMP)
 	$(FP8LAB) debug --scenario gradient-spike --jobs 2 --threads 1 --out runs/demo-debug
 	$(PY) scripts/check_report.py runs/demo-debug/report.html
 
-# The whole suite on the default kernels (numba on the CPU), then the numeric subset again on the
-# device-generic torch kernels (test-torch-kernels, below): the oracle suite on both backends.
+# The fast suite (every test not marked slow) on the default kernels (numba on the CPU), then the
+# numeric subset again on the device-generic torch kernels (test-torch-kernels, below): the oracle
+# suite on both backends. <= 10 min on a quiet 2-core machine.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
 	FP8LAB_KERNELS=torch $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
+
+# The tests marked slow: end-to-end debugger runs, multi-process torch.distributed runs, the
+# studies' smallest stages, the gpu_check smoke run. CI runs it after make test.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
 
 # The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
 # stats; the bit-for-bit tests of fp8lab's own arithmetic) again under AVX2 kernels, as on a CPU
@@ -43,9 +49,10 @@ test: $(STAMP)
 NUMERIC_TESTS := tests/formats tests/scaling tests/qtensor tests/gemm tests/recipe tests/optim \
 	tests/nn tests/observe tests/test_stats.py
 # The repeats (test-torch-kernels, test-avx2) leave out the tests marked no_arithmetic (imports,
-# an exact all-reduce: nothing the kernel choice or the instruction set could change); make
-# test's first pass runs them (tests/test_make_passes.py). tests/test_layers.py is not repeated.
-REPEAT := -m "not no_arithmetic"
+# an exact all-reduce: nothing the kernel choice or the instruction set could change), which make
+# test's first pass runs, and the slow ones, which make test-slow runs (tests/test_make_passes.py).
+# tests/test_layers.py is not repeated.
+REPEAT := -m "not no_arithmetic and not slow"
 # Its own inductor cache: torch 2.13's on-disk cache does not key on ATEN_CPU_CAPABILITY, so an
 # AVX2 run would load kernels generated for AVX-512 (wrong bits) and leave AVX2 ones that a
 # later AVX-512 run loads (16-lane stores into 8-lane buffers: heap corruption, measured).

@@ -1,6 +1,7 @@
-"""The passes of ``make test`` and ``make test-avx2`` (Makefile): the first pass runs every test;
-the repeats of the numeric subset (on the torch kernels, under AVX2) leave out only the tests
-marked ``no_arithmetic`` (imports, layering), so every assertion still runs in ``make test``."""
+"""The passes of ``make test``, ``make test-slow`` and ``make test-avx2`` (Makefile): the fast
+pass runs every test not marked ``slow`` and ``make test-slow`` the slow ones, so every test runs
+in one of them; the repeats of the numeric subset (on the torch kernels, under AVX2) leave out the
+tests marked ``no_arithmetic`` (imports, layering) and the slow ones."""
 
 from __future__ import annotations
 
@@ -29,13 +30,20 @@ def _variable(name: str) -> str:
     raise AssertionError(f"Makefile: no {name} :=")
 
 
-def test_first_pass_runs_every_test() -> None:
-    first = _recipe("test")[0]
-    assert first == "$(PY) -m pytest", first  # no -m, -k or path: the whole suite
+def test_fast_and_slow_passes_run_every_test_between_them() -> None:
+    # no -k or path: the fast pass takes every test not marked slow, test-slow the rest
+    assert _recipe("test")[0] == '$(PY) -m pytest -m "not slow"', _recipe("test")
+    assert _recipe("test-slow") == ["$(PY) -m pytest -m slow"], _recipe("test-slow")
 
 
-def test_repeats_leave_out_only_the_no_arithmetic_tests() -> None:
-    assert _variable("REPEAT") == '-m "not no_arithmetic"'
+def test_ci_runs_the_fast_slow_and_avx2_passes() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().split()
+    for target in ("test", "test-slow", "test-avx2"):
+        assert target in ci, f".ci/run does not run make {target}"
+
+
+def test_repeats_leave_out_only_the_no_arithmetic_and_slow_tests() -> None:
+    assert _variable("REPEAT") == '-m "not no_arithmetic and not slow"'
     repeats = [_recipe("test")[1], _recipe("test-torch-kernels")[0], _recipe("test-avx2")[-1]]
     for line in repeats:
         assert line.endswith("-m pytest $(REPEAT) $(NUMERIC_TESTS)"), line
