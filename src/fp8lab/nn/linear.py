@@ -188,8 +188,8 @@ def _quantize(
     if held is None:
         out = deq = None
     else:
-        out = POOL.take(tuple(x.shape), held)
-        deq = POOL.take(tuple(x.shape), held) if want_dense else None
+        out = POOL.take(tuple(x.shape), held, x.device)
+        deq = POOL.take(tuple(x.shape), held, x.device) if want_dense else None
     if retile_from is None:
         return q.quantize(x, out, deq)
     return q.retile(retile_from, x, out, deq)
@@ -222,7 +222,7 @@ def prepare(
     q = op.quantizer
     if hp == "bf16" and x.dtype == torch.float32 and held is not None:
         used: torch.Tensor | QTensor = round_bf16(
-            x.contiguous(), out=POOL.take(tuple(x.shape), held)
+            x.contiguous(), out=POOL.take(tuple(x.shape), held, x.device)
         )
     elif hp is not None:
         used = round_high_precision(x, hp)

@@ -11,8 +11,8 @@ way). Operations: `Quantizer.quantize`, `Quantizer.observe`, `Quantizer.update`,
 The public `fp8lab.quantize` and `fp8lab.retile` run through this class too (a throwaway
 quantizer per call), so there is one quantization path.
 
-Output buffers: `POOL` keeps free float32 buffers by shape (a fresh 32 MB tensor costs more than
-the quantization pass that fills it: page faults on first touch, ~21 ms vs ~6 ms on the
+Output buffers: `POOL` keeps free buffers by shape, device and dtype (a fresh 32 MB tensor costs
+more than the quantization pass that fills it: page faults on first touch, ~21 ms vs ~6 ms on the
 development machine); `fp8lab.nn` takes an operand's buffers from it and returns them when the
 operand is dead.
 """
@@ -244,24 +244,35 @@ def _rule_args(spec: QuantSpec) -> tuple[Any, tuple[Any, ...]] | None:
 
 # --------------------------------------------------------------------------- output buffers
 class BufferPool:
-    """Free float32 buffers by shape, reused across calls and modules; at most ``max_bytes`` of
-    free buffers are retained."""
+    """Free buffers by (shape, device, dtype), reused across calls and modules; at most
+    ``max_bytes`` of free buffers are retained. A buffer is only ever handed out for its own
+    device and dtype: a tensor made on the CPU for a CUDA operand would fail the kernels' device
+    check (or, worse, cost a copy per call)."""
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
-        self.free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.free: dict[tuple[tuple[int, ...], torch.device, torch.dtype], list[torch.Tensor]] = {}
         self.free_bytes = 0
         self.lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], held: list[torch.Tensor]) -> torch.Tensor:
-        """A float32 buffer of ``shape`` (contents undefined), appended to ``held``."""
+    def take(
+        self,
+        shape: tuple[int, ...],
+        held: list[torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """A ``dtype`` buffer of ``shape`` on ``device`` (contents undefined), appended to
+        ``held``. ``device``: the operand's ``x.device`` (a CUDA device with its index, as a
+        tensor reports it; a returned buffer is filed under its own ``.device``)."""
+        key = (tuple(shape), torch.device(device), dtype)
         with self.lock:
-            lst = self.free.get(shape)
+            lst = self.free.get(key)
             buf = lst.pop() if lst else None
             if buf is not None:
-                self.free_bytes -= 4 * buf.numel()
+                self.free_bytes -= buf.element_size() * buf.numel()
         if buf is None:
-            buf = torch.empty(shape, dtype=torch.float32)
+            buf = torch.empty(key[0], dtype=dtype, device=key[1])
         held.append(buf)
         return buf
 
@@ -269,10 +280,11 @@ class BufferPool:
         """Return every buffer of ``held`` (their users are dead) and empty the list."""
         with self.lock:
             for buf in held:
-                nbytes = 4 * buf.numel()
+                nbytes = buf.element_size() * buf.numel()
                 if self.free_bytes + nbytes > self.max_bytes:
                     continue
-                self.free.setdefault(tuple(buf.shape), []).append(buf)
+                key = (tuple(buf.shape), buf.device, buf.dtype)
+                self.free.setdefault(key, []).append(buf)
                 self.free_bytes += nbytes
         held.clear()
 
