@@ -50,9 +50,9 @@ import torch
 from fp8lab.distributed.ddp import comm_summary
 from fp8lab.lab import machine as machines
 from fp8lab.lab import models
+from fp8lab.lab import noise as noise_rule
 from fp8lab.lab.data import Corpus, load_corpus
 from fp8lab.lab.gpt import GPTConfig
-from fp8lab.lab.noise import late_gap_pct
 from fp8lab.lab.pool import Callback, Job, WorkerPool, check_count, set_threads
 from fp8lab.lab.train import (
     CHECKPOINT,
@@ -482,11 +482,6 @@ def _diverged(s: dict[str, Any], vocab_size: int) -> bool:
     return diverged_loss(s["final_train_loss"], s["final_val_loss"], vocab_size)
 
 
-#: a recipe's gap to the baseline is "within noise" when it is at most this many times the noise
-NOISE_FACTOR = 2.0
-NOISE_PAIR = ("fp32", "bf16")
-
-
 def _val_curve(records: list[dict[str, Any]]) -> dict[int, float | None]:
     """A run's validation curve ``{step: val_loss}`` from its metrics records."""
     return {r["step"]: r.get("val_loss") for r in records if "val_loss" in r}
@@ -504,13 +499,13 @@ def noise_estimate(
     recipe under other seeds, `run_comparison`'s ``noise_seeds``) at the end and (2) the largest
     |gap| of ``fp32`` vs ``bf16`` (two runs that differ only in rounding) over the evaluations
     of the second half of the run, each where available. ``{"rel_gap_pct", "seeds_pct",
-    "fp32_bf16_pct", "source", "factor": NOISE_FACTOR}``; ``rel_gap_pct`` None when neither is
+    "fp32_bf16_pct", "source", "factor": noise.WITHIN}``; ``rel_gap_pct`` None when neither is
     available or a loss is not finite. Gaps up to ``factor`` times it are not ranked. (2) alone
     is a lower bound: FP8 recipes perturb a run more than bf16 rounding does."""
-    a, b = NOISE_PAIR
+    a, b = noise_rule.PAIR
     pair = None
     if a in names and b in names:  # the lab's one noise rule
-        pair = late_gap_pct(*(_val_curve(metrics[n]) for n in (a, b, baseline)))
+        pair = noise_rule.late_gap_pct(*(_val_curve(metrics[n]) for n in (a, b, baseline)))
     seeds = None
     finals = list((replica_finals or {}).values())
     if finals and base_final and None not in finals:
@@ -531,7 +526,7 @@ def noise_estimate(
         "rel_gap_pct": max(known) if known else None,
         "seeds_pct": seeds,
         "fp32_bf16_pct": pair,
-        "factor": NOISE_FACTOR,
+        "factor": noise_rule.WITHIN,
         "source": source,
     }
 

@@ -3,13 +3,33 @@
 `fp8lab compare` and `fp8lab debug` both leave a gap between a recipe's and the baseline's final
 validation loss unranked (compare) or unattributed (debug) when it is within a few times the
 run-to-run noise. Both estimate that noise from two curves that differ only in rounding (fp32
-and bf16) with :func:`late_gap_pct`.
+and bf16) with :func:`late_gap_pct`, and both take the "few times" from here:
+
+- :data:`WITHIN` (2): a gap (%) at most ``WITHIN`` x the noise (%) is *within noise*.
+  `fp8lab compare` lists such recipes without ranking them (`lab.compare_summary.within_noise`,
+  the summary's ``noise.factor``); the debugger counts a probe that ends there as explaining
+  the gap (`lab.debug.method`), R's recovery as recovered (`lab.debug.verdict`), and its report
+  draws the band (`report.debug`).
+- :data:`ATTRIBUTE` (3): the debugger attributes a gap to FP8 only above ``ATTRIBUTE`` x the
+  noise (and above ``lab.debug.method.MIN_GAP_PCT``): `lab.debug.method.gap_floor`.
+
+Read them as ``noise.WITHIN`` at the point of use (never copied into another constant), so that
+one value holds everywhere. The debugger's scenario table (docs/debug.md) was measured with
+these values: a change of either comes with that table re-measured.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+
+#: the two recipes that differ only in rounding, whose gap is the noise
+PAIR = ("fp32", "bf16")
+#: a gap at most this many times the noise is within noise (compare: not ranked; debug: a
+#: probe explains the gap, R recovers)
+WITHIN = 2.0
+#: the debugger attributes a gap to FP8 only above this many times the noise (`gap_floor`)
+ATTRIBUTE = 3.0
 
 #: a validation curve: ``{step: loss}`` or ``[(step, loss), ...]`` (a loss may be None)
 Curve = Mapping[int, float | None] | Iterable[tuple[int, float | None]]

@@ -3,7 +3,7 @@
 Figures:
 
 - ``figures/probes.png``: every probe's validation-loss gap to the baseline over the run, with
-  the noise band (twice the fp32-vs-bf16 gap);
+  the noise band (`fp8lab.lab.noise.WITHIN` x the fp32-vs-bf16 gap);
 - ``figures/attribution.png``: the screening scores, one row per layer, one column per
   (GEMM, role) cell;
 - ``figures/remedies.png``: each remedy's final gap against its relative cost.
@@ -22,6 +22,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from fp8lab.lab import noise as noise_rule
 from fp8lab.report.training import _CSS, _SCRIPT
 from fp8lab.report.training import _fmt as _cell
 
@@ -63,8 +64,8 @@ def plot_probes(result: Any, path: Path) -> Path:
                 label=p.name, alpha=1.0 if p.kind in ("recipe", "remedy") else 0.75)  # fmt: skip
     ax.axhline(0, color="black", lw=1)
     if result.noise_pct:
-        n = 2 * result.noise_pct
-        ax.axhspan(-n, n, color="green", alpha=0.12, label="±2x noise")
+        n = noise_rule.WITHIN * result.noise_pct
+        ax.axhspan(-n, n, color="green", alpha=0.12, label=f"±{noise_rule.WITHIN:g}x noise")
     ax.set(title=f"validation-loss gap of every probe to {result.baseline}", xlabel="step",
            ylabel="gap (%)")  # fmt: skip
     ax.set_yscale("symlog", linthresh=0.1)
@@ -174,8 +175,8 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
     lines += ["## Probes", "",
               "Every probe trains from the same initial weights on the same batches; gap % = "
               "final validation loss relative to the baseline's; share closed = 1 - gap / R's "
-              "gap; a probe explains the gap when it closes >= 70 % of it or lands within 2x "
-              "the noise.", ""]  # fmt: skip
+              f"gap; a probe explains the gap when it closes >= 70 % of it or lands within "
+              f"{noise_rule.WITHIN:g}x the noise.", ""]  # fmt: skip
     lines += [*_md_table(PROBE_HEAD, _probe_rows(result)), ""]
     for title, f in figs.items():
         lines += [f"## {title}", "", f"![{title}]({f})", ""]
@@ -230,8 +231,8 @@ def render_html(result: Any, figs: dict[str, str], command: str | None,
         parts.append(f"<p>Command:</p><pre>{e(command)}</pre>")
     parts.append(_html_table(["", ""], _summary_rows(result, expect)))
     parts.append("<h2>Probes</h2><p>Same initial weights and batches for every probe; a probe "
-                 "explains the gap when it closes at least 70 % of it or lands within 2x the "
-                 "noise.</p>")  # fmt: skip
+                 f"explains the gap when it closes at least 70 % of it or lands within "
+                 f"{noise_rule.WITHIN:g}x the noise.</p>")  # fmt: skip
     parts.append(_html_table(PROBE_HEAD, _probe_rows(result)))
     for title, f in figs.items():
         parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')

@@ -4,7 +4,7 @@
    in rounding) from one initial model and one batch order. ``gap_pct`` is R's final validation
    loss relative to the baseline's (as ``fp8lab compare``); ``noise_pct`` the largest |gap|
    between fp32 and bf16 over the second half of the run. A gap within max(0.01 %, 3x the
-   noise) is "no FP8 problem found" (:func:`gap_floor`).
+   noise) is "no FP8 problem found" (:func:`gap_floor`; the factors: `fp8lab.lab.noise`).
 2. **recovery**: R's checkpoint at ``recovery_from`` of the run, loaded into the baseline recipe
    (weights and optimizer moments; loaded explicitly: the lab refuses it for users) and trained
    to the end; ``recovers`` = its gap falls back within twice the noise.
@@ -38,6 +38,7 @@ import fp8lab.lab.debug.names as names
 import fp8lab.lab.debug.remedies as remedies
 import fp8lab.lab.debug.search as search
 import fp8lab.lab.debug.variants as variants
+from fp8lab.lab import noise as noise_rule
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.debug.result import DebugResult, Probe, _rel
 from fp8lab.lab.debug.runner import (
@@ -51,18 +52,15 @@ from fp8lab.lab.debug.runner import (
 )
 from fp8lab.lab.debug.start import START, read_start, write_start
 from fp8lab.lab.debug.verdict import decide
-from fp8lab.lab.noise import late_gap_pct
 from fp8lab.lab.pool import Callback, check_count
 from fp8lab.lab.train import LabConfig, build_model, read_metrics
 from fp8lab.nn import convert, select_linears
 
 CONFIG_FILE = "debug.json"
-NOISE_PAIR = ("fp32", "bf16")
 #: share of the gap a layer subset must close in group testing (the verdict asks 70 %)
 LAYER_CLOSE = 0.85
-#: the smallest gap (%) attributed to FP8 is max(MIN_GAP_PCT, NOISE_FACTOR x the noise)
+#: the smallest gap (%) attributed to FP8 is max(MIN_GAP_PCT, noise.ATTRIBUTE x the noise)
 MIN_GAP_PCT = 0.01
-NOISE_FACTOR = 3.0
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -168,7 +166,7 @@ class _Ctx:
         gap_p = self.gap_ref if diverged else (p.gap_pct if p.gap_pct is not None else 0.0)
         p.closure = 1.0 - gap_p / self.gap_ref if self.gap_ref else None
         within = (not diverged and self.noise is not None
-                  and abs(gap_p) <= 2 * self.noise)  # fmt: skip
+                  and abs(gap_p) <= noise_rule.WITHIN * self.noise)  # fmt: skip
         p.explains = not diverged and (within or (p.closure is not None
                                                   and p.closure >= self.close))  # fmt: skip
 
@@ -285,7 +283,7 @@ def _stage_gap(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float,
     specs = [ctx.spec("recipe", rec, "recipe", f"R = {rec.name}",
                       snapshots=tuple(sorted({*screen_steps, rec_step})))]  # fmt: skip
     runs = {"baseline": base}
-    for n in NOISE_PAIR:
+    for n in noise_rule.PAIR:
         r = resolve(n)
         if r.fingerprint() != base.fingerprint():
             runs[f"noise-{n}"] = r
@@ -297,8 +295,8 @@ def _stage_gap(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float,
     ctx.base_final = bp.summary.get("final_val_loss")
     ctx.base_val = dict(bp.val)
     curves = {n: (ctx.probes["baseline"].val if f"noise-{n}" not in ctx.probes
-                  else ctx.probes[f"noise-{n}"].val) for n in NOISE_PAIR}  # fmt: skip
-    ctx.noise = late_gap_pct(curves["fp32"], curves["bf16"], bp.val)
+                  else ctx.probes[f"noise-{n}"].val) for n in noise_rule.PAIR}  # fmt: skip
+    ctx.noise = noise_rule.late_gap_pct(*(curves[n] for n in noise_rule.PAIR), bp.val)
     vocab = _vocab(cfg)
     base_diverged = bool(bp.summary.get("diverged")) or ctx.base_final is None
     rp = ctx.probes["recipe"]
@@ -517,12 +515,12 @@ def _stage_remedies(ctx: _Ctx, found: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def gap_floor(noise: float | None) -> float:
-    """The smallest gap (%) the debugger attributes: max(MIN_GAP_PCT, NOISE_FACTOR x noise).
+    """The smallest gap (%) the debugger attributes: max(MIN_GAP_PCT, noise.ATTRIBUTE x noise).
 
     Twice the noise alone is not enough: on a tiny healthy model fp32 and bf16 can agree to
     0.001 %, and a +0.007 % gap of te-delayed (20 steps) was then "debugged" into a culprit and
     a fix file that 40 steps showed to be nothing."""
-    return max(MIN_GAP_PCT, NOISE_FACTOR * noise) if noise is not None else MIN_GAP_PCT
+    return max(MIN_GAP_PCT, noise_rule.ATTRIBUTE * noise) if noise is not None else MIN_GAP_PCT
 
 
 def too_small_to_attribute(gap: float | None, noise: float | None) -> bool:
@@ -531,8 +529,10 @@ def too_small_to_attribute(gap: float | None, noise: float | None) -> bool:
 
 
 def _strict(ctx: _Ctx, p: Probe) -> bool:
-    """Explains the gap with a margin: closes >= LAYER_CLOSE of it, or ends within 2x noise."""
-    within = p.gap_pct is not None and ctx.noise is not None and abs(p.gap_pct) <= 2 * ctx.noise
+    """Explains the gap with a margin: closes >= LAYER_CLOSE of it, or ends within noise
+    (`noise.WITHIN` x the noise)."""
+    within = (p.gap_pct is not None and ctx.noise is not None
+              and abs(p.gap_pct) <= noise_rule.WITHIN * ctx.noise)  # fmt: skip
     return p.explains and (within or (p.closure or 0.0) >= LAYER_CLOSE)
 
 

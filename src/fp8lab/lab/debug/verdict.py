@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8lab.lab import noise as noise_rule
 from fp8lab.lab.debug.names import with_user_names
 from fp8lab.lab.debug.result import DebugResult
 from fp8lab.recipe import Recipe
@@ -113,13 +114,13 @@ def decide(
 
 
 def _recovers(ctx: Any, state: dict[str, Any]) -> bool:
-    """Whether R's checkpoint continued under the baseline ends within 2x the noise (or there
-    is nothing to recover from)."""
+    """Whether R's checkpoint continued under the baseline ends within noise (`noise.WITHIN` x
+    the noise; or there is nothing to recover from)."""
     if state.get("no_problem") or state.get("r_better"):
         return True
     recovery, noise = ctx.probes.get("recovery"), ctx.noise
     if recovery is not None and recovery.gap_pct is not None and noise is not None:
-        return abs(recovery.gap_pct) <= 2 * noise
+        return abs(recovery.gap_pct) <= noise_rule.WITHIN * noise
     return False
 
 
@@ -141,7 +142,8 @@ def _early_verdict(ctx: Any, state: dict[str, Any]) -> tuple[str | None, list[st
         ]
     if state.get("no_problem"):
         return "no-problem", [
-            _r_words(ctx, state) + " That is within max(0.01 %, 3x the noise) = "
+            _r_words(ctx, state)
+            + f" That is within max(0.01 %, {noise_rule.ATTRIBUTE:g}x the noise) = "
             f"{_pct(state.get('floor_pct')).lstrip('+')}, too small to attribute: no FP8 "
             "problem found."
         ]
