@@ -104,6 +104,8 @@ BAD = [
     ('[dgrad.high_precision_roles]\ngrad_output = "fp8"\n', ["high_precision", "fp8"]),
     ('[dgrad.high_precision_roles]\nbias = "bf16"\n', ["[dgrad.high_precision_roles]", "bias"]),
     ("[dgrad.high_precision_roles]\ngrad_output = 16\n", ["grad_output", "string"]),
+    ('[[layer]]\nmatch = "a"\nreset = ["lr"]\n', ["[layer] 1", "'reset'", "'lr'"]),
+    ('[[layer]]\nmatch = "a"\nreset = 3\n', ["[layer] 1", "'reset'", "3"]),
 ]
 
 
@@ -125,3 +127,23 @@ def test_rule_free_recipes_keep_their_fingerprint():
         d = get_recipe(name).to_dict()
         assert "layer" not in d
         assert all("high_precision_roles" not in d[g] for g in ("fprop", "dgrad", "wgrad"))
+
+
+def test_reset_removes_a_key_a_merge_cannot(tmp_path):
+    # deepseek-v3's accumulators promote every 128 elements; a plain fp32 accumulator has no
+    # promote_every, which only a reset can express in a [[layer]] rule (TOML has no null)
+    p = tmp_path / "r.toml"
+    p.write_text(
+        'base = "deepseek-v3"\n[[layer]]\nmatch = "blocks.0.*"\n'
+        'reset = ["fprop.accumulator.promote_every"]\n'
+        '[layer.fprop.accumulator]\nkind = "fp32"\n',
+        encoding="utf-8",
+    )
+    r = Recipe.load(p)
+    assert r.for_layer("blocks.0.q").fprop.accumulator.promote_every is None
+    assert r.for_layer("blocks.0.q").dgrad.accumulator.promote_every == 128
+    assert r.for_layer("blocks.1.q").fprop.accumulator.promote_every == 128
+    back = Recipe.from_toml(r.to_toml())
+    assert back.fingerprint() == r.fingerprint() and back.layers[0].reset == r.layers[0].reset
+    # a rule without reset keeps its fingerprint: no "reset" key appears
+    assert "reset" not in LayerRule("a", changes={"grad_output": {"scaling": "max"}}).to_dict()

@@ -14,8 +14,11 @@ A recipe may carry rules, applied to each converted layer in order (last match w
     base = "bf16"                        # these layers restart from the bf16 preset
 
 A rule's ``base`` resets the layer's Linear settings (roles, GEMMs, ``save_for_backward``,
-``attention``) to that preset's; its other keys are deep-merged on top: a table merges key by key
-(``[layer.grad_output] scaling = "current"`` changes only the scaling), any other value replaces.
+``attention``) to that preset's; its ``reset`` (a list of dotted keys, e.g.
+``["fprop.accumulator.promote_every"]``) then removes those keys, so they take their defaults (a
+merge cannot remove a key, and TOML has no null); its other keys are deep-merged on top: a table
+merges key by key (``[layer.grad_output] scaling = "current"`` changes only the scaling), any
+other value replaces.
 Whole-model settings (optimizer state, master weights, loss scaling) belong to the file's top
 level, not to a layer: a rule naming one is an error.
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 from fp8lab.recipe.config import GEMMS, ROLES
 
-__all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "set_preset_lookup"]
+__all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "remove_key", "set_preset_lookup"]
 
 #: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs): its operand
 #: roles, its GEMMs, what it saves for the backward and its attention matmuls
@@ -77,15 +80,30 @@ def deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str,
     return out
 
 
+def remove_key(plain: Mapping[str, Any], dotted: str) -> dict[str, Any]:
+    """``plain`` without the key at the dotted path ``dotted`` (``"fprop.accumulator.group"``);
+    a path that is not there leaves ``plain`` as it is. Tables on the path are copied, not
+    modified."""
+    head, _, rest = dotted.partition(".")
+    out = dict(plain)
+    if not rest:
+        out.pop(head, None)
+    elif isinstance(out.get(head), Mapping):
+        out[head] = remove_key(out[head], rest)
+    return out
+
+
 @dataclass(frozen=True)
 class LayerRule:
     """One ``[[layer]]`` table: the layers it ``match``\\ es (shell globs on qualified module
-    names, ``fnmatch``, case-sensitive), an optional preset ``base`` they restart from, and the
-    recipe keys (``changes``, plain data of `LAYER_KEYS`) merged on top. Frozen and hashable."""
+    names, ``fnmatch``, case-sensitive), an optional preset ``base`` they restart from, the
+    dotted keys they ``reset`` to their defaults (each under one of `LAYER_KEYS`) and the recipe
+    keys (``changes``, plain data of `LAYER_KEYS`) merged on top. Frozen and hashable."""
 
     match: tuple[str, ...]
     base: str | None = None
     changes: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    reset: tuple[str, ...] = ()
     _canonical: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,14 +120,26 @@ class LayerRule:
                 )
             if k not in LAYER_KEYS:
                 raise ValueError(
-                    f"layer rule {m!r}: unknown key {k!r}; valid: match, base, "
+                    f"layer rule {m!r}: unknown key {k!r}; valid: match, base, reset, "
                     + ", ".join(LAYER_KEYS)
                 )
         if self.base is not None:
             preset(self.base)  # unknown preset names fail here, naming the valid ones
+        reset = (self.reset,) if isinstance(self.reset, str) else self.reset
+        bad = [k for k in reset if not isinstance(k, str) or k.split(".")[0] not in LAYER_KEYS
+               or "" in k.split(".")] if isinstance(reset, (list, tuple)) else [reset]  # fmt: skip
+        if bad:
+            raise ValueError(
+                f"layer rule {m!r}: 'reset' takes dotted keys under {', '.join(LAYER_KEYS)} "
+                f"(e.g. 'fprop.accumulator.promote_every'), got {bad[0]!r}"
+            )
+        reset = tuple(reset)
         object.__setattr__(self, "match", m)
         object.__setattr__(self, "changes", changes)
+        object.__setattr__(self, "reset", reset)
         canonical = {"match": list(m), "base": self.base, "changes": changes}
+        if reset:  # absent otherwise: fingerprints of reset-free rules stay as they were
+            canonical["reset"] = list(reset)
         object.__setattr__(self, "_canonical", json.dumps(canonical, sort_keys=True))
 
     def matches(self, name: str) -> bool:
@@ -118,34 +148,39 @@ class LayerRule:
 
     def apply(self, plain: Mapping[str, Any]) -> dict[str, Any]:
         """The plain recipe ``plain`` (`Recipe.to_dict` form, no ``layer``) with this rule
-        applied: the base preset's Linear settings first, then the changes."""
+        applied: the base preset's Linear settings first, then the resets, then the changes."""
         out = dict(plain)
         if self.base is not None:
             b = preset(self.base).to_dict()
             out = {k: v for k, v in out.items() if k not in LAYER_KEYS}
             out.update({k: v for k, v in b.items() if k in LAYER_KEYS})
+        for key in self.reset:
+            out = remove_key(out, key)
         return deep_merge(out, self.changes)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"match": self.match[0] if len(self.match) == 1 else list(self.match)}
         if self.base is not None:
             d["base"] = self.base
+        if self.reset:
+            d["reset"] = list(self.reset)
         d.update(self.changes)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerRule:
-        """A ``[[layer]]`` table: ``match`` (required), ``base``, then recipe keys."""
+        """A ``[[layer]]`` table: ``match`` (required), ``base``, ``reset``, then recipe keys."""
         if not isinstance(d, Mapping):
             raise ValueError(f"a [[layer]] entry must be a table, got {d!r}")
         if "match" not in d:
             raise ValueError("a [[layer]] table needs 'match' (a glob or a list of globs)")
-        rest = {k: v for k, v in d.items() if k not in ("match", "base")}
-        return cls(match=d["match"], base=d.get("base"), changes=rest)
+        rest = {k: v for k, v in d.items() if k not in ("match", "base", "reset")}
+        return cls(match=d["match"], base=d.get("base"), changes=rest, reset=d.get("reset", ()))
 
     def describe(self) -> str:
         """One line: ``match -> base + changed keys``."""
         parts = [f"base={self.base}"] if self.base else []
+        parts += [f"reset {k}" for k in self.reset]
         parts += [f"{k}={json.dumps(v, sort_keys=True)}" for k, v in self.changes.items()]
         return f"{', '.join(self.match)} -> {'; '.join(parts) or '(no change)'}"
 

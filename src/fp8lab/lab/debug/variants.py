@@ -48,35 +48,37 @@ def _plain(recipe: Recipe) -> dict[str, Any]:
     return {k: d[k] for k in LAYER_KEYS if k in d}
 
 
-def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Keys of ``new`` that differ from ``old`` (recursively); None when ``new`` drops a key
-    of ``old`` (a deep merge cannot express a removal)."""
+def _diff(
+    old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = ""
+) -> tuple[dict[str, Any], list[str]]:
+    """``(changes, removed)``: the keys of ``new`` that differ from ``old`` (recursively) and the
+    dotted paths of the keys of ``old`` that ``new`` drops (a rule's ``reset``: a deep merge
+    cannot express a removal, e.g. fake quantization's fp32 accumulator has no
+    ``promote_every``)."""
     out: dict[str, Any] = {}
-    for k in old:
-        if k not in new:
-            return None
+    removed = [f"{prefix}{k}" for k in old if k not in new]
     for k, v in new.items():
         o = old.get(k)
         if isinstance(v, Mapping) and isinstance(o, Mapping):
-            d = _diff(o, v)
-            if d is None:
-                return None
+            d, r = _diff(o, v, f"{prefix}{k}.")
+            removed += r
             if d:
                 out[k] = d
         elif v != o:
             out[k] = v
-    return out
+    return out, removed
 
 
 def per_layer(
     recipe: Recipe, layers: Iterable[str], fn: Callable[[Recipe], Recipe], name: str
 ) -> Recipe:
     """``recipe`` with each of ``layers`` running ``fn(recipe.for_layer(layer))``, as layer
-    rules appended to the recipe's own (layers with equal changes share one rule)."""
+    rules appended to the recipe's own (layers with equal changes share one rule). RuntimeError
+    naming the layer when a rule does not give the intended recipe."""
     from fp8lab.recipe import LayerRule
 
     groups: dict[str, list[str]] = {}
-    changes: dict[str, dict[str, Any]] = {}
+    rule_of: dict[str, tuple[dict[str, Any], list[str]]] = {}
     wanted: dict[str, Recipe] = {}
     for layer in layers:
         old = recipe.for_layer(layer)
@@ -84,13 +86,14 @@ def per_layer(
         wanted[layer] = new
         if new.fingerprint() == old.fingerprint():
             continue
-        d = _diff(_plain(old), _plain(new))
-        if d is None:  # a removal: write every table of the layer's recipe
-            d = _plain(new)
-        key = json.dumps(d, sort_keys=True)
+        d, removed = _diff(_plain(old), _plain(new))
+        key = json.dumps([d, removed], sort_keys=True)
         groups.setdefault(key, []).append(layer)
-        changes[key] = d
-    rules = [LayerRule(match=tuple(ls), changes=changes[k]) for k, ls in groups.items()]
+        rule_of[key] = (d, removed)
+    rules = [
+        LayerRule(match=tuple(ls), changes=rule_of[k][0], reset=tuple(rule_of[k][1]))
+        for k, ls in groups.items()
+    ]
     out = recipe.with_layers(*rules).replace(name=name) if rules else recipe.replace(name=name)
     for layer, new in wanted.items():
         got = out.for_layer(layer)
