@@ -9,7 +9,7 @@ For each accumulator and size (M = K = N) it times `qmatmul` on pre-quantized op
 and the ratio torch / numba, both measured in the same process, best of ``--repeat``. It also
 checks that both gave the same bits. On a CUDA device the fused accumulator's FP8 fast domain
 runs as one Triton kernel (`fp8lab.gemm.fused_triton`): there the ``torch`` column is the torch
-kernel alone (``FP8LAB_TRITON=0``) and the ``triton`` column the default (Triton, probed), with
+kernel alone (``using_triton("0")``) and the ``triton`` column the default (Triton, probed), with
 its ratio to the torch kernel and its own bit check; elsewhere the column says why it is empty. On the CPU numba stays the default (the torch kernels are
 there for other devices and as the oracle's second implementation); the issue's GPU targets are
 measured by ``scripts/gpu_check.py`` on a GPU.
@@ -18,18 +18,16 @@ measured by ``scripts/gpu_check.py`` on a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from _device import HELP, sync, torch_device
 from fp8lab import Accumulator, QuantSpec, qmatmul, quantize
 from fp8lab.gemm.fused import fast_path_applies
-from fp8lab.gemm.fused_triton import triton_available
+from fp8lab.gemm.fused_triton import triton_available, using_triton
 from fp8lab.kernels import using_kernels
 
 CASES = [
@@ -53,20 +51,6 @@ def best_of(fn: Callable[[], torch.Tensor], repeat: int, device: torch.device) -
     return min(times)
 
 
-@contextlib.contextmanager
-def triton_env(value: str | None) -> Iterator[None]:
-    """``FP8LAB_TRITON`` set to ``value`` (None: unset) inside the block, restored after."""
-    old = os.environ.pop("FP8LAB_TRITON", None)
-    if value is not None:
-        os.environ["FP8LAB_TRITON"] = value
-    try:
-        yield
-    finally:
-        os.environ.pop("FP8LAB_TRITON", None)
-        if old is not None:
-            os.environ["FP8LAB_TRITON"] = old
-
-
 def triton_row(da, db, acc: Accumulator, repeat: int, device: torch.device, want, t_torch) -> str:
     """The Triton column of one row: its time, ratio to the torch kernel and bit check, or why
     there is none."""
@@ -76,7 +60,7 @@ def triton_row(da, db, acc: Accumulator, repeat: int, device: torch.device, want
         return "(no triton)"
     if not fast_path_applies(acc.resolve("e4m3", "e4m3"), "e4m3", "e4m3"):
         return "(not fast)"
-    with using_kernels("torch"), triton_env(None):
+    with using_kernels("torch"), using_triton("1"):
         t = best_of(lambda: qmatmul(da, db, acc), repeat, device)
         got = qmatmul(da, db, acc).cpu()
     same = torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -110,7 +94,7 @@ def run(sizes: list[int], repeat: int, device: torch.device) -> None:
                 t_numba = best_of(lambda qa=qa, qb=qb, acc=acc: qmatmul(qa, qb, acc), repeat,
                                   torch.device("cpu"))  # fmt: skip
                 want = qmatmul(qa, qb, acc)
-            with using_kernels("torch"), triton_env("0"):
+            with using_kernels("torch"), using_triton("0"):
                 t_torch = best_of(lambda da=da, db=db, acc=acc: qmatmul(da, db, acc), repeat,
                                   device)  # fmt: skip
                 got = qmatmul(da, db, acc).cpu()

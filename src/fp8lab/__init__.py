@@ -27,6 +27,10 @@ _EXPORTS: dict[str, str] = {
     "set_kernels": "fp8lab.kernels",
     "get_kernels": "fp8lab.kernels",
     "using_kernels": "fp8lab.kernels",
+    # the fused GEMM's Triton kernel on CUDA (FP8LAB_TRITON, read once)
+    "set_triton": "fp8lab.gemm.fused_triton",
+    "get_triton": "fp8lab.gemm.fused_triton",
+    "using_triton": "fp8lab.gemm.fused_triton",
     # L1 scaling / quantized tensors / statistics
     "QuantSpec": "fp8lab.qtensor",
     "QTensor": "fp8lab.qtensor",

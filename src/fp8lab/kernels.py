@@ -33,6 +33,7 @@ from fp8lab._counters import read_counts
 __all__ = [
     "ENV_VAR",
     "KERNEL_CHOICES",
+    "ProcessChoice",
     "get_kernels",
     "kernel_counts",
     "set_kernels",
@@ -48,20 +49,55 @@ ENV_VAR = "FP8LAB_KERNELS"
 _COUNTS = {"numba": 0, "torch": 0}
 
 
-def _check(name: object, where: str) -> str:
-    if not isinstance(name, str) or name.strip().lower() not in KERNEL_CHOICES:
-        raise ValueError(
-            f"{where}: unknown kernels {name!r}; choose one of {', '.join(KERNEL_CHOICES)}"
-        )
-    return name.strip().lower()
+class ProcessChoice:
+    """One process-wide choice among fixed names: read once from the environment variable
+    ``env_var`` (on first use; unset or empty gives ``default``), changed with `set`, scoped
+    with `using`. fp8lab's kernels (``FP8LAB_KERNELS``) and the fused GEMM's Triton kernel
+    (``FP8LAB_TRITON``, `fp8lab.gemm.fused_triton`) are such choices. Names are matched
+    case-insensitively after stripping blanks; an unknown name is a ValueError naming where it
+    came from (the variable, or the setter), the value and the valid names."""
+
+    def __init__(
+        self, env_var: str, choices: tuple[str, ...], default: str, noun: str, setter: str
+    ) -> None:
+        self.env_var, self.choices, self.default = env_var, choices, default
+        self.noun, self.setter = noun, setter
+        self.value: str | None = None  # None: not read from the environment yet
+
+    def check(self, name: object, where: str) -> str:
+        """``name`` normalised; ValueError naming ``where`` when it is not a valid choice."""
+        if not isinstance(name, str) or name.strip().lower() not in self.choices:
+            raise ValueError(
+                f"{where}: unknown {self.noun} {name!r}; choose one of {', '.join(self.choices)}"
+            )
+        return name.strip().lower()
+
+    def get(self) -> str:
+        """The current choice (the environment's on first use)."""
+        if self.value is None:
+            raw = os.environ.get(self.env_var, "").strip()
+            where = f"environment variable {self.env_var}"
+            self.value = self.check(raw, where) if raw else self.default
+        return self.value
+
+    def set(self, name: str) -> str:
+        """Make ``name`` the choice for the whole process; returns the previous one."""
+        new = self.check(name, self.setter)
+        old = self.get()
+        self.value = new
+        return old
+
+    @contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """Run a block under ``name``, then restore the previous choice."""
+        old = self.set(name)
+        try:
+            yield
+        finally:
+            self.set(old)
 
 
-def _from_env() -> str:
-    value = os.environ.get(ENV_VAR, "").strip()
-    return _check(value, f"environment variable {ENV_VAR}") if value else "auto"
-
-
-_setting: str | None = None  # None: not read from the environment yet
+_KERNELS = ProcessChoice(ENV_VAR, KERNEL_CHOICES, "auto", "kernels", "set_kernels")
 
 
 def get_kernels() -> str:
@@ -70,10 +106,7 @@ def get_kernels() -> str:
     Raises:
         ValueError: ``FP8LAB_KERNELS`` holds an unknown name (named in the message).
     """
-    global _setting
-    if _setting is None:
-        _setting = _from_env()
-    return _setting
+    return _KERNELS.get()
 
 
 def set_kernels(name: str) -> str:
@@ -85,21 +118,14 @@ def set_kernels(name: str) -> str:
     Raises:
         ValueError: an unknown name.
     """
-    global _setting
-    new = _check(name, "set_kernels")
-    old = get_kernels()
-    _setting = new
-    return old
+    return _KERNELS.set(name)
 
 
 @contextmanager
 def using_kernels(name: str) -> Iterator[None]:
     """Run a block with the given kernels, then restore the previous choice."""
-    old = set_kernels(name)
-    try:
+    with _KERNELS.using(name):
         yield
-    finally:
-        set_kernels(old)
 
 
 def use_torch(*tensors: torch.Tensor | None, what: str = "fp8lab") -> bool:

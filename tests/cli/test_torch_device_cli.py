@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import fp8lab.gemm.fused_triton as fused_triton
 import fp8lab.kernels as kernels
 from fp8lab.cli import app
 from tiny_lab import tiny_lab_toml
@@ -65,7 +66,7 @@ def test_bad_value_exits_2(cmd: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("cmd", ["formats", "cost", *COMMANDS])
 def test_unknown_kernels_exit_2_from_every_command(cmd: str, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("FP8LAB_KERNELS", "fastest")
-    monkeypatch.setattr(kernels, "_setting", None)  # read the environment again
+    monkeypatch.setattr(kernels._KERNELS, "value", None)  # read the environment again
     args = {"formats": ["formats", "list"], "cost": ["cost"]}.get(cmd) or _args(cmd, tmp_path)
     res = runner.invoke(app, args)
     _bad(res, "FP8LAB_KERNELS", "'fastest'", "auto, numba, torch")
@@ -75,10 +76,11 @@ def test_unknown_kernels_exit_2_from_every_command(cmd: str, monkeypatch, tmp_pa
 @pytest.mark.parametrize(
     ("var", "value", "message"),
     [("FP8LAB_DETERMINISTIC", "yes", "FP8LAB_DETERMINISTIC='yes': expected 0 or 1"),
-     ("FP8LAB_TRITON", "off", "FP8LAB_TRITON='off': expected 0, 1 or interpret")],
+     ("FP8LAB_TRITON", "off", "environment variable FP8LAB_TRITON: unknown Triton mode 'off'")],
 )  # fmt: skip
 def test_bad_deterministic_setting_exits_2(cmd, var, value, message, monkeypatch, tmp_path):
     monkeypatch.setenv(var, value)
+    monkeypatch.setattr(fused_triton._TRITON, "value", None)  # read the environment again
     res = runner.invoke(app, [*_args(cmd, tmp_path), "--torch-device", "cpu"])
     _bad(res, message)
     assert not (tmp_path / "out").exists() and not (tmp_path / "dbg").exists()

@@ -1,5 +1,5 @@
 """The Triton kernel of the fused accumulator's FP8 fast domain (`fp8lab.gemm.fused_triton`)
-gives numba's bits, run through Triton's interpreter on the CPU (``FP8LAB_TRITON=interpret``
+gives numba's bits, run through Triton's interpreter on the CPU (``using_triton("interpret")``
 with the torch kernels); its probe catches a wrong kernel and falls back to the torch kernel.
 
 The interpreter executes the kernel's operations in numpy: it shows the arithmetic is right,
@@ -33,7 +33,7 @@ pytestmark = [
 def interpret(monkeypatch):
     """qmatmul on CPU tensors under the torch kernels takes the Triton kernel (interpreter);
     counts the Triton launches."""
-    monkeypatch.setenv("FP8LAB_TRITON", "interpret")
+    monkeypatch.setattr(ft._TRITON, "value", "interpret")
     calls = []
     real = ft.fused_gemm_triton
 
@@ -156,29 +156,49 @@ def test_int32_offsets_bound_the_sizes():
     assert not ft.fits(65536, 32768, 16, 32) and not ft.fits(16, 2**27, 16, 32)
 
 
-def test_off_switch_and_cpu_default(monkeypatch):
-    monkeypatch.setenv("FP8LAB_TRITON", "0")
-    assert ft.triton_mode(torch.device("cpu")) is None
-    assert not ft.verified_kernel(Accumulator("h100").resolve("e4m3", "e4m3"), ("e4m3",) * 2,
-                                  torch.device("cpu"), True)  # fmt: skip
-    monkeypatch.delenv("FP8LAB_TRITON")
-    assert ft.triton_mode(torch.device("cpu")) is None  # the CPU keeps numba / torch
-    assert ft.triton_mode(torch.device("cuda")) == "jit"
+def test_off_switch_and_cpu_default():
+    with ft.using_triton("0"):
+        assert ft.triton_mode(torch.device("cpu")) is None
+        assert not ft.verified_kernel(Accumulator("h100").resolve("e4m3", "e4m3"),
+                                      ("e4m3",) * 2, torch.device("cpu"), True)  # fmt: skip
+    with ft.using_triton("1"):
+        assert ft.triton_mode(torch.device("cpu")) is None  # the CPU keeps numba / torch
+        assert ft.triton_mode(torch.device("cuda")) == "jit"
+
+
+def test_the_environment_is_read_once(monkeypatch):
+    monkeypatch.setattr(ft._TRITON, "value", None)
+    monkeypatch.setenv("FP8LAB_TRITON", "interpret")
+    assert ft.get_triton() == "interpret"
+    monkeypatch.setenv("FP8LAB_TRITON", "0")  # no effect now: set_triton changes it
+    assert ft.triton_mode(torch.device("cpu")) == "interpret"
+    assert ft.set_triton("0") == "interpret" and ft.triton_mode(torch.device("cuda")) is None
+    with ft.using_triton("1"):
+        assert ft.get_triton() == "1"
+    assert ft.get_triton() == "0"
 
 
 def test_a_bad_setting_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setattr(ft._TRITON, "value", None)
     monkeypatch.setenv("FP8LAB_TRITON", "false")
-    with pytest.raises(ValueError, match="FP8LAB_TRITON='false': expected 0, 1 or interpret"):
+    msg = "environment variable FP8LAB_TRITON: unknown Triton mode 'false'; choose one of 1, 0"
+    with pytest.raises(ValueError, match=msg):
         ft.triton_mode(torch.device("cuda"))
+    with pytest.raises(ValueError, match="set_triton: unknown Triton mode 'on'"):
+        ft.set_triton("on")
+    import fp8lab
+
+    assert fp8lab.set_triton is ft.set_triton and fp8lab.using_triton is ft.using_triton
+    assert fp8lab.get_triton is ft.get_triton
 
 
-def test_status_for_reports(monkeypatch):
-    monkeypatch.setenv("FP8LAB_TRITON", "interpret")
-    st = ft.triton_status(torch.device("cpu"))
+def test_status_for_reports():
+    with ft.using_triton("interpret"):
+        st = ft.triton_status(torch.device("cpu"))
     assert st["mode"] == "interpret" and st["verified"] == {"h100": True, "ada": True}
     assert st["triton"] and "warnings" not in st
-    monkeypatch.setenv("FP8LAB_TRITON", "0")
-    assert ft.triton_status(torch.device("cpu"))["verified"] == {}
+    with ft.using_triton("0"):
+        assert ft.triton_status(torch.device("cpu"))["verified"] == {}
 
 
 @pytest.mark.parametrize("promote", [False, True])

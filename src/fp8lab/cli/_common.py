@@ -39,12 +39,12 @@ def use_torch_device(value: str) -> Any:
     (exit 2 under `clear_errors`): unknown value, no CUDA, a GPU index that does not exist, an
     ``FP8LAB_DETERMINISTIC`` other than 0 or 1, an ``FP8LAB_TRITON`` other than 0, 1 or
     interpret (checked here, before any work)."""
-    from fp8lab.gemm.fused_triton import triton_setting
+    from fp8lab.gemm.fused_triton import get_triton
     from fp8lab.lab.machine import deterministic_for, set_torch_device, torch_device
 
     set_torch_device(value)
     deterministic_for(torch_device())
-    triton_setting()
+    get_triton()
     return torch_device()
 
 

@@ -30,14 +30,14 @@ The arithmetic is chosen so a GPU compiler cannot change a bit:
 Before its first use on a device (and model) the kernel must reproduce the torch kernel's bits on
 an edge-dense probe (`verified_kernel`); otherwise a RuntimeWarning and the torch kernel. Tests
 run it through Triton's interpreter on the CPU (tests/gemm/test_fused_triton.py).
-``FP8LAB_TRITON=0`` turns it off.
+``FP8LAB_TRITON=0`` (read once) or `set_triton("0")` / `using_triton("0")` turns it off.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -47,10 +47,11 @@ from fp8lab.formats import get_format
 from fp8lab.formats.rounding_torch import canonical_bits
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_gemm_torch, pow2_exponents
+from fp8lab.kernels import ProcessChoice
 
 __all__ = [
-    "fits", "fused_gemm_triton", "triton_available", "triton_mode", "triton_setting",
-    "triton_status", "verified_kernel",
+    "TRITON_CHOICES", "fits", "fused_gemm_triton", "get_triton", "set_triton", "triton_available",
+    "triton_mode", "triton_status", "using_triton", "verified_kernel",
 ]  # fmt: skip
 
 _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per group
@@ -58,22 +59,39 @@ _BM, _BN = 16, 16  # output tile: BM * G * BN products live in registers per gro
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
-def triton_setting() -> str:
-    """``FP8LAB_TRITON``: "1" (the default: the Triton kernel on CUDA), "0" (off) or
-    "interpret" (also Triton's interpreter on CPU tensors, for tests).
+#: the values of `set_triton` and ``FP8LAB_TRITON``: "1" (the default: the Triton kernel on
+#: CUDA), "0" (off) or "interpret" (also Triton's interpreter on CPU tensors, for tests)
+TRITON_CHOICES: tuple[str, ...] = ("1", "0", "interpret")
+_TRITON = ProcessChoice("FP8LAB_TRITON", TRITON_CHOICES, "1", "Triton mode", "set_triton")
+
+
+def get_triton() -> str:
+    """The Triton choice for the whole process: ``"1"``, ``"0"`` or ``"interpret"``, read once
+    from ``FP8LAB_TRITON`` (default "1") and changed with `set_triton` / `using_triton`.
 
     Raises:
-        ValueError: another value (naming the variable), rather than silently leaving it on.
+        ValueError: ``FP8LAB_TRITON`` holds another value (naming the variable and the value),
+            rather than silently leaving the kernel on.
     """
-    value = os.environ.get("FP8LAB_TRITON", "1").strip()
-    if value not in ("0", "1", "interpret"):
-        raise ValueError(f"FP8LAB_TRITON={value!r}: expected 0, 1 or interpret")
-    return value
+    return _TRITON.get()
+
+
+def set_triton(mode: str) -> str:
+    """Choose the Triton mode for the whole process (``"1"``, ``"0"`` or ``"interpret"``);
+    returns the previous one. ValueError on another value."""
+    return _TRITON.set(mode)
+
+
+@contextmanager
+def using_triton(mode: str) -> Iterator[None]:
+    """Run a block under the Triton ``mode``, then restore the previous one."""
+    with _TRITON.using(mode):
+        yield
 
 
 def triton_available() -> bool:
-    """Is Triton importable and not turned off (``FP8LAB_TRITON=0``)?"""
-    if triton_setting() == "0":
+    """Is Triton importable and not turned off (`get_triton` is "0")?"""
+    if get_triton() == "0":
         return False
     try:
         import triton  # noqa: F401
@@ -90,7 +108,7 @@ def triton_mode(device: torch.device) -> str | None:
         return None
     if device.type == "cuda":
         return "jit"
-    if device.type == "cpu" and triton_setting() == "interpret":
+    if device.type == "cpu" and get_triton() == "interpret":
         return "interpret"
     return None
 
