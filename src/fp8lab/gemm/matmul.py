@@ -162,7 +162,7 @@ def epilogue(
     generic = use_torch(out, bias, what="qmatmul epilogue")
     if generic or not out.is_contiguous() or out.dtype != torch.float32:
         if scale is not None:
-            out.mul_(torch.as_tensor(scale, dtype=torch.float32).to(out.device))
+            out.mul_(torch.as_tensor(scale, dtype=torch.float32, device=out.device))
         if bias is not None:
             out.add_(bias)
         return

@@ -322,8 +322,8 @@ def get_batch(
     if data.numel() < block_size + 1:
         raise ValueError(f"data has {data.numel()} tokens, need at least {block_size + 1}")
     g = _generator(seed, stream, step)
-    starts = torch.randint(0, data.numel() - block_size, (batch_size,), generator=g)
-    offsets = torch.arange(block_size + 1)
+    starts = torch.randint(0, data.numel() - block_size, (batch_size,), generator=g, device="cpu")
+    offsets = torch.arange(block_size + 1, device="cpu")
     windows = data[starts[:, None] + offsets].long().to(torch_device())
     return windows[:, :-1], windows[:, 1:]
 

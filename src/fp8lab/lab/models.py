@@ -370,7 +370,13 @@ def build(model_cfg: GPTConfig, seed: int) -> nn.Module:
     """The unconverted model, initialised under ``seed`` (the global torch RNG is seeded here):
     a :class:`GPT`, or a user's model (cast to fp32: the lab keeps fp32 master weights) in
     :class:`CausalLM` after a probe forward (eval mode, no grad, the RNG state restored) of
-    ``[1, block_size]`` tokens that checks its output."""
+    ``[1, block_size]`` tokens that checks its output. Built on the CPU whatever the process's
+    default device (`torch.set_default_device`): the same weights on every device."""
+    with torch.device("cpu"):
+        return _build(model_cfg, seed)
+
+
+def _build(model_cfg: GPTConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     init = init_file(model_cfg)
     if is_builtin(model_cfg):

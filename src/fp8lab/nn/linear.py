@@ -516,7 +516,7 @@ class Linear(torch.nn.Linear):
         # a recipe with [[layer]] rules: this layer's resolution, and which rules matched
         self.layer_rules = recipe.layer_rules_for(self.name or "")
         self.recipe = recipe.for_layer(self.name or "")
-        self._state = ScalingState(self.recipe)
+        self._state = ScalingState(self.recipe, self.weight.device)
         self._other_states: dict[str, ScalingState] = {}  # autocast(recipe) overrides
         self._plans: dict[str, LinearPlan] = {}
         self._own_plan: tuple[LinearPlan, ScalingState] | None = None  # self.recipe's
@@ -545,7 +545,7 @@ class Linear(torch.nn.Linear):
             return self._state
         fp = recipe.fingerprint()
         if fp not in self._other_states:
-            self._other_states[fp] = ScalingState(recipe)
+            self._other_states[fp] = ScalingState(recipe, self.weight.device)
         return self._other_states[fp]
 
     def _plan(self, recipe: Recipe) -> tuple[LinearPlan, ScalingState]:

@@ -34,7 +34,8 @@ class ScalingState:
     recipes without delayed scaling (then every method is a no-op).
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, device: torch.device | str = "cpu") -> None:
+        """``device``: where the states start (the module's weight's)."""
         self.by_key: dict[str, DelayedScaling] = {}
         #: the states of the forward roles (updated after the forward) and of the gradient
         #: (updated at the end of the backward), read directly by `fp8lab.nn.Linear`
@@ -49,7 +50,7 @@ class ScalingState:
                 spec = recipe.spec(g, role)
                 key = state_key(recipe, g, role)
                 if spec is not None and spec.is_delayed and key not in self.by_key:
-                    ds = DelayedScaling.bind(spec.scaling, spec.format)
+                    ds = DelayedScaling.bind(spec.scaling, spec.format, device=device)
                     self.by_key[key] = ds
                     (self.forward if role in FORWARD_ROLES else self.backward).append(ds)
 

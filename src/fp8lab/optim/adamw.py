@@ -141,7 +141,8 @@ class AdamW(torch.optim.Optimizer):
                     raise TypeError("fp8lab.optim.AdamW does not support sparse gradients")
                 st = self.state[p]
                 if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    # on the CPU, as torch.optim.AdamW's: read with float() each step, no sync
+                    st["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     if self._needs_master(p):

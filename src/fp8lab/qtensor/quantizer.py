@@ -152,7 +152,11 @@ class Quantizer:
         spec = self.spec
         rule = self._rule
         if self.delayed is not None or self.throwaway:
-            ds = self.delayed or DelayedScaling.bind(spec.scaling, spec.fmt)  # type: ignore[arg-type]
+            ds = self.delayed or DelayedScaling.bind(
+                spec.scaling,  # type: ignore[arg-type]
+                spec.fmt,
+                device=x2.device,
+            )
             ds.to(x2.device)  # the state lives where the tensor it observes does (no-op there)
             amax = block_amax(x2, m, k, nr, nc).reshape(())
             s = ds.scale_for(amax).reshape(1, 1)

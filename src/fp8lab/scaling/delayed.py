@@ -175,14 +175,16 @@ class DelayedScalingState:
     group: Any = None
 
     @classmethod
-    def zeros(cls, history_len: int, group: Any = None) -> DelayedScalingState:
-        """Step 0: scale 1, an all-zero history, no format known yet."""
+    def zeros(
+        cls, history_len: int, group: Any = None, device: torch.device | str = "cpu"
+    ) -> DelayedScalingState:
+        """Step 0 on ``device``: scale 1, an all-zero history, no format known yet."""
         return cls(
-            scale=torch.ones((), dtype=torch.float32),
-            amax_history=torch.zeros(int(history_len), dtype=torch.float32),
-            step=torch.zeros((), dtype=torch.int64),
-            initialized=torch.zeros((), dtype=torch.int64),
-            fmt_max=torch.zeros((), dtype=torch.float32),
+            scale=torch.ones((), dtype=torch.float32, device=device),
+            amax_history=torch.zeros(int(history_len), dtype=torch.float32, device=device),
+            step=torch.zeros((), dtype=torch.int64, device=device),
+            initialized=torch.zeros((), dtype=torch.int64, device=device),
+            fmt_max=torch.zeros((), dtype=torch.float32, device=device),
             group=group,
         )
 
@@ -272,9 +274,15 @@ class DelayedScaling:
         )
         self._init(cfg, group, fmt)
 
-    def _init(self, cfg: DelayedScalingConfig, group: Any, fmt: str | FloatFormat | None) -> None:
+    def _init(
+        self,
+        cfg: DelayedScalingConfig,
+        group: Any,
+        fmt: str | FloatFormat | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.cfg = cfg
-        self.state = DelayedScalingState.zeros(cfg.history_len, group)
+        self.state = DelayedScalingState.zeros(cfg.history_len, group, device)
         if fmt is not None:
             self.set_format(fmt)
 
@@ -294,11 +302,12 @@ class DelayedScaling:
         scaling: DelayedScalingConfig | DelayedScaling,
         fmt: str | FloatFormat | None = None,
         group: Any = None,
+        device: torch.device | str = "cpu",
     ) -> DelayedScaling:
         """A new stateful object with ``scaling``'s configuration (a config, or a
-        `DelayedScaling` whose state is not copied), a zero state and ``fmt``'s maximum: what a
-        module that quantizes one tensor owns (one per tensor). ``group`` defaults to the
-        source object's group."""
+        `DelayedScaling` whose state is not copied), a zero state on ``device`` and ``fmt``'s
+        maximum: what a module that quantizes one tensor owns (one per tensor). ``group``
+        defaults to the source object's group."""
         if isinstance(scaling, DelayedScaling):
             cfg, group = scaling.cfg, scaling.group if group is None else group
         elif isinstance(scaling, DelayedScalingConfig):
@@ -309,7 +318,7 @@ class DelayedScaling:
                 f"got {type(scaling).__name__}"
             )
         ds = cls.__new__(cls)
-        ds._init(cfg, group, fmt)
+        ds._init(cfg, group, fmt, device)
         return ds
 
     def fresh(self) -> DelayedScaling:
@@ -427,7 +436,7 @@ class DelayedScaling:
 
     def _as_state(self, v: torch.Tensor | float) -> torch.Tensor:
         """``v`` as a float32 scalar on the state's device."""
-        return torch.as_tensor(v, dtype=torch.float32).to(self.state.device).reshape(())
+        return torch.as_tensor(v, dtype=torch.float32, device=self.state.device).reshape(())
 
     # ------------------------------------------------------------------ per quantize call
     def observe(self, amax: torch.Tensor | float) -> None:
