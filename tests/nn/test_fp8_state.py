@@ -98,12 +98,12 @@ def test_save_and_load_fp8_state_round_trip_and_bad_input(tmp_path):
         model(x).sum().backward()
     assert _scales(fresh) == _scales(m)
 
-    other = convert(Net(), "te-delayed", include="fc1")
+    other = convert(Net(), "te-delayed", include="fc1")  # other weights: not checked here
     with pytest.raises(ValueError, match=r"fp8lab_state.safetensors.*not converted \['fc2'\]"):
-        load_fp8_state(other, path)
-    assert load_fp8_state(other, path, strict=False) == ["fc1"]
+        load_fp8_state(other, path, check_weights=False)
+    assert load_fp8_state(other, path, strict=False, check_weights=False) == ["fc1"]
     with pytest.raises(ValueError, match="saved under another recipe"):
-        load_fp8_state(convert(Net(), "mxfp8"), path)
+        load_fp8_state(convert(Net(), "mxfp8"), path, check_weights=False)
     with pytest.raises(ValueError, match="no such FP8 state file"):
         load_fp8_state(fresh, tmp_path / "none.safetensors")
     junk = tmp_path / "junk.safetensors"

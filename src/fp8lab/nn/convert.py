@@ -59,6 +59,7 @@ from fp8lab.nn.fp8_state import (
     install_save_pretrained,
     load_fp8_state,
     pretrained_dir,
+    weights_mismatch,
 )
 from fp8lab.nn.linear import Linear
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
@@ -295,10 +296,22 @@ def convert(
 
 
 def _restore(model: torch.nn.Module, saved: Any, fresh: list[str]) -> None:
-    """Load the saved FP8 state into the layers just converted; on a mismatch swap them back
-    (the failed call leaves the model as it was) and raise naming the file."""
+    """Load the saved FP8 state into the layers just converted when the file was saved with
+    these weights (else warn why it is not applied: the layers start fresh); on a mismatch of
+    layers or recipe swap them back (the failed call leaves the model as it was) and raise
+    naming the file."""
+    why = weights_mismatch(model, saved)
+    if why is not None:
+        warnings.warn(
+            f"convert: the FP8 state in {why}; it is not applied and the converted layers start "
+            "with fresh scaling state. If it does belong to these weights, load it with "
+            "fp8lab.nn.load_fp8_state(model, path, check_weights=False)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
     try:  # a resume: the saved scaling state (the file may hold layers a later convert takes)
-        loaded = load_fp8_state(model, saved, layers=fresh, strict=False)
+        loaded = load_fp8_state(model, saved, layers=fresh, strict=False, check_weights=False)
         missing = [n for n in fresh if n not in loaded]
         if missing:
             raise ValueError(f"{saved / FP8_STATE_FILE}: no FP8 state for the layers {missing}")

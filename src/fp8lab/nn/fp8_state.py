@@ -13,17 +13,37 @@ that
 * writes the FP8 state beside them as ``fp8lab_state.safetensors`` (:data:`FP8_STATE_FILE`,
   plain tensors, keys as in the converted model's ``state_dict``).
 
+The file proves which weights it belongs to: its safetensors metadata holds
+``weights_sha256``, :func:`weights_sha256` of the model's parameters when it was written (names,
+dtypes, shapes and bytes). A scale and amax history only mean something for the weights they
+were measured with.
+
 Restoring: ``convert`` of a model loaded with ``from_pretrained(DIR)`` (transformers records DIR
 as ``config.name_or_path``) finds ``DIR/fp8lab_state.safetensors`` and loads it into the layers
-it converts (a resume script does ``from_pretrained`` then ``convert``, as before), or a script
-calls :func:`load_fp8_state` itself. A file written under another recipe, or for other layers,
-is refused with a ValueError naming the file (``convert(..., retarget=True)`` starts fresh
-instead). :func:`save_fp8_state` writes the file for any model.
+it converts (a resume script does ``from_pretrained`` then ``convert``, as before) when the
+model's weights are the file's; otherwise (a model built with
+``from_config(AutoConfig.from_pretrained(DIR))``, random weights; a stale file left beside
+newer weights by a plain ``save_pretrained``; a file without the hash) it is not applied and a
+`UserWarning` says why. A script can call :func:`load_fp8_state` itself (weights that are not
+the file's are a ValueError there; ``check_weights=False`` loads anyway). A file written under
+another recipe, or for other layers, is refused with a ValueError naming the file
+(``convert(..., retarget=True)`` starts fresh instead). :func:`save_fp8_state` writes the file
+for any converted model (a model without converted layers is a ValueError: there is no state).
+
+Loading weights without their FP8 state: a resume that loads only the weights into a converted
+``transformers`` model (the HF ``Trainer``'s ``resume_from_checkpoint`` without
+``fp8lab.integrations.hf.FP8LabCallback`` calls ``model.load_state_dict`` with the checkpoint's
+``model.safetensors``) would restart the delayed-scaling state without a word. So the converted
+model notes which layers got their weights but no ``fp8_*`` tensors; when no
+:func:`load_fp8_state` has restored them by the next training forward, that forward warns once,
+naming the layers and the remedy (the callback restores the state before the first step).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,11 +59,15 @@ __all__ = [
     "pretrained_dir",
     "save_fp8_state",
     "strip_fp8_state",
+    "weights_sha256",
 ]
 
 #: the file ``save_pretrained`` of a converted model writes beside its weights
 FP8_STATE_FILE = "fp8lab_state.safetensors"
-_FORMAT = {"format": "fp8lab-state", "version": "1"}  # safetensors metadata of the file
+_FORMAT = {"format": "fp8lab-state", "version": "2"}  # safetensors metadata of the file
+_WEIGHTS_KEY = "weights_sha256"  # the metadata entry binding the file to its weights (version 2)
+_PENDING = "_fp8lab_weights_without_fp8_state"  # model.__dict__: layers loaded without their state
+_HOOKED = "_fp8lab_load_hooks"  # model.__dict__: the load and forward hooks are registered
 _PREFIX = "fp8_"  # every key a converted Linear adds to its state_dict
 
 
@@ -78,18 +102,39 @@ def strip_fp8_state(
     return {k: v for k, v in sd.items() if not ours(k)}
 
 
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 (hex) of ``model``'s parameters: each one's name, dtype, shape and bytes, in
+    name order (a tied weight once, under its first name). The same for the converted and the
+    unconverted model (a converted layer shares the original Parameters); another dtype, or
+    one changed bit, is another digest. Reads every parameter once (copied to the CPU when it
+    lives elsewhere)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name} {t.dtype} {list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the bytes, without a copy
+    return h.hexdigest()
+
+
 def save_fp8_state(model: torch.nn.Module, path: str | Path) -> Path:
     """Write :func:`fp8_state_dict` of ``model`` to ``path`` (safetensors, atomically: a
-    temporary file, then a rename); returns ``path``. A directory ``path`` gets
-    :data:`FP8_STATE_FILE` inside it."""
+    temporary file, then a rename) with :func:`weights_sha256` of its parameters in the
+    metadata; returns ``path``. A directory ``path`` gets :data:`FP8_STATE_FILE` inside it.
+    ValueError when ``model`` has no converted layer (there is no FP8 state to write)."""
     from safetensors.torch import save_file
 
     p = Path(path)
     if p.is_dir():
         p = p / FP8_STATE_FILE
+    if not _layers(model):
+        raise ValueError(
+            f"save_fp8_state: {type(model).__name__} has no converted layer, so no FP8 state "
+            f"to write to {p}; convert it first (fp8lab.nn.convert(model, recipe))"
+        )
     tmp = p.with_name(p.name + ".tmp")
     try:
-        save_file(fp8_state_dict(model), str(tmp), metadata=dict(_FORMAT))
+        meta = {**_FORMAT, _WEIGHTS_KEY: weights_sha256(model)}
+        save_file(fp8_state_dict(model), str(tmp), metadata=meta)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -109,12 +154,49 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a readable FP8 state file ({exc})") from None
 
 
+def saved_weights_sha256(path: str | Path) -> str | None:
+    """The ``weights_sha256`` an FP8 state file (or a directory holding
+    :data:`FP8_STATE_FILE`) was written with; None for a file written before it was recorded.
+    ValueError naming the file when it is missing or unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    p = p / FP8_STATE_FILE if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"{p}: no such FP8 state file")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{p}: not a readable FP8 state file ({exc})") from None
+    return meta.get(_WEIGHTS_KEY)
+
+
+def weights_mismatch(model: torch.nn.Module, path: str | Path) -> str | None:
+    """Why the FP8 state file at ``path`` does not belong to ``model``'s weights (one sentence
+    naming the file), or None when its recorded :func:`weights_sha256` is the model's."""
+    p = Path(path)
+    p = p / FP8_STATE_FILE if p.is_dir() else p
+    saved = saved_weights_sha256(p)
+    if saved is None:
+        return f"{p} does not record which weights it was saved with (written by an earlier fp8lab)"
+    mine = weights_sha256(model)
+    if saved != mine:
+        return (
+            f"{p} was saved with other weights than the model's (weights SHA-256 "
+            f"{saved[:12]}... there, {mine[:12]}... here: a model built from the config with "
+            "new weights, weights trained or saved after the file, or another dtype)"
+        )
+    return None
+
+
 def load_fp8_state(
     model: torch.nn.Module,
     path: str | Path | Mapping[str, torch.Tensor],
     *,
     layers: Iterable[str] | None = None,
     strict: bool = True,
+    check_weights: bool = True,
 ) -> list[str]:
     """Load the FP8 state saved by :func:`save_fp8_state` (or a converted model's
     ``save_pretrained``) into ``model``'s converted layers; returns their names.
@@ -123,14 +205,22 @@ def load_fp8_state(
     (:func:`fp8_state_dict`, e.g. a debug checkpoint's ``"fp8_state"``). ``layers``: only these
     converted layers (qualified names; default all). Every error is a ValueError naming the
     file: unreadable, a layer saved under another recipe (the saved numerics are named), a
-    mismatched history length, and with ``strict`` (the default) a converted layer the file
-    has no state for, or state for a layer that is not converted."""
+    mismatched history length, with ``strict`` (the default) a converted layer the file
+    has no state for, or state for a layer that is not converted, and with ``check_weights``
+    (the default) a file saved with other weights than ``model``'s (its recorded
+    :func:`weights_sha256`; a file without it, or tensors given directly, are not checked)."""
     if isinstance(path, Mapping):
         p, saved = "FP8 state", dict(path)
     else:
         p = Path(path)
         p = p / FP8_STATE_FILE if p.is_dir() else p
         saved = _read(p)
+        why = weights_mismatch(model, p) if check_weights else None
+        if why is not None and saved_weights_sha256(p) is not None:  # unrecorded: not checked
+            raise ValueError(
+                f"{why}; its scales and amax histories were measured on those weights. Pass "
+                "check_weights=False to load them anyway"
+            )
     all_layers = _layers(model)
     wanted = None if layers is None else set(layers)
     chosen = {pre: m for pre, m in all_layers.items() if wanted is None or pre[:-1] in wanted}
@@ -155,6 +245,9 @@ def load_fp8_state(
         except ValueError as exc:
             raise ValueError(f"{p}: {exc}") from None
         done.append(pre[:-1])
+    pending = model.__dict__.get(_PENDING)
+    if pending:  # these layers have their state back
+        model.__dict__[_PENDING] = [n for n in pending if n not in done]
     return done
 
 
@@ -188,10 +281,60 @@ class SavePretrained:
 
 def install_save_pretrained(model: torch.nn.Module) -> None:
     """Give a model with ``save_pretrained`` (transformers) the converted model's
-    :class:`SavePretrained`; remove it when no converted layer is left."""
+    :class:`SavePretrained` and the load check (module doc: weights loaded without their FP8
+    state warn at the next training forward); remove it when no converted layer is left (the
+    hooks stay registered, inert without it)."""
     has = isinstance(model.__dict__.get("save_pretrained"), SavePretrained)
     want = callable(getattr(type(model), "save_pretrained", None)) and bool(_layers(model))
     if want and not has:
         model.__dict__["save_pretrained"] = SavePretrained(model)
+        if not model.__dict__.get(_HOOKED):
+            model.register_load_state_dict_pre_hook(_before_load)
+            model.register_forward_pre_hook(_before_forward)
+            model.__dict__[_HOOKED] = True
     elif has and not want:
         del model.__dict__["save_pretrained"]
+        model.__dict__.pop(_PENDING, None)
+
+
+def _has_delayed_state(m: Linear) -> bool:
+    """Whether a converted layer keeps state beyond its recipe fingerprint (delayed scaling)."""
+    return any(k.startswith(_PREFIX) and k != "fp8_recipe" for k in m.state_dict())
+
+
+def _before_load(module: torch.nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                 *_: Any) -> None:  # fmt: skip
+    """``load_state_dict`` pre-hook: note the converted layers whose weights arrive without
+    their ``fp8_*`` state (the weights of a ``save_pretrained`` directory), and forget those
+    whose state arrives."""
+    if not isinstance(module.__dict__.get("save_pretrained"), SavePretrained):
+        return  # unconverted since
+    pending = set(module.__dict__.get(_PENDING, ()))
+    for pre, m in _layers(module).items():
+        key = prefix + pre
+        if f"{key}fp8_recipe" in state_dict:
+            pending.discard(pre[:-1])
+        elif f"{key}weight" in state_dict and _has_delayed_state(m):
+            pending.add(pre[:-1])
+    module.__dict__[_PENDING] = sorted(pending)
+
+
+def _before_forward(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: the first training forward after weights were loaded without their
+    FP8 state (and no :func:`load_fp8_state` since) warns once."""
+    lost = module.__dict__.get(_PENDING)
+    if not lost or not (module.training and torch.is_grad_enabled()):
+        return
+    module.__dict__[_PENDING] = []
+    names = [n or "<model>" for n in lost]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    warnings.warn(
+        f"fp8lab: {type(module).__name__} trains with weights loaded (load_state_dict) without "
+        f"the FP8 state of its converted layers ({shown}): their delayed-scaling scales and amax "
+        f"histories start afresh. A save_pretrained or HF Trainer checkpoint keeps that state in "
+        f"{FP8_STATE_FILE}: after loading the weights call fp8lab.nn.load_fp8_state(model, "
+        "CHECKPOINT_DIR), or give the Trainer fp8lab.integrations.hf.FP8LabCallback(), which "
+        "restores it on resume_from_checkpoint",
+        UserWarning,
+        stacklevel=2,
+    )
