@@ -5,7 +5,8 @@ Selection (``convert(model, recipe, include=None, exclude=None)``):
 * names are the qualified module names of ``model.named_modules()`` (``"blocks.0.attn.q"``);
 * a ``str`` pattern is a shell glob matched against the whole name (``fnmatch``, case-sensitive:
   ``"blocks.*.mlp.*"``, ``"*.attn.q"``); a ``re.Pattern`` is a regex searched anywhere in the name
-  (anchor it with ``^...$`` for a full match); a sequence mixes both;
+  (anchor it with ``^...$`` for a full match); a callable ``(name, module) -> bool`` is asked for
+  each Linear layer (``lambda n, m: m.out_features >= 1024``); a sequence mixes them;
 * ``include=None`` selects every ``torch.nn.Linear``; otherwise only Linear layers matching
   ``include``. A pattern that matches no module, or an exact name that is not a Linear, is an error;
 * ``exclude`` patterns are removed from the selection;
@@ -47,9 +48,10 @@ them, and gets it back on ``convert`` after ``from_pretrained`` (`fp8lab.nn.fp8_
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,7 +76,7 @@ __all__ = [
     "unconvert",
 ]
 
-Pattern = str | re.Pattern
+Pattern = str | re.Pattern | Callable[[str, torch.nn.Module], bool]
 Patterns = Pattern | Sequence[Pattern] | None
 
 #: Name globs excluded by default (embedding and output-head names of common models).
@@ -106,21 +108,30 @@ _SAVED = "_fp8lab_fast_path"  # the original value, kept on the module for uncon
 def _as_list(patterns: Patterns, what: str) -> list[Pattern]:
     if patterns is None:
         return []
-    if isinstance(patterns, (str, re.Pattern)):
+    if isinstance(patterns, (str, re.Pattern)) or callable(patterns):
         return [patterns]
-    out = list(patterns)
+    try:
+        out = list(patterns)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a str (glob), a re.Pattern, a callable (name, module) -> bool or a "
+            f"sequence of them, got {type(patterns).__name__}"
+        ) from None
     for p in out:
-        if not isinstance(p, (str, re.Pattern)):
+        if not isinstance(p, (str, re.Pattern)) and not callable(p):
             raise TypeError(
-                f"{what} patterns must be str (glob) or re.Pattern, got {type(p).__name__}"
+                f"{what} patterns must be str (glob), re.Pattern or a callable (name, module) -> "
+                f"bool, got {type(p).__name__}"
             )
     return out
 
 
-def _match(name: str, pattern: Pattern) -> bool:
+def _match(name: str, pattern: Pattern, module: torch.nn.Module) -> bool:
     if isinstance(pattern, re.Pattern):
         return pattern.search(name) is not None
-    return fnmatch.fnmatchcase(name, pattern)
+    if isinstance(pattern, str):
+        return fnmatch.fnmatchcase(name, pattern)
+    return bool(pattern(name, module))
 
 
 def _is_conv1d(m: torch.nn.Module) -> bool:
@@ -145,7 +156,13 @@ def _functional_only(model: torch.nn.Module) -> set[str]:
 
 def _check_patterns(modules: dict, linears: list[str], inc: list, exc: list) -> None:
     for p in inc:
-        hits = [n for n in modules if n and _match(n, p)]
+        if not isinstance(p, (str, re.Pattern)):  # a callable is asked about Linear layers only
+            if not any(_match(n, p, modules[n]) for n in linears):
+                raise ValueError(
+                    f"include callable {p!r} selects no Linear layer; Linear layers are: {linears}"
+                )
+            continue
+        hits = [n for n in modules if n and _match(n, p, modules[n])]
         if not hits:
             raise ValueError(
                 f"include pattern {p!r} matches no module; Linear layers are: {linears}"
@@ -157,7 +174,9 @@ def _check_patterns(modules: dict, linears: list[str], inc: list, exc: list) -> 
                 f"Linear layers are: {linears}"
             )
     for p in exc:
-        if not any(_match(n, p) for n in modules if n):
+        if not isinstance(p, (str, re.Pattern)):
+            continue  # a callable excluding nothing is a valid choice
+        if not any(_match(n, p, modules[n]) for n in modules if n):
             raise ValueError(f"exclude pattern {p!r} matches no module")
 
 
@@ -171,10 +190,10 @@ def _selection(
     modules = dict(model.named_modules())
     linears = [n for n, m in modules.items() if _is_linear(m) and n]
     _check_patterns(modules, linears, inc, exc)
-    chosen = [n for n in linears if not inc or any(_match(n, p) for p in inc)]
-    chosen = [n for n in chosen if not any(_match(n, p) for p in exc)]
+    chosen = [n for n in linears if not inc or any(_match(n, p, modules[n]) for p in inc)]
+    chosen = [n for n in chosen if not any(_match(n, p, modules[n]) for p in exc)]
     if default_exclude:
-        dropped = {n for n in linears if any(_match(n, p) for p in DEFAULT_EXCLUDE)}
+        dropped = {n for n in linears if any(_match(n, p, modules[n]) for p in DEFAULT_EXCLUDE)}
         emb_weights = {id(m.weight) for m in modules.values() if isinstance(m, torch.nn.Embedding)}
         dropped |= {n for n in linears if id(modules[n].weight) in emb_weights}
         if linears:
@@ -195,10 +214,25 @@ def select_linears(
     return _selection(model, include, exclude, default_exclude)[0]
 
 
-def _recipe_of(recipe: Recipe | str) -> Recipe:
-    """A `Recipe` from a Recipe, a preset name or a ``.toml``/``.json`` recipe file path."""
+def _recipe_of(recipe: Recipe | str | os.PathLike) -> Recipe:
+    """A `Recipe` from a Recipe, a preset name or a ``.toml``/``.json`` recipe file path; a
+    path with another suffix is a ValueError saying recipe files are ``.toml``/``.json``."""
+    if isinstance(recipe, os.PathLike):
+        recipe = os.fspath(recipe)
     if isinstance(recipe, str) and recipe.endswith((".toml", ".json")):
         return Recipe.load(recipe)  # errors name the file
+    looks_like_file = isinstance(recipe, str) and (
+        "/" in recipe or os.sep in recipe or os.path.splitext(recipe)[1] or os.path.exists(recipe)
+    )
+    if looks_like_file:
+        try:
+            return get_recipe(recipe)
+        except ValueError as exc:  # not a preset either: say what a recipe file is
+            raise ValueError(
+                f"convert: recipe {recipe!r} is neither a recipe file (those end in .toml or "
+                f".json: fp8lab's recipe files, e.g. fp8lab debug's fix.toml) nor a preset "
+                f"({str(exc).partition('; ')[2]})"
+            ) from None
     rec = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(rec, Recipe):
         raise TypeError(
