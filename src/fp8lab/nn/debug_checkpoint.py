@@ -14,12 +14,17 @@ temporary file beside it, then a rename):
   recipe's plain data, or None), ``model_identity`` (class, parameter names and shapes, the
   converted layers) and ``extra`` (the caller's plain data).
 
-`read_debug_checkpoint` reads it back; every problem is a ValueError naming the file.
+`read_debug_checkpoint` reads it back; every problem is a ValueError naming the file. What
+``torch.load(weights_only=True)`` would refuse is refused when saving instead (the file would be
+unreadable to ``fp8lab debug``): a NumPy array or any other object in ``extra`` or in the
+optimizer's state is a ValueError naming its key; a ``model`` that is not a
+``torch.nn.Module`` or an ``optimizer`` without ``state_dict``/``param_groups`` is a TypeError.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,45 @@ def _identity(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+# what torch.load(weights_only=True) reads back besides containers and tensors
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size)  # fmt: skip
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """ValueError naming ``where`` (``extra['a'][2]``) at the first value that a
+    ``weights_only`` load refuses: anything but plain numbers, strings, tensors and
+    lists/tuples/dicts of them."""
+    if type(obj) in _PLAIN:  # exact types: numpy.float64 is a float subclass, not plain
+        return
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise ValueError(
+                f"save_debug_checkpoint: {where} is a {type(obj).__name__} (a tensor subclass); "
+                "give a plain torch.Tensor (t.detach().clone() or torch.as_tensor)"
+            )
+        return
+    if type(obj) in (dict, OrderedDict):  # not a defaultdict or other subclass
+        for k, v in obj.items():
+            _check_plain(k, f"a key of {where} ({k!r})")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if type(obj) in (list, tuple, set):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    hint = (
+        " (torch.from_numpy(a), or a.tolist())"
+        if type(obj).__module__.split(".")[0] == "numpy"
+        else ""
+    )
+    raise ValueError(
+        f"save_debug_checkpoint: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+        "the checkpoint holds plain data only (numbers, strings, tensors, lists, tuples and "
+        f"dicts of them), which fp8lab debug reads back with torch.load(weights_only=True){hint}"
+    )
+
+
 def _rng() -> dict[str, Any]:
     rng: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -82,6 +126,15 @@ def save_debug_checkpoint(
 
     The file is replaced atomically when it exists (a loop saves to the same path again);
     a directory ``path`` is a ValueError. Tensors are copied to the CPU."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"save_debug_checkpoint: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "param_groups")):
+        raise TypeError(
+            "save_debug_checkpoint: optimizer must be a torch.optim.Optimizer (the one training "
+            f"model, for its moments), got {type(optimizer).__name__}"
+        )
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"save_debug_checkpoint: {p} is a directory; give a file path")
@@ -91,6 +144,11 @@ def save_debug_checkpoint(
         from fp8lab.recipe import get_recipe
 
         recipe = get_recipe(recipe)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save_debug_checkpoint: extra must be a dict, got {type(extra).__name__}")
+    _check_plain(dict(extra or {}), "extra")
+    opt_state = _to_cpu(optimizer.state_dict())
+    _check_plain(opt_state, f"the state of optimizer {type(optimizer).__name__}")
     cpu = torch.device("cpu")
     state = {
         "format": DEBUG_CHECKPOINT_FORMAT,
@@ -101,7 +159,7 @@ def save_debug_checkpoint(
         "optimizer": {
             "class": type(optimizer).__name__,
             "param_names": _param_names(model, optimizer),
-            "state_dict": _to_cpu(optimizer.state_dict()),
+            "state_dict": opt_state,
         },
         "rng": _rng(),
         "recipe": None if recipe is None else recipe.to_dict(),
