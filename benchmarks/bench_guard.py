@@ -49,7 +49,8 @@ def main() -> None:
 
 def guard_ab(args: argparse.Namespace, device: torch.device) -> None:
     from fp8lab.guard import AnomalyGuard
-    from fp8lab.lab.compare import resolve_recipe, set_threads
+    from fp8lab.lab.pool import set_threads
+    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.inject import Injector
     from fp8lab.lab.loop import LoopState, _guard_run, make_step, train_step
@@ -111,7 +112,8 @@ def percentages_ab(args: argparse.Namespace, device: torch.device) -> None:
     import contextlib
 
     from fp8lab.guard.percent import operand_percentages
-    from fp8lab.lab.compare import resolve_recipe, set_threads
+    from fp8lab.lab.pool import set_threads
+    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.data import get_batch, load_corpus
     from fp8lab.lab.train import LabConfig, build_model
     from fp8lab.nn import on_operand

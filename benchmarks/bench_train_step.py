@@ -19,7 +19,8 @@ import statistics
 
 from _device import add_torch_device
 from _device import torch_device as parse_torch_device
-from fp8lab.lab.compare import resolve_recipe, set_threads
+from fp8lab.lab.pool import set_threads
+from fp8lab.lab.recipes import resolve_recipe
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.machine import torch_device
 from fp8lab.lab.train import LabConfig, train_run

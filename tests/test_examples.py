@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import fp8lab
-from fp8lab.lab.compare import resolve_recipe
+from fp8lab.lab.recipes import resolve_recipe
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples" / "recipes").glob("*.toml"))
 

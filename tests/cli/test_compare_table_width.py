@@ -60,3 +60,35 @@ def test_per_layer_settings_readable_at_80_columns():
     out = buf.getvalue()
     headers = ["layer", "rules", "fprop", "dgrad", "wgrad"]
     assert_readable(out, headers, ["blocks.0.attn.qkv", "e5m2:tensor:delayed", "e4m3:128x128:max"])
+
+
+def _varied(names, device="h100"):
+    """A summary whose every column differs between rows (nothing to move to a caption)."""
+    s = _summary(names, device)
+    for i, n in enumerate(names):
+        s["recipes"][n].update(final_val_loss=3.3 + 0.01 * i, rel_gap_pct=0.2 * i,
+                               max_rel_gap_pct=float(i), skipped_steps=i,
+                               tokens_per_s=1000.0 * i, predicted_step_ms=i + 0.5)  # fmt: skip
+        s["details"][n]["memory_bytes"]["total"] = 2**20 * (i + 1)
+        s["details"][n]["step_time_ms"] = 10.0 + i
+    return s
+
+
+def test_columns_fold_into_tables_and_recipe_names_wrap_at_spaces_only():
+    # the summary goes through cli._common.fitted_tables, the one table-fitting routine
+    out = _render(_varied(DEFAULT_RECIPES))
+    headers = ["val", "gap", "skipped", "tokens", "time /", "total", "pred. ms", "diverged"]
+    assert_readable(out, headers, [*DEFAULT_RECIPES, "(negative control)"])
+    assert "fp8lab compare (baseline bf16) (continued)" in out
+    # at 80 columns the narrow first table wraps the long name at its space, never mid-word
+    assert any(line.split() == ["(negative", "control)"] for line in out.splitlines()), out
+
+
+def test_a_column_equal_in_every_row_goes_to_a_caption():
+    # fitted_tables' rule, as for every other command's tables
+    s = _varied(DEFAULT_RECIPES)
+    for n in DEFAULT_RECIPES:
+        s["recipes"][n]["skipped_steps"] = 0
+    out = _render(s, width=80)
+    assert "same in every row: skipped steps 0" in " ".join(out.split())
+    assert "skipped" not in out.split("same in every row")[0]

@@ -218,7 +218,7 @@ def test_escalation_pins_the_tensor_to_current_scaling(corpus):
 @pytest.mark.parametrize("name", ["fp32", "bf16", "te-delayed", "deepseek-v3", "mxfp8",
                                   "hif8-delayed", "e4m3-unscaled-grads"])  # fmt: skip
 def test_demo_recipes_guarded_are_bit_identical(corpus, name):
-    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.recipes import resolve_recipe
 
     cfg = LabConfig(model=CFG.model, train=CFG.train.__class__(
         **{**CFG.train.__dict__, "steps": 12, "stats_every": 0}))  # fmt: skip

@@ -257,7 +257,8 @@ def test_conv1d_converts_to_a_linear_sharing_its_in_out_weight():
 
 
 def test_memory_model_of_a_user_model(user_files):
-    from fp8lab.lab.compare import model_memory, resolve_recipe
+    from fp8lab.cost.memory import model_memory
+    from fp8lab.lab.recipes import resolve_recipe
 
     cfg = _cfg(_factory("module", user_files))
     model = models.build(cfg.model, 0)

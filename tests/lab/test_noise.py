@@ -50,7 +50,7 @@ def test_the_factors_are_those_the_debugger_scenarios_were_measured_with():
 
 def _noise_of_pair():
     """compare's noise estimate of an fp32/bf16 pair 0.5 % apart at the end."""
-    from fp8lab.lab.compare import noise_estimate
+    from fp8lab.lab.compare_summary import noise_estimate
 
     metrics = {
         "bf16": [{"step": 10, "val_loss": 2.0}, {"step": 20, "val_loss": 2.0}],
@@ -61,7 +61,7 @@ def _noise_of_pair():
 
 def test_compare_within_noise_band_is_noise_within(monkeypatch):
     from fp8lab.lab import noise
-    from fp8lab.lab.compare import within_noise
+    from fp8lab.lab.compare_summary import within_noise
 
     est = _noise_of_pair()
     assert est["rel_gap_pct"] == pytest.approx(0.5) and est["factor"] == 2.0

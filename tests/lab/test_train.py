@@ -240,7 +240,7 @@ def test_operand_stats_are_recorded(qcorpus, tmp_path):
 
 
 def test_negative_control_gradients_underflow(qcorpus, tmp_path):
-    from fp8lab.lab.compare import NEGATIVE_CONTROL, resolve_recipe
+    from fp8lab.lab.recipes import NEGATIVE_CONTROL, resolve_recipe
 
     train_run(resolve_recipe(NEGATIVE_CONTROL), QTINY, qcorpus, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]

@@ -130,13 +130,18 @@ def console(stderr: bool = False) -> Any:
     return Console(width=width, stderr=stderr)
 
 
+#: options of `table` that shape the table itself; every other option goes to each column
+_TABLE_OPTIONS = ("box", "title_justify", "pad_edge", "collapse_padding")
+
+
 def table(title: str, columns: Iterable[tuple[str, str]], **options: Any) -> Any:
     """A rich Table titled ``title`` with ``(name, justify)`` columns; ``options`` go to each
-    column except ``box``, which goes to the table."""
+    column, except ``box``, ``title_justify``, ``pad_edge`` and ``collapse_padding``, which go
+    to the table."""
     from rich.table import Table
 
-    box = options.pop("box", None)
-    t = Table(title=title) if box is None else Table(title=title, box=box)
+    own = {k: options.pop(k) for k in _TABLE_OPTIONS if options.get(k) is not None}
+    t = Table(title=title, **own)
     for name, justify in columns:
         t.add_column(name, justify=justify, **options)
     return t
@@ -278,48 +283,65 @@ def fitted_tables(
     rows: list[list[str]],
     width: int,
     keys: int = 1,
+    *,
+    wrap: Iterable[str] = (),
     **options: Any,
 ) -> list[Any]:
     """Tables that show ``rows`` whole within ``width`` columns, never cutting a cell: the one
     table when it fits; else columns holding the same value in every row leave the table for a
     caption (``same in every row: name value; ...``); else the other columns are folded into
-    several tables, each repeating the first ``keys`` columns. ``options`` go to `table`."""
+    several tables, each repeating the first ``keys`` columns. Cells never wrap, except in the
+    columns named in ``wrap``, which break at spaces only (never inside a word; a table fits
+    when those columns are as narrow as their longest word). ``options`` go to `table`."""
     from rich.console import Console
     from rich.measure import Measurement
 
     probe = Console(width=10_000, file=open(os.devnull, "w"))  # noqa: SIM115 (closed below)
+    wrap = set(wrap)
+    # a wrapping column is never narrower than its longest word (header included)
+    narrowest = {
+        i: max((len(w) for text in [name, *(r[i] for r in rows)] for w in text.split()), default=1)
+        for i, (name, _) in enumerate(columns)
+        if name in wrap
+    }
 
-    def build(t_title: str, idx: list[int], caption: str | None = None) -> Any:
+    def build(t_title: str, idx: list[int], caption: str | None = None, narrow: bool = False):
+        """The table of columns ``idx``; ``narrow``: wrapping cells one word a line, as narrow
+        as they may get (to measure the width the table needs)."""
         t = table(t_title, [columns[i] for i in idx], no_wrap=True, **options)
+        for col, i in zip(t.columns, idx, strict=True):
+            if i in narrowest:
+                col.no_wrap, col.overflow, col.min_width = False, "fold", narrowest[i]
         if caption:
             t.caption = caption
             t.caption_justify = "left"
         for r in rows:
-            t.add_row(*(r[i] for i in idx))
+            t.add_row(*("\n".join(r[i].split()) if narrow and i in narrowest else r[i]
+                        for i in idx))  # fmt: skip
         return t
 
-    def fits(t: Any) -> bool:
+    def fits(t_title: str, idx: list[int], caption: str | None = None) -> bool:
+        t = build(t_title, idx, caption, narrow=True)
         return Measurement.get(probe, probe.options, t).maximum <= width
 
     try:
         every = list(range(len(columns)))
-        whole = build(title, every)
-        if fits(whole):
-            return [whole]
+        if fits(title, every):
+            return [build(title, every)]
         fixed = [i for i in every[keys:] if len(rows) > 1 and all(r[i] == rows[0][i] for r in rows)]
         kept = [i for i in every if i not in fixed]
         caption = (
-            "same in every row: " + "; ".join(f"{columns[i][0]} {rows[0][i]}" for i in fixed)
+            "same in every row: "
+            + "; ".join(f"{' '.join(columns[i][0].split())} {rows[0][i]}" for i in fixed)
             if fixed
             else None
         )
-        one = build(title, kept, caption)
-        if fits(one):
-            return [one]
+        if fits(title, kept, caption):
+            return [build(title, kept, caption)]
         key_idx, rest = kept[:keys], kept[keys:]
         groups: list[list[int]] = []
         for i in rest:
-            if groups and fits(build("", key_idx + groups[-1] + [i])):
+            if groups and fits("", key_idx + groups[-1] + [i]):
                 groups[-1].append(i)
             else:
                 groups.append([i])

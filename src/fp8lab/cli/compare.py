@@ -168,7 +168,8 @@ def compare_and_report(
     (``fp8lab.report.training.write_report``) into ``out``; return the summary. ``device``: the
     GPU of the predicted step time (default ``DEFAULT_COST_DEVICE``); ``noise_seeds``: seed
     replicas of the baseline for the noise estimate."""
-    from fp8lab.lab.compare import DEFAULT_COST_DEVICE, run_comparison
+    from fp8lab.lab.compare import run_comparison
+    from fp8lab.lab.compare_summary import DEFAULT_COST_DEVICE
     from fp8lab.report.training import write_report
 
     result = run_comparison(cfg, names, baseline, out, jobs=jobs, threads=threads,
@@ -223,21 +224,10 @@ def _set_keys() -> str:
     )
 
 
-def _summary_table(summary: dict[str, Any]) -> Any:
-    """The summary as one rich table (the report holds every column)."""
-    return _summary_tables(summary, None)[0]
-
-
-def _summary_tables(summary: dict[str, Any], width: int | None) -> list[Any]:
-    """The summary as rich tables that fit ``width`` columns (None: one table): recipe names
-    wrap at spaces only, never mid-word; columns that do not fit go to further tables, each
-    repeating the recipe column, instead of being dropped."""
-    import io
-
+def _summary_tables(summary: dict[str, Any], width: int) -> list[Any]:
+    """The summary as rich tables that fit ``width`` columns (`fitted_tables`: recipe names
+    wrap at spaces only, never mid-word; nothing is cut or dropped)."""
     from rich import box
-    from rich.console import Console
-    from rich.measure import Measurement
-    from rich.table import Table
 
     from fp8lab.report.training import table_rows
 
@@ -247,45 +237,11 @@ def _summary_tables(summary: dict[str, Any], width: int | None) -> list[Any]:
             ("mem_total", "total\nMiB"), ("diverged", "diverged"))  # fmt: skip
     if summary.get("device"):  # the predicted step time on the cost device (fp8lab.cost)
         cols = (*cols[:-2], ("predicted_step_ms", f"pred. ms\n{summary['device']}"), *cols[-2:])
-    rows = table_rows(summary)
-    # the recipe column is never narrower than its longest word: names are not split
-    longest = max((len(w) for r in rows for w in r["recipe"].split()), default=6)
-    title = f"fp8lab compare (baseline {summary['baseline']})"
-
-    def build(keys: list[str], t_title: str) -> Any:
-        t = Table(title=t_title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True)  # fmt: skip
-        for key, head in cols:
-            if key not in keys:
-                continue
-            if key == "recipe":
-                t.add_column(head, overflow="fold", min_width=max(10, longest))
-            else:  # numbers are never folded; the headers wrap instead
-                t.add_column(head, justify="right", no_wrap=True)
-        for row in rows:
-            t.add_row(*(row[k] for k, _ in cols if k in keys))
-        return t
-
-    every = [k for k, _ in cols]
-    if width is None:
-        return [build(every, title)]
-    probe = Console(width=10_000, file=io.StringIO())
-
-    def fits(keys: list[str]) -> bool:
-        return Measurement.get(probe, probe.options, build(keys, "")).minimum <= width
-
-    if fits(every):
-        return [build(every, title)]
-    groups: list[list[str]] = []
-    for k in every[1:]:
-        if groups and fits(["recipe", *groups[-1], k]):
-            groups[-1].append(k)
-        else:
-            groups.append([k])
-    return [
-        build(["recipe", *g], title if i == 0 else f"{title} (continued)")
-        for i, g in enumerate(groups)
-    ]
+    rows = [[row[k] for k, _ in cols] for row in table_rows(summary)]
+    columns = [(head, "left" if k == "recipe" else "right") for k, head in cols]
+    return fitted_tables(f"fp8lab compare (baseline {summary['baseline']})", columns, rows,
+                         width, wrap=["recipe"], box=box.SIMPLE_HEAD, title_justify="left",
+                         pad_edge=False, collapse_padding=True)  # fmt: skip
 
 
 JsonOut = json_flag("the summary")
@@ -514,7 +470,7 @@ def _plan(
     amax_group, fp8_allgather = dist_flags[0], dist_flags[3]
     if fp8_allgather:  # refuse a weight it cannot gather before any recipe trains
         from fp8lab.distributed.fsdp import check_fp8_allgather_recipe
-        from fp8lab.lab.compare import resolve_recipe
+        from fp8lab.lab.recipes import resolve_recipe
 
         for n in dict.fromkeys([base, *names]):
             check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
@@ -545,7 +501,7 @@ def _run(
 
 def _render(summary: dict[str, Any], plan: _Plan, out: Path, json_out: bool, t0: float) -> None:
     """The summary on stdout: JSON, or the tables and notes."""
-    from fp8lab.lab.compare import json_summary
+    from fp8lab.lab.compare_summary import json_summary
     from fp8lab.report.training import noise_note
 
     if json_out:
@@ -579,7 +535,7 @@ def register(app: typer.Typer) -> None:
 def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:
     """For each recipe with ``[[layer]]`` rules: which layer of the model gets which settings
     (`fp8lab.nn.layer_settings` of the converted model)."""
-    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.train import build_model
     from fp8lab.nn import layer_settings
 
@@ -670,20 +626,18 @@ def _follow_rank0(
     """A torchrun rank other than 0: train the same recipes in the same order (DDP pairs its
     collectives with rank 0's) into rank 0's run folders, reading their checkpoints to resume and
     writing nothing; rank 0 prepares the output directory and writes the report."""
-    from fp8lab.lab.compare import run_recipes, seed_replica
+    from fp8lab.lab.compare_runs import run_order, run_recipes
     from fp8lab.lab.data import load_corpus
 
-    order = list(dict.fromkeys(names))
-    if base not in order:
-        order.insert(0, base)  # as run_comparison does
-    order += [seed_replica(base, cfg.train.seed + i) for i in range(1, noise_seeds + 1)]
+    recipes, replicas = run_order(names, base, cfg.train.seed, noise_seeds)  # as rank 0's
     deadline = time.monotonic() + 120.0
     while not (out / "config.json").exists():  # rank 0's prepare_out_dir comes first
         if time.monotonic() > deadline:
             raise ValueError(f"rank 0 did not prepare {out} within 120 s")
         time.sleep(0.2)
     corpus = load_corpus(cfg.data, cfg.model.block_size)
-    run_recipes(cfg, order, out, jobs=1, threads=threads, corpus=corpus, guard=guard, dist=dist)
+    run_recipes(cfg, [*recipes, *replicas], out, jobs=1, threads=threads, corpus=corpus,
+                guard=guard, dist=dist)  # fmt: skip
     from fp8lab.distributed.runtime import leave_group
 
     leave_group()  # rank 0 summarizes alone (run_comparison leaves the group too)

@@ -103,7 +103,7 @@ def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
 
 def _resolve(name: str) -> Any:
     """A preset, the lab's negative control or a recipe file (as `fp8lab compare` takes)."""
-    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.recipes import resolve_recipe
 
     return resolve_recipe(name)
 

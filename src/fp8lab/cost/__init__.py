@@ -9,12 +9,15 @@
 * `collective_bytes` — bytes per rank and step of the gradient reduction, amax all-reduces and
   FSDP all-gathers (`fp8lab.cost.collectives`);
 * `linear_shapes` / `repeated_block` — a built model's quantized Linears as shapes to price
-  (`fp8lab.cost.shapes`).
+  (`fp8lab.cost.shapes`);
+* `simulated_memory` / `model_memory` — the bytes a recipe's training step would hold: weights,
+  optimizer states, saved activations (`fp8lab.cost.memory`).
 """
 
 from fp8lab.cost.collectives import CollectiveBytes, collective_bytes
 from fp8lab.cost.counting import Event, GemmEvent, StepCounts, count_linear_step
 from fp8lab.cost.devices import Device, device_names, get_device
+from fp8lab.cost.memory import model_memory, simulated_memory
 from fp8lab.cost.model import (
     SCENARIOS,
     LayerCost,
@@ -42,10 +45,12 @@ __all__ = [
     "device_names",
     "get_device",
     "linear_shapes",
+    "model_memory",
     "other_parameters",
     "predict_or_reason",
     "predict_step_ms",
     "price_layer",
     "price_linears",
     "repeated_block",
+    "simulated_memory",
 ]

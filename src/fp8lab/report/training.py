@@ -339,14 +339,14 @@ NOTES = [
     "emulated in fp32 (bf16 = fp32 compute with operands rounded to bf16), so these are "
     "simulation costs, not hardware speed-ups.",
     "memory = a model of what the recipe would need on real hardware for one step "
-    "(fp8lab.lab.compare.simulated_memory): master weights + low-precision weight copies, "
+    "(fp8lab.cost.memory.simulated_memory): master weights + low-precision weight copies, "
     "AdamW moments, activations saved for backward.",
 ]
 
 
 def noise_note(summary: Mapping[str, Any]) -> str | None:
     """What the gaps mean against the run-to-run noise (``summary["noise"]``,
-    `fp8lab.lab.compare.noise_estimate`): recipes inside it are listed, not ranked; the others
+    `fp8lab.lab.compare_summary.noise_estimate`): recipes inside it are listed, not ranked; the others
     are ranked by gap. None for a summary written before the noise was estimated."""
     noise = summary.get("noise")
     if not noise or summary.get("baseline_diverged"):

@@ -148,7 +148,7 @@ def test_fix_file_is_a_per_layer_recipe_that_reads_back(tmp_path, layers):
 
 
 def test_fix_file_of_a_recipe_that_is_no_preset_is_expanded(tmp_path, layers):
-    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.recipes import resolve_recipe
 
     names, _ = layers
     r = resolve_recipe("e4m3-unscaled-grads")  # the lab's own recipe, not a preset

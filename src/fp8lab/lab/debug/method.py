@@ -66,7 +66,7 @@ MIN_GAP_PCT = 0.01
 # ----------------------------------------------------------------------------- inputs
 def resolve(name_or_recipe: Any) -> Any:
     """A Recipe, a preset or lab recipe name, or a recipe file path."""
-    from fp8lab.lab.compare import resolve_recipe
+    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.recipe import Recipe
 
     if isinstance(name_or_recipe, Recipe):
