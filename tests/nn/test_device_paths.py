@@ -60,10 +60,11 @@ class ImplicitDevice(TorchFunctionMode):
             and kwargs.get("device") is None
             and not (func in CONVERTERS and args and isinstance(args[0], torch.Tensor))
         ):
-            caller = sys._getframe(1).f_code
-            if caller.co_filename.startswith(SRC):
-                where = f"{caller.co_filename[len(SRC) + 1 :]}:{sys._getframe(1).f_lineno}"
-                self.found.append(f"{where} torch.{func.__name__} ({caller.co_name})")
+            frame = sys._getframe(1)  # the factory's caller (a C function has no frame)
+            code = frame.f_code
+            if code.co_filename.startswith(SRC):
+                where = f"{code.co_filename[len(SRC) + 1 :]}:{frame.f_lineno}"
+                self.found.append(f"{where} torch.{func.__name__} ({code.co_name})")
         return func(*args, **kwargs)
 
 
