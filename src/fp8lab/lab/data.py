@@ -281,6 +281,7 @@ def _token_file_corpus(cfg: DataConfig) -> Corpus:
     vocab = tok.tokenizer_vocab(cfg.tokenizer) if cfg.tokenizer else None
     tf = tok.open_token_file(path, cfg.token_dtype, vocab)
     found = tok.scan(tf)
+    tok.check_width(tf, found)  # int32 / int64 ids read as uint16 / uint32
     if vocab is not None:  # the ids must be the tokenizer's
         tok.check_vocab(found.max_id, _where(tf, found), vocab, f"--tokenizer {cfg.tokenizer}")
     train, val = tok.split_views(tf.memmap(), cfg.val_fraction, cfg.split_chunk)

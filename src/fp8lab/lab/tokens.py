@@ -13,7 +13,11 @@
 Every bad file is a ValueError naming it: a ``.bin`` whose size is not a multiple of the id
 size, a ``.npy`` whose header does not match its size, a non-integer or multi-dimensional
 array, a tokenizer that does not load, and (:func:`check_vocab`) a token id outside the
-model's vocabulary (file, offset, id, vocabulary size).
+model's vocabulary (file, offset, id, vocabulary size). A ``.bin`` holds no header, so a file
+of wider integers (NumPy's default ``int64``, or ``int32``, written with ``tofile``) would read
+as ids too: small ids written as little-endian int32 read as uint16 give 0 at every odd
+position, as int64 at three positions in four (and int64 read as uint32 at every odd one).
+:func:`check_width` refuses such a file, naming the id type it was most likely written with.
 """
 
 from __future__ import annotations
@@ -171,6 +175,8 @@ class Scan:
     max_id: int
     max_at: int
     min_id: int
+    odd_zero: bool = False  # every id at an odd position is 0
+    quad_zero: bool = False  # every id at a position not divisible by 4 is 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -179,6 +185,7 @@ def _scan(path: str, dtype: str, offset: int, size: int, mtime_ns: int) -> Scan:
     dt = np.dtype(dtype)
     buf = bytearray(_CHUNK_BYTES - _CHUNK_BYTES % dt.itemsize)  # whole ids per chunk
     best, best_at, low, pos = -1, 0, None, 0  # pos: ids before this chunk
+    odd_zero = quad_zero = True  # a chunk holds a multiple of 4 ids: positions keep their phase
     with open(path, "rb", buffering=0) as f:
         h.update(f.read(offset))  # a .npy header: hashed, not scanned
         while n := f.readinto(buf):
@@ -188,9 +195,11 @@ def _scan(path: str, dtype: str, offset: int, size: int, mtime_ns: int) -> Scan:
             if int(ids[i]) > best:
                 best, best_at = int(ids[i]), pos + i
             low = int(ids.min()) if low is None else min(low, int(ids.min()))
+            odd_zero = odd_zero and not ids[1::2].any()
+            quad_zero = quad_zero and odd_zero and not ids[2::4].any()
             pos += ids.size
         _drop_cache(f.fileno())  # read once: keep no page cache of a corpus larger than RAM
-    return Scan(h.hexdigest(), best, best_at, 0 if low is None else low)
+    return Scan(h.hexdigest(), best, best_at, 0 if low is None else low, odd_zero, quad_zero)
 
 
 def scan(tf: TokenFile) -> Scan:
@@ -258,6 +267,32 @@ def split_views(ids: np.ndarray, val_fraction: float, chunk: int) -> tuple[Token
     val_len = (n_chunks // every) * chunk - (short if n_chunks % every == 0 else 0)
     return (TokenView(ids, n - val_len, chunk=chunk, every=every),
             TokenView(ids, val_len, chunk=chunk, every=every, val=True))  # fmt: skip
+
+
+#: fewer ids than this prove nothing about a file's id type from its zeros
+_WIDTH_EVIDENCE = 16
+
+
+def check_width(tf: TokenFile, found: Scan) -> None:
+    """ValueError naming a ``.bin`` file whose ids show that it was written with a wider
+    integer type than ``tf.dtype`` (module doc): 0 at every odd position (uint16: int32 ids;
+    uint32: int64 ids) or, for uint16, at three positions in four (int64 ids), while the other
+    positions hold ids. Needs at least 16 ids; a ``.npy`` file states its type and is not
+    checked."""
+    if tf.path.suffix.lower() != ".bin" or tf.count < _WIDTH_EVIDENCE:
+        return
+    if not found.odd_zero or found.max_id <= 0:
+        return
+    small = tf.dtype.itemsize == 2
+    wide = "int64" if (small and found.quad_zero) or not small else "int32"
+    zeros = "three ids in four" if small and found.quad_zero else "every other id"
+    raise ValueError(
+        f"{tf.path}: read as {tf.dtype.name} ids, {zeros} is 0: the file looks written as "
+        f"{wide} (NumPy's default integer type with tofile) and read with the wrong id type. "
+        f"Write the ids as uint16 (ids.astype(np.uint16).tofile(path), ids < 65536) or uint32 "
+        f"(with --token-dtype uint32 / [data] token_dtype), or save a .npy (numpy.save: its "
+        "header states the type)"
+    )
 
 
 def check_vocab(max_id: int, where: str, vocab: int, what: str) -> None:
