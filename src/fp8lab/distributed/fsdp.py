@@ -276,7 +276,11 @@ def _delayed_shard_spec(
     whole weight's amax (current scaling), all-reduced MAX over ``group`` first (every rank
     takes that branch together: identical states)."""
     sc = spec.scaling
-    ds = state or (sc if isinstance(sc, DelayedScaling) else DelayedScaling.bind(sc, spec.format))
+    ds = state or (
+        sc
+        if isinstance(sc, DelayedScaling)
+        else DelayedScaling.bind(sc, spec.format, device=x.device)  # the shard's device
+    )
     amax = _shard_amax(x)
     full = None
     if ds.cfg.first_step == "current" and not ds.initialized:
