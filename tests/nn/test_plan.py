@@ -1,6 +1,8 @@
-"""The LinearPlan: frozen, built once per (module, recipe), its reuse decisions as the recipes
-define them (per-tensor: one quantization serves two GEMMs; DeepSeek-V3 re-tiles; MXFP8 and NVFP4
-re-quantize the fp32 tensor), and quantizers that own the module's delayed-scaling states."""
+"""The LinearPlan: frozen, built once per (module, recipe), its reuse decisions as the recipes'
+sources define them (per-tensor: one quantization serves two GEMMs; DeepSeek-V3 re-tiles its
+cached activations and quantizes the live dy again; MXFP8 and NVFP4 re-quantize the fp32 tensor),
+and quantizers that own the module's delayed-scaling states. tests/nn/test_operand_source.py
+checks the operands these decisions produce."""
 
 import dataclasses
 
@@ -22,7 +24,9 @@ S, R, H = Reuse.SAME, Reuse.RETILE, Reuse.SOURCE
         ("te-delayed", S, S, S),  # per-tensor: block shape does not depend on direction
         ("te-current", S, S, S),
         ("bf16", S, S, S),  # the same bf16 rounding serves both GEMMs
-        ("deepseek-v3", S, R, R),  # 128x128 weights transpose to themselves; 1x128 -> 128x1
+        # 128x128 weights transpose to themselves; the cached 1x128 x is re-tiled into 128x1,
+        # the live dy quantized into 128x1 (arXiv 2412.19437 §3.3.3, App. B.2)
+        ("deepseek-v3", S, H, R),
         ("mxfp8", H, H, H),  # 1x32 -> 32x1, re-quantized from fp32 (TE MXFP8)
         ("nvfp4", S, H, H),  # 16x16 weights transpose to themselves
     ],

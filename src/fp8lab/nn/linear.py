@@ -243,8 +243,8 @@ def prepare(
 
 def keep_for_backward(operand: Operand, later: OperandPlan) -> Operand:
     """What the forward keeps of ``operand`` for the backward GEMM ``later``: the operand when
-    ``later`` reuses or re-tiles it, else only its fp32 source (the source is also kept while
-    operands are observed, to report it)."""
+    ``later`` reuses, re-tiles or dequantizes it, else only its fp32 source (the source is also
+    kept while operands are observed, to report it)."""
     if later.reuse is Reuse.SOURCE:
         return Operand(None, operand.source)
     src = operand.source if _OBSERVERS.active else None
@@ -269,6 +269,8 @@ def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None
         retile_from = None if quantizer.delayed is not None else q
         q2 = _quantize(kept.dense(), quantizer, held, want, retile_from=retile_from)
         operand = Operand(q2, kept.source)
+    elif op.reuse is Reuse.DEQUANTIZE:  # the saved copy's values, no second rounding
+        operand = Operand(kept.dense(), kept.source)
     if observed:
         _notify(op, kept.source if kept.source is not None else kept.dense(), operand.used)  # type: ignore[arg-type]
     return operand

@@ -7,10 +7,22 @@ scaling, the module's `DelayedScaling` of that role), or the GEMM's high-precisi
 how the backward obtains the operand from the forward's (`Reuse`):
 
 * ``SAME``: the earlier GEMM's operand serves as is (the same rounding, fp32 as is, or the same
-  quantization: per-tensor x for fprop and wgrad, W for fprop and dgrad, dy for dgrad and wgrad);
-* ``RETILE``: ``save_for_backward="quantized"`` and only the blocks differ: re-tile the earlier
-  quantized tensor (DeepSeek-V3, arXiv 2412.19437 §3.3: dequantize, re-quantize into new tiles);
-* ``SOURCE``: keep the fp32 tensor and prepare it afresh (``save_for_backward="high_precision"``).
+  quantization — equal spec and delayed state: per-tensor x for fprop and wgrad, W for fprop and
+  dgrad, dy for dgrad and wgrad; 128x128 and 16x16 weight blocks, which transpose to themselves);
+* ``RETILE``: re-quantize the earlier GEMM's saved quantized copy into this GEMM's blocks (its
+  dequantized values, quantized again: DeepSeek-V3, arXiv 2412.19437 §3.3.3 and §3.5.2);
+* ``SOURCE``: quantize (or round) the high-precision tensor afresh (TE's quantizers make the
+  column-wise copy from the high-precision tensor; dy is live in the backward);
+* ``DEQUANTIZE``: the earlier GEMM's saved quantized copy, dequantized, used as is: the GEMM
+  multiplies it in fp32 (`OperandPlan.high_precision` ``"fp32"``), TE's
+  ``backward_override="dequantized"``.
+
+Which one is decided by construction from `fp8lab.recipe.GemmConfig.operand_source` of the later
+GEMM (`source_of`): ``auto`` is the source system's choice (docs/recipes.md): dy and W are live
+in high precision in every system, so their later copies come from them (shared when they
+quantize alike); x comes from the saved quantized copy under ``save_for_backward="quantized"``
+when only the blocks differ (DeepSeek-V3's re-tiled activations), else from the high-precision
+tensor (TE: the column-wise copy made in the same pass as the row-wise one).
 
 A single (GEMM, role) cell in high precision (`fp8lab.recipe.GemmConfig.high_precision_roles`)
 changes only that operand: where a later GEMM re-tiles the earlier operand's quantized values,
@@ -27,7 +39,7 @@ from fp8lab.nn.state import ScalingState, state_key
 from fp8lab.qtensor import Quantizer, QuantSpec
 from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
 
-__all__ = ["GemmPlan", "LinearPlan", "OperandPlan", "Reuse", "build_plan"]
+__all__ = ["GemmPlan", "LinearPlan", "OperandPlan", "Reuse", "build_plan", "source_of"]
 
 #: (earlier GEMM, later GEMM, role): the operand a backward GEMM may take from an earlier one
 CHAINS = (
@@ -43,6 +55,7 @@ class Reuse(enum.Enum):
     SAME = "same"
     RETILE = "retile"
     SOURCE = "source"
+    DEQUANTIZE = "dequantize"
 
 
 @dataclass(frozen=True)
@@ -50,9 +63,10 @@ class OperandPlan:
     """One operand of one GEMM: ``quantizer`` (GEMM orientation, owning the module's delayed
     state of the role; None: not quantized) and its pure ``spec``, or the ``high_precision``
     rounding of the GEMM or of this (GEMM, role) cell (``"fp32"``/``"bf16"``/``"fp16"``; None:
-    quantized or fp32 as is). ``reuse``: how it comes from the earlier GEMM of the same role
-    (None for the first use). ``retile_source``: a later GEMM re-tiles this operand's quantized
-    values, so its dequantized copy is written while quantizing. ``layer``: the module's name
+    quantized or fp32 as is; ``"fp32"`` with ``Reuse.DEQUANTIZE``: the saved copy's dequantized
+    values, multiplied in fp32). ``reuse``: how it comes from the earlier GEMM of the same role
+    (None for the first use). ``retile_source``: a later GEMM re-tiles or dequantizes this
+    operand's quantized values, so its dequantized copy is written while quantizing. ``layer``: the module's name
     (operand observers). ``shadow``: for a high-precision cell whose later GEMM re-tiles it, the
     spec it would have been quantized under (quantized as well, for that GEMM only, by
     ``shadow_quantizer``)."""
@@ -141,25 +155,46 @@ def _quantizer(cell: _Cell | None, state: ScalingState, made: dict) -> Quantizer
     return made[cell]
 
 
+def source_of(recipe: Recipe, later: str, role: str, saved: QuantSpec, target: QuantSpec) -> str:
+    """Where the backward GEMM ``later`` takes ``role``: its `GemmConfig.operand_source`, or for
+    ``auto`` the source system's choice (docs/recipes.md), given the earlier GEMM's quantized
+    copy ``saved`` and this GEMM's ``target`` spec (both in their GEMM orientation).
+
+    ``auto``: dy (live in the backward) and W (the master weight) come from the high-precision
+    tensor in every system; x comes from the saved quantized copy when ``save_for_backward`` is
+    ``"quantized"`` and only the blocks differ (DeepSeek-V3 caches its activations in 1x128
+    tiles and re-tiles them into 128x1), else from the high-precision tensor (Transformer
+    Engine's quantizers make the column-wise copy in the same pass as the row-wise one)."""
+    choice = recipe.gemm(later).source(role)
+    if choice != "auto":
+        return choice
+    if (
+        role == "input"
+        and recipe.save_for_backward == "quantized"
+        and saved.replace(granularity=target.granularity) == target
+    ):
+        return "saved_quantized"
+    return "high_precision"
+
+
 def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role: str) -> Reuse:
     hp_src, hp_dst = recipe.precision(src, role), recipe.precision(dst, role)
     s_src, s_dst = specs[(src, role)], specs[(dst, role)]
-    quantized_src = hp_src is None and s_src is not None
-    if hp_src is not None and nominal[(src, role)] is not None and hp_dst is None and s_dst:
-        # a high-precision cell: the later GEMM gets what it would get without the switch,
-        # from the cell's nominal quantization (its shadow)
-        if nominal[(src, role)] == s_dst:
-            return Reuse.SAME
-        return Reuse.RETILE if recipe.save_for_backward == "quantized" else Reuse.SOURCE
-    if hp_dst is not None:
+    if hp_dst is not None:  # the later GEMM rounds the high-precision tensor
         return Reuse.SAME if hp_src == hp_dst else Reuse.SOURCE
-    if s_dst is None:
+    if s_dst is None:  # fp32 as is
         return Reuse.SAME if hp_src is None and s_src is None else Reuse.SOURCE
-    if quantized_src and s_src == s_dst:
+    # the quantized copy the earlier GEMM made: its own, or a high-precision cell's nominal one
+    # (its shadow: the later GEMM gets what it would get without the switch)
+    saved = s_src if hp_src is None else nominal[(src, role)]
+    if saved is None:  # nothing quantized to share, re-tile or dequantize
+        return Reuse.SOURCE
+    choice = source_of(recipe, dst, role, saved.spec, s_dst.spec)
+    if choice == "saved_dequantized":
+        return Reuse.DEQUANTIZE
+    if saved == s_dst:  # one quantization serves both GEMMs (same spec and delayed state)
         return Reuse.SAME
-    if recipe.save_for_backward == "quantized" and quantized_src:
-        return Reuse.RETILE
-    return Reuse.SOURCE
+    return Reuse.RETILE if choice == "saved_quantized" else Reuse.SOURCE
 
 
 def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> LinearPlan:
@@ -170,14 +205,13 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
     reuse = {
         (dst, role): _reuse(recipe, specs, nominal, src, dst, role) for src, dst, role in CHAINS
     }
-    retile_sources = {
-        (src, role) for src, dst, role in CHAINS if reuse[(dst, role)] is Reuse.RETILE
-    }
+    from_saved = (Reuse.RETILE, Reuse.DEQUANTIZE)
+    retile_sources = {(src, role) for src, dst, role in CHAINS if reuse[(dst, role)] in from_saved}
     # a high-precision cell whose later (quantized) GEMM takes its nominal quantization
     shadows = {
         (src, role): nominal[(src, role)]
         for src, dst, role in CHAINS
-        if reuse[(dst, role)] in (Reuse.RETILE, Reuse.SAME)
+        if reuse[(dst, role)] in (*from_saved, Reuse.SAME)
         and specs[(src, role)] is None
         and nominal[(src, role)] is not None
         and specs[(dst, role)] is not None
@@ -187,23 +221,29 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
     gemms = {}
     for g in GEMMS:
         cfg = recipe.gemm(g)
-        ops = tuple(
-            OperandPlan(
-                gemm=g,
-                role=role,
-                spec=None if specs[(g, role)] is None else specs[(g, role)].spec,
-                high_precision=recipe.precision(g, role),
-                first_axis=first_axis,
-                fp32_accumulate=cfg.accumulator.kind == "fp32",
-                reuse=reuse.get((g, role)),
-                retile_source=(g, role) in retile_sources,
-                layer=name,
-                shadow=None if (g, role) not in shadows else shadows[(g, role)].spec,
-                quantizer=_quantizer(specs[(g, role)], state, made),
-                shadow_quantizer=_quantizer(shadows.get((g, role)), state, made),
+        ops = []
+        for role, first_axis in GEMM_OPERANDS[g]:
+            cell = specs[(g, role)]
+            hp = recipe.precision(g, role)
+            if reuse.get((g, role)) is Reuse.DEQUANTIZE:  # the saved copy's values, in fp32
+                cell, hp = None, "fp32"
+            ops.append(
+                OperandPlan(
+                    gemm=g,
+                    role=role,
+                    spec=None if cell is None else cell.spec,
+                    high_precision=hp,
+                    first_axis=first_axis,
+                    fp32_accumulate=cfg.accumulator.kind == "fp32",
+                    reuse=reuse.get((g, role)),
+                    retile_source=(g, role) in retile_sources,
+                    layer=name,
+                    shadow=None if (g, role) not in shadows else shadows[(g, role)].spec,
+                    quantizer=_quantizer(cell, state, made),
+                    shadow_quantizer=_quantizer(shadows.get((g, role)), state, made),
+                )
             )
-            for role, first_axis in GEMM_OPERANDS[g]
-        )
+        ops = tuple(ops)
         gemms[g] = GemmPlan(g, _resolved(cfg.accumulator, ops), ops)  # type: ignore[arg-type]
     return LinearPlan(recipe=recipe, name=name, **gemms)
 

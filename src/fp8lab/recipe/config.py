@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,15 +13,18 @@ from fp8lab.qtensor import QuantSpec
 from fp8lab.scaling.delayed import DelayedScaling
 
 __all__ = [
+    "BACKWARD_OPERANDS",
     "GEMMS",
     "GEMM_OPERANDS",
     "HIGH_PRECISIONS",
     "LOSS_SCALINGS",
+    "OPERAND_SOURCES",
     "OPTIMIZER_STATES",
     "ROLES",
     "SAVE_MODES",
     "GemmConfig",
     "RecipeFileError",
+    "check_operand_source",
 ]
 
 ROLES = ("input", "weight", "grad_output")
@@ -32,6 +36,16 @@ GEMM_OPERANDS: dict[str, tuple[tuple[str, bool], tuple[str, bool]]] = {
     "wgrad": (("grad_output", True), ("input", True)),
 }
 HIGH_PRECISIONS = ("fp32", "bf16", "fp16")
+#: where a backward GEMM's operand comes from (`GemmConfig.operand_source`): ``auto`` (the
+#: source system's choice, docs/recipes.md), the high-precision tensor, the earlier GEMM's saved
+#: quantized copy (as is when it quantizes alike, else re-tiled), or that copy's dequantized values
+OPERAND_SOURCES = ("auto", "high_precision", "saved_quantized", "saved_dequantized")
+#: the roles a backward GEMM may take from an earlier GEMM (dgrad's grad_output is dy's first use)
+BACKWARD_OPERANDS: dict[str, tuple[str, ...]] = {
+    "fprop": (),
+    "dgrad": ("weight",),
+    "wgrad": ("input", "grad_output"),
+}
 SAVE_MODES = ("quantized", "high_precision")
 LOSS_SCALINGS = ("none", "static", "dynamic")
 #: storage of the AdamW moments (fp8lab.optim.AdamW's state_precision; "fp8" = block-scaled E4M3)
@@ -73,12 +87,21 @@ class GemmConfig:
             operand of this GEMM is rounded to ``"fp32"``/``"bf16"``/``"fp16"`` (no scaling),
             the other stays quantized; the GEMM then multiplies the dense operands in fp32.
             The single-cell switch of a per-GEMM bisection (stored as sorted pairs).
+        operand_source: where this (backward) GEMM takes an operand the forward or dgrad
+            already quantized (`OPERAND_SOURCES`): one value for every such role, or per role
+            (``{"input": "saved_quantized", "grad_output": "high_precision"}``); ``"auto"`` (the
+            default) is the source system's choice (docs/recipes.md). Only ``dgrad``'s weight
+            and ``wgrad``'s input and grad_output take one (`BACKWARD_OPERANDS`; a `Recipe`
+            checks it and stores it per role); a GEMM or cell in high precision rounds the
+            high-precision tensor whatever it says. Stored as ``"auto"``, one value, or sorted
+            ``(role, value)`` pairs without ``"auto"`` entries.
     """
 
     accumulator: Accumulator = field(default_factory=Accumulator)
     high_precision: str | None = None
     overrides: tuple[tuple[str, QuantSpec], ...] = ()
     high_precision_roles: tuple[tuple[str, str], ...] = ()
+    operand_source: str | tuple[tuple[str, str], ...] = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "accumulator", Accumulator.parse(self.accumulator))
@@ -89,6 +112,7 @@ class GemmConfig:
         object.__setattr__(self, "high_precision_roles", tuple(sorted(hp_roles)))
         overrides = _by_role(self.overrides, "override role", _override)
         object.__setattr__(self, "overrides", tuple(sorted(overrides, key=lambda p: p[0])))
+        object.__setattr__(self, "operand_source", _operand_source(self.operand_source))
 
     def override(self, role: str) -> QuantSpec | None:
         for r, s in self.overrides:
@@ -103,6 +127,12 @@ class GemmConfig:
             return self.high_precision
         return dict(self.high_precision_roles).get(role)
 
+    def source(self, role: str) -> str:
+        """`operand_source` for ``role`` (one of `OPERAND_SOURCES`; ``"auto"`` when unset)."""
+        if isinstance(self.operand_source, str):
+            return self.operand_source
+        return dict(self.operand_source).get(role, "auto")
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"accumulator": self.accumulator.to_dict()}
         if self.high_precision is not None:
@@ -111,18 +141,71 @@ class GemmConfig:
             d["overrides"] = {r: s.to_dict() for r, s in self.overrides}
         if self.high_precision_roles:
             d["high_precision_roles"] = dict(self.high_precision_roles)
+        if self.operand_source != "auto":  # absent when auto: fingerprints stay as they were
+            src = self.operand_source
+            d["operand_source"] = src if isinstance(src, str) else dict(src)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GemmConfig:
-        keys = ("accumulator", "high_precision", "overrides", "high_precision_roles")
+        keys = ("accumulator", "high_precision", "overrides", "high_precision_roles",
+                "operand_source")  # fmt: skip
         check_keys(d, keys, "GemmConfig")
+        src = d.get("operand_source", "auto")
         return cls(
             accumulator=Accumulator.parse(d.get("accumulator")),
             high_precision=d.get("high_precision"),
             overrides=dict(d.get("overrides", {})),
             high_precision_roles=dict(d.get("high_precision_roles", {})),
+            operand_source=src if isinstance(src, str) else dict(src),
         )
+
+
+def _source_value(value: Any, what: str) -> str:
+    if not isinstance(value, str) or value not in OPERAND_SOURCES:
+        raise ValueError(f"{what} must be one of {OPERAND_SOURCES}, got {value!r}")
+    return value
+
+
+def _operand_source(value: Any) -> str | tuple[tuple[str, str], ...]:
+    """`GemmConfig.operand_source` normalised: ``"auto"``, one value, or sorted per-role pairs
+    (``"auto"`` entries dropped; none left is ``"auto"``)."""
+    if isinstance(value, str):
+        return _source_value(value, "operand_source")
+    if not isinstance(value, Mapping | list | tuple):
+        raise ValueError(
+            f"operand_source must be one of {OPERAND_SOURCES} or a table role -> value, "
+            f"got {value!r}"
+        )
+    pairs = _by_role(value, "operand_source: role",
+                     lambda role, v: _source_value(v, f"operand_source for {role}"))  # fmt: skip
+    kept = tuple(sorted((r, v) for r, v in pairs if v != "auto"))
+    return kept or "auto"
+
+
+def check_operand_source(gemm: str, cfg: GemmConfig) -> GemmConfig:
+    """``cfg`` of ``gemm`` with its `GemmConfig.operand_source` checked against the roles that
+    GEMM takes from an earlier one (`BACKWARD_OPERANDS`) and stored per role (one value
+    expanded to those roles, so equal settings compare and fingerprint alike)."""
+    src = cfg.operand_source
+    roles = BACKWARD_OPERANDS[gemm]
+    if isinstance(src, str):
+        if src == "auto":
+            return cfg
+        if not roles:
+            raise ValueError(
+                f"{gemm}.operand_source: {gemm} takes no operand from an earlier GEMM; only "
+                f"dgrad (weight) and wgrad (input, grad_output) have one, got {src!r}"
+            )
+        return dataclasses.replace(cfg, operand_source=tuple((r, src) for r in roles))
+    bad = [r for r, _ in src if r not in roles]
+    if bad:
+        takes = ", ".join(roles) if roles else "no role"
+        raise ValueError(
+            f"{gemm}.operand_source: {bad[0]!r} is not an operand {gemm} takes from an earlier "
+            f"GEMM ({gemm}: {takes}; dgrad's grad_output is always quantized from dy)"
+        )
+    return cfg
 
 
 def _by_role(cells: Any, what: str, convert: Callable[[str, Any], Any]) -> list[tuple[str, Any]]:

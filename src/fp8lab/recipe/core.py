@@ -13,9 +13,11 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   ``grad_output`` in ``dgrad`` only, while the same gradient feeds ``wgrad`` under the delayed
   spec);
 * what is saved for backward (``"high_precision"``, the default: the fp32 operands, quantized
-  again in backward, as TE and torchao do; ``"quantized"``: the forward's quantized operands,
-  re-tiled from the quantized values where the backward GEMM needs other blocks, as DeepSeek-V3
-  does);
+  again in backward, as torchao does; ``"quantized"``: the forward's quantized operands, as TE
+  and DeepSeek-V3 do: shared where the backward GEMM quantizes alike, re-tiled from the
+  quantized values where only the blocks differ, as DeepSeek-V3 does for its activations), and
+  per backward GEMM where each operand comes from (``operand_source``; ``"auto"``: the source
+  system's choice, docs/recipes.md);
 * whether attention's two matmuls are quantized (``attention``, off by default like TE's fp8_dpa);
 * the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
 
@@ -58,6 +60,7 @@ from fp8lab.recipe.config import (
     GemmConfig,
     RecipeFileError,
     _spec,
+    check_operand_source,
 )
 from fp8lab.recipe.layers import LayerRule
 from fp8lab.recipe.plain import recipe_from_plain
@@ -120,7 +123,7 @@ class Recipe:
                 v = GemmConfig.from_dict(v)
             elif not isinstance(v, GemmConfig):
                 raise TypeError(f"{g} must be a GemmConfig or dict, got {type(v).__name__}")
-            object.__setattr__(self, g, v)
+            object.__setattr__(self, g, check_operand_source(g, v))
         check_choice(self.save_for_backward, SAVE_MODES, "save_for_backward")
         check_choice(self.loss_scaling, LOSS_SCALINGS, "loss_scaling")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
@@ -343,6 +346,8 @@ class Recipe:
                 parts.append(f"{r}={spec_str(s)}")
             for r, p in c.high_precision_roles:
                 parts.append(f"{r}={p}")
+            for r, src in c.operand_source if not isinstance(c.operand_source, str) else ():
+                parts.append(f"{r} from {src}")
             return f"{name}({', '.join(parts)})"
 
         lines = [f"Recipe({self.name!r}"]

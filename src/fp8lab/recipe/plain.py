@@ -14,7 +14,14 @@ from typing import Any
 from fp8lab._keys import check_keys
 from fp8lab.gemm import Accumulator
 from fp8lab.qtensor import QuantSpec
-from fp8lab.recipe.config import GEMMS, ROLES, GemmConfig, RecipeFileError, _spec
+from fp8lab.recipe.config import (
+    GEMMS,
+    ROLES,
+    GemmConfig,
+    RecipeFileError,
+    _spec,
+    check_operand_source,
+)
 from fp8lab.recipe.layers import LayerRule, deep_merge, preset
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
@@ -121,6 +128,7 @@ def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
     types = {"accumulator": (str, Mapping, Accumulator), "high_precision": (str,)}
     types["overrides"] = (Mapping,)
     types["high_precision_roles"] = (Mapping,)
+    types["operand_source"] = (str, Mapping)
     _check_table(v, types, types, "GemmConfig", where, g)
     acc = v.get("accumulator")
     if isinstance(acc, Mapping):
@@ -134,7 +142,12 @@ def _gemm_from_plain(v: Any, where: str, g: str) -> GemmConfig:
     cells = v.get("high_precision_roles", {})
     cell_types = dict.fromkeys(ROLES, (str,))
     _check_table(cells, cell_types, ROLES, "role", where, f"{g}.high_precision_roles")
-    return _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides, cells)
+    src = v.get("operand_source", "auto")
+    if isinstance(src, Mapping):
+        _check_table(src, cell_types, ROLES, "role", where, f"{g}.operand_source")
+        src = dict(src)
+    cfg = _build(where, g, GemmConfig, acc, v.get("high_precision"), overrides, cells, src)
+    return _build(where, g, check_operand_source, g, cfg)
 
 
 def recipe_from_plain(cls: type, d: Any, where: str) -> Any:

@@ -117,8 +117,9 @@ def _build_presets() -> dict[str, Recipe]:
         _deepseek_v3(
             "deepseek-v3",
             ds_acc,
-            "DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles "
-            "(128x1 for wgrad, re-tiled from the quantized values), weights 128x128 blocks, "
+            "DeepSeek-V3: E4M3 on all tensors; activations and grads 1x128 tiles, 128x1 for "
+            "wgrad (the cached activations re-tiled from the quantized values, the live grads "
+            "quantized from high precision), weights 128x128 blocks, "
             "online amax/448 scales; limited accumulation promoted to fp32 every 128; BF16 AdamW "
             "moments, FP32 master weights. Embedding and output head stay high precision.",
             ds_src,
