@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "observe": 6,
     "cost": 6,
     "distributed": 6,
+    "step": 6,  # one training step with hooks: optim below, the guard and lab above
     "guard": 7,  # the anomaly guard: reads nn/observe state, runs inside lab's loop
     "lab": 8,
     "integrations": 8,  # framework callbacks: guard/observe/nn below, never lab (nor lab them)

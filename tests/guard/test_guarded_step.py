@@ -110,37 +110,26 @@ def test_rollback_restores_the_users_scheduler():
     assert _same_weights(model, clean)
 
 
-def test_the_same_event_records_as_the_lab_loop():
-    """One definition: the lab's TrainStep + GuardRun and GuardedStep decide alike."""
-    from fp8lab.lab.guard_run import GuardRun
-    from fp8lab.lab.loop import LoopState
-    from fp8lab.lab.step import TrainStep
+def test_guarded_step_is_the_one_train_step_with_the_guard_as_its_hook():
+    """No second step: GuardedStep runs `fp8lab.step.TrainStep` (the closure runs backward)
+    with its guard (`GuardHook`, the lab's hook too) and watch as hooks, so a clean guarded
+    run is bit-identical to the hook-free TrainStep on the same closures."""
+    from fp8lab.guard import GuardHook
+    from fp8lab.step import TrainStep, WatchHook
 
-    guard = AnomalyGuard(checkpoint_every=3)
-    _, gs, _ = _run(guard, {5: "nan"}, steps=8)
     model, data = _model(), _data()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    recipe = fp8lab.get_recipe("te-delayed")
-    grun = GuardRun(guard, model, opt, None, recipe)
-    st, fired = LoopState(), set()
-
-    def loss_fn(batch):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        if st.step == 5 and 5 not in fired:
-            fired.add(5)
-            loss = loss * float("nan")
-        return loss
-
-    ts = TrainStep(loss_fn, opt, None, 0.0, [grun])
-    grun.snapshot(st)
-    while st.step < 8:
-        ts(st.step, data[st.cursor])
-        st.step += 1
-        st.cursor += 1
-        grun.after_step(st)
-    assert st.guard_events == gs.events and len(gs.events) == 1
-    assert _same_weights(model, _run(guard, {}, steps=8)[0])
+    twin = copy.deepcopy(model)
+    gs = GuardedStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), clip=0.5)
+    assert isinstance(gs._step, TrainStep) and not gs._step.backward
+    assert isinstance(gs.session, GuardHook) and gs._step.hooks[0] is gs.session
+    assert isinstance(gs._step.hooks[1], WatchHook)
+    plain = TrainStep(lambda c: c(), torch.optim.AdamW(twin.parameters(), lr=1e-2), clip=0.5,
+                      backward=False)  # fmt: skip
+    for i in range(6):
+        r = gs.step(functools.partial(_fwd_bwd, model, *data[i]))
+        ctx = plain(i, functools.partial(_fwd_bwd, twin, *data[i]))
+        assert r.applied and (r.loss, r.grad_norm) == (ctx.loss_value, ctx.grad_norm)
+    assert _same_weights(model, twin)
 
 
 def test_escalation_pins_the_layer_of_a_user_model():
@@ -204,6 +193,10 @@ def test_state_dict_is_plain_data_and_round_trips():
     ({"position": -3}, "position must be an integer >= 0"),
     ({"stateful": {"sched": object()}}, r"stateful\['sched'\]"),
     ({"watch_every": -1}, "watch_every must be an integer >= 0"),
+    ({"guard": "rollback"}, r"guard must be an fp8lab\.AnomalyGuard \(a policy name: "
+                            r"AnomalyGuard\(policy='rollback'\)\)"),
+    ({"optimizer": torch.optim.SGD(_model(None).parameters(), lr=0.1)},
+     "4 of the optimizer's 4 parameters are not parameters of the model"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(kwargs, match):
     model = _model(None)
@@ -212,12 +205,53 @@ def test_bad_arguments_are_named(kwargs, match):
         GuardedStep(**args)
 
 
+def test_an_optimizer_over_part_of_another_model_is_refused():
+    model, other = _model(None), _model(None)
+    opt = torch.optim.SGD([*model[0].parameters(), *other[2].parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="2 of the optimizer's 4 parameters are not"):
+        GuardedStep(model, opt)
+
+
+@pytest.mark.parametrize("returns, err, match", [
+    (None, TypeError, "the closure returned None; it must return the loss"),
+    ("dict", TypeError, "the closure returned a dict"),
+    ("str", TypeError, "the closure returned a str"),
+    ("no-backward", ValueError, "the closure returned the loss but no parameter's gradient"),
+])  # fmt: skip
+def test_a_closure_that_does_not_return_the_loss_or_never_calls_backward_is_named(
+    returns, err, match
+):
+    model, data = _model(), _data()
+    gs = GuardedStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def closure():
+        x, y = data[0]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if returns == "no-backward":
+            return loss
+        loss.backward()
+        return {"dict": {"loss": loss}, "str": "loss"}.get(returns)
+
+    with pytest.raises(err, match=f"GuardedStep: {match}"):
+        gs.step(closure)
+    assert gs.steps_done == 0
+    assert all(p.grad is None for p in model.parameters())  # no stale gradient left behind
+    # the step after a refused one runs normally (the operand collectors were closed)
+    assert gs.step(functools.partial(_fwd_bwd, model, *data[0])).applied
+
+
+def test_watch_every_on_a_model_without_fp8lab_layers_warns():
+    model = _model(None)
+    with pytest.warns(UserWarning, match="GuardedStep: watch_every=2 but the model has no fp8lab"):
+        GuardedStep(model, torch.optim.SGD(model.parameters(), lr=0.1), watch_every=2)
+
+
 def test_reexported_from_fp8lab():
     assert fp8lab.GuardedStep is GuardedStep
 
 
 def test_watch_records_equal_the_labs_and_a_rollback_drops_the_abandoned_ones():
-    from fp8lab.lab.step import TrainStep, WatchHook
+    from fp8lab.step import TrainStep, WatchHook
 
     model, data = _model(), _data()
     twin = copy.deepcopy(model)

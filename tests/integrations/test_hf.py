@@ -39,7 +39,7 @@ def _canon(rows):
 
 
 def test_watch_records_equal_the_labs_for_the_same_model_and_batch(tmp_path):
-    from fp8lab.lab.step import TrainStep, WatchHook
+    from fp8lab.step import TrainStep, WatchHook
 
     data = samples(1)
     model = converted()
@@ -55,18 +55,45 @@ def test_watch_records_equal_the_labs_for_the_same_model_and_batch(tmp_path):
     assert _canon(cb.records) == _canon(watch.rows)
 
 
+class LearningRates(transformers.TrainerCallback):
+    """The learning rate each optimizer step uses."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def _train_lrs(model, cb, tmp_path, data, **kw):
+    lrs = LearningRates()
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, **kw), train_dataset=data,
+                                   callbacks=[cb, lrs])  # fmt: skip
+    trainer.train()
+    return trainer, lrs.lrs
+
+
 @pytest.mark.parametrize("policy", ["rollback", "skip"])
 def test_a_planted_nan_is_rolled_back_or_skipped(tmp_path, policy):
+    """The guard acts on the NaN; its step count is the Trainer's global_step, a rollback
+    leaves the learning-rate schedule as the Trainer runs it (the linear decay ends at 0, as
+    in a run without the fault), and the event is in the Trainer's log history."""
+    _, clean_lrs = _train_lrs(converted(), FP8LabCallback(guard=None), tmp_path, samples(32))
     model = converted(nan_at=5)
     guard = fp8lab.AnomalyGuard(policy=policy, checkpoint_every=2)
     cb = FP8LabCallback(guard=guard)
-    trainer = _train(model, cb, tmp_path, samples(32))
+    trainer, lrs = _train_lrs(model, cb, tmp_path, samples(32))
     assert trainer.state.global_step == 8
     assert [(e["action"], e["detector"], e["step"]) for e in cb.events] == [
         (policy, "nonfinite", 5)
     ]
     if policy == "rollback":
-        assert cb.events[0]["to_step"] == 4 and cb.core.state.step == 8 - 2
+        assert cb.events[0]["to_step"] == 4
+    assert cb.core.state.step == trainer.state.global_step == 8
+    assert lrs == clean_lrs and len(lrs) == 8
+    assert set(trainer.lr_scheduler.get_last_lr()) == {0.0}  # the linear decay ended
+    logged = [h for h in trainer.state.log_history if "fp8lab_guard" in h]
+    assert logged == [{"fp8lab_guard": cb.events[0], "step": 6}]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     states = fp8lab.nn.delayed_states(model)
     assert states and all(torch.isfinite(ds.state.amax_history).all() for ds in states.values())
@@ -133,6 +160,44 @@ def test_fp8_state_saved_with_checkpoints_and_restored_on_resume(tmp_path):
     assert all(
         torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
     )
+
+
+def test_resume_from_a_checkpoint_outside_output_dir_restores_the_fp8_and_guard_state(
+    tmp_path, recwarn
+):
+    """``trainer.train(resume_from_checkpoint=PATH)`` with PATH anywhere (HF's standard way):
+    the callback restores the FP8 and guard state from PATH, not from the TrainingArguments
+    field (unset here) or output_dir (which holds no checkpoint)."""
+    import shutil
+
+    from fp8lab.nn.fp8_state import fp8_state_dict
+
+    guard = fp8lab.AnomalyGuard(checkpoint_every=2)
+    data = samples(32)
+    model = converted()
+    _train(model, FP8LabCallback(guard=guard), tmp_path / "a", data, max_steps=4,
+           save_strategy="steps", save_steps=2)  # fmt: skip
+    moved = tmp_path / "elsewhere" / "ckpt"
+    shutil.move(tmp_path / "a" / "out" / "checkpoint-2", moved)
+    shutil.rmtree(tmp_path / "a")
+    fresh = converted()
+    cb = FP8LabCallback(guard=guard)
+    _train(fresh, cb, tmp_path / "b", data, resume=str(moved), max_steps=4)
+    assert not [w for w in recwarn if "fp8lab" in str(w.message)]
+    assert cb.core.session.monitor.state_dict()["loss_count"] == 4
+    end = fp8_state_dict(model)
+    assert end and all(torch.equal(v, fp8_state_dict(fresh)[k]) for k, v in end.items())
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+
+
+def test_watch_every_on_a_model_without_fp8lab_layers_warns(tmp_path):
+    from fw_tiny import TinyLM
+
+    with pytest.warns(UserWarning, match="watch_every=1 but the model has no fp8lab layers"):
+        _train(TinyLM(), FP8LabCallback(guard=None, watch_every=1), tmp_path, samples(2),
+               max_steps=1)  # fmt: skip
 
 
 def test_a_loss_outside_the_model_output_is_a_clear_error(tmp_path):

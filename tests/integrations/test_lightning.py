@@ -43,7 +43,7 @@ def _canon(rows):
 
 
 def test_watch_records_equal_the_labs_for_the_same_model_and_batch():
-    from fp8lab.lab.step import TrainStep, WatchHook
+    from fp8lab.step import TrainStep, WatchHook
 
     data = samples(1)
     model = converted()
@@ -67,8 +67,16 @@ def test_a_planted_nan_is_rolled_back_or_skipped(policy):
         (policy, "nonfinite", 5)
     ]
     if policy == "rollback":
-        assert cb.events[0]["to_step"] == 4 and cb.core.state.step == 8 - 2
+        assert cb.events[0]["to_step"] == 4
+    assert cb.core.state.step == trainer.global_step == 8  # the guard counts as Lightning
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_watch_every_on_a_model_without_fp8lab_layers_warns():
+    from fw_tiny import TinyLM
+
+    with pytest.warns(UserWarning, match="watch_every=1 but the model has no fp8lab layers"):
+        _fit(Lit(TinyLM()), FP8LabCallback(guard=None, watch_every=1), 1, samples(2))
 
 
 def test_without_the_guard_the_nan_reaches_the_weights():

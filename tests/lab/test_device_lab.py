@@ -11,14 +11,14 @@ import json
 import pytest
 import torch
 
+from fp8lab import step as step_mod
 from fp8lab.lab import checkpoint as ckpt
-from fp8lab.lab import step as step_mod
 from fp8lab.lab.data import DataConfig, get_batch, load_corpus
 from fp8lab.lab.gpt import GPTConfig
 from fp8lab.lab.machine import machine_info, torch_device, using_torch_device
-from fp8lab.lab.step import TrainStep
 from fp8lab.lab.train import LabConfig, TrainConfig, train_run
 from fp8lab.recipe import get_recipe
+from fp8lab.step import TrainStep
 
 TINY = LabConfig(
     model=GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32, d_ff=64),

@@ -3,8 +3,8 @@ the gradients are unscaled, the scaler keeps its state."""
 
 import torch
 
-from fp8lab.lab.step import TrainStep
 from fp8lab.optim import LossScaler
+from fp8lab.step import TrainStep
 
 
 def test_a_replay_step_with_a_scaler_unscales_the_gradients_and_keeps_the_scale():

@@ -259,8 +259,8 @@ def test_stats_are_the_watch_records_of_the_consumed_operands(qcorpus, tmp_path,
 
     import fp8lab
     from fp8lab import stats
+    from fp8lab import step as step_mod
     from fp8lab.formats import cast, get_format
-    from fp8lab.lab import step as step_mod
     from fp8lab.nn import collect_operands
     from fp8lab.observe import FIELDS, read_records
 

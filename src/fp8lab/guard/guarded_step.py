@@ -16,16 +16,21 @@
         pos = result.next_position  # rewound after a rollback
 
 The same detectors, policies (off / skip / rollback), last-good snapshots, event records and
-escalation as the lab's loop (one definition: `fp8lab.guard.session.GuardSession`). The guard
-owns what happens between backward and the next step: unscaling (``scaler``: an
-`fp8lab.optim.LossScaler` or a ``torch.amp.GradScaler``; the closure backpropagates
-``scaler.scale(loss)`` then and returns the unscaled loss), the gradient norm and clipping, the
-optimizer step (or not) and ``zero_grad``.
+escalation as the lab's loop, and the same step: a `fp8lab.step.TrainStep` whose closure runs
+forward and backward (``backward=False``), with the guard as its hook (`fp8lab.guard.hook.
+GuardHook`) and the watch as another (`fp8lab.step.WatchHook`). The step owns what happens
+between backward and the next step: unscaling (``scaler``: an `fp8lab.optim.LossScaler` or a
+``torch.amp.GradScaler``; the closure backpropagates ``scaler.scale(loss)`` then and returns the
+unscaled loss), the gradient norm and clipping, the optimizer step (or not) and ``zero_grad``.
+
+Refused with a TypeError or ValueError naming the argument: a guard that is not an
+`AnomalyGuard` (``guard="rollback"``), an optimizer over parameters that are not the model's,
+a closure that returns anything but the loss (None, a dict, a string) or never calls backward.
+``watch_every`` on a model without converted layers warns (it would record nothing).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -37,7 +42,9 @@ import torch
 
 from fp8lab.guard.config import AnomalyGuard
 from fp8lab.guard.detectors import Finding
+from fp8lab.guard.hook import GuardHook, as_guard
 from fp8lab.guard.session import GuardSession
+from fp8lab.step import TrainStep, WatchHook
 
 __all__ = [
     "ACTIONS",
@@ -103,12 +110,6 @@ class StepResult:
         return f"{f.detector} on {f.tensor}" if f.tensor else f.detector
 
 
-def _converted(model: torch.nn.Module) -> bool:
-    from fp8lab.nn import Linear
-
-    return any(isinstance(m, Linear) for m in model.modules())
-
-
 class GuardedStep:
     """The anomaly guard around a user's training step (see the module doc).
 
@@ -144,6 +145,16 @@ class GuardedStep:
             raise TypeError(
                 f"GuardedStep: optimizer must be a torch optimizer, got {type(optimizer).__name__}"
             )
+        guard = AnomalyGuard() if guard is None else as_guard(guard, "GuardedStep")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in own for p in params)
+        if foreign:
+            raise ValueError(
+                f"GuardedStep: {foreign} of the optimizer's {len(params)} parameters are not "
+                "parameters of the model; build the optimizer over this model's parameters "
+                "(a rollback restores the model, and the update must be the model's)"
+            )
         if not (isinstance(clip, int | float) and math.isfinite(clip) and clip >= 0):
             raise ValueError(f"GuardedStep: clip must be a number >= 0, got {clip!r}")
         stateful = {
@@ -157,10 +168,7 @@ class GuardedStep:
                 )
         self.model, self.optimizer, self.scaler, self.clip = model, optimizer, scaler, float(clip)
         self.scheduler = scheduler
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.session = GuardSession(
-            guard or AnomalyGuard(), model, optimizer, scaler, None, stateful
-        )
+        self.params = params
         self.state = GuardState(cursor=_position(position))
         if isinstance(watch_every, bool) or not isinstance(watch_every, int) or watch_every < 0:
             raise ValueError(
@@ -168,7 +176,12 @@ class GuardedStep:
             )
         self.watch_every = watch_every
         self.records: list[dict[str, Any]] = []
-        self._rows = _converted(model)  # operand percentages need converted layers
+        #: the guard, a `GuardHook` of the step (`GuardSession`: snapshots, rollback, events)
+        self.session: GuardSession = GuardHook(guard, model, optimizer, scaler, None, stateful)
+        self._watch = WatchHook(model, watch_every, "GuardedStep")
+        self._step = TrainStep(_run_closure, optimizer, scaler, self.clip,
+                               [self.session, self._watch], params, backward=False,
+                               what="GuardedStep")  # fmt: skip
         self.session.snapshot(self.state)  # the first last-good state: the start
 
     @property
@@ -193,33 +206,15 @@ class GuardedStep:
         """Run one guarded step: ``closure()`` computes the loss and runs backward and returns
         the loss (a tensor or a number); ``position``: the data position of this step's batch
         (default: the cursor, one past the previous step's)."""
+        if not callable(closure):
+            raise TypeError(
+                f"GuardedStep.step: closure must be callable, got {type(closure).__name__}"
+            )
         st, ses = self.state, self.session
         if position is not None:
             st.cursor = _position(position)
-        t = st.step
-        ses.before_step()
-        rows, watched = None, []
-        with contextlib.ExitStack() as stack:  # operand observers over forward and backward
-            if self._rows and ses.wants_rows(t):
-                from fp8lab.guard.percent import operand_percentages
-
-                rows = stack.enter_context(operand_percentages())
-            if self.watch_every and (t + 1) % self.watch_every == 0:
-                from fp8lab.observe import sample
-
-                watched = stack.enter_context(sample(self.model, t + 1))
-            out = closure()
-        self.records.extend(watched)
-        loss = float(out.detach()) if isinstance(out, torch.Tensor) else float(out)
-        found_inf, gnorm = self._unscale_and_clip()
-        veto = ses.check(t, loss, gnorm, rows)
-        applied = False
-        if not found_inf and math.isfinite(gnorm) and not veto:
-            self.optimizer.step()
-            applied = not bool(getattr(self.optimizer, "last_step_skipped", False))
-        if self.scaler is not None:
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        ctx = self._step(st.step, closure)
+        self.records.extend(self._watch.rows)
         if self.scheduler is not None:
             self.scheduler.step()
         st.step += 1
@@ -227,10 +222,10 @@ class GuardedStep:
         action = ses.after_step(st)
         events = tuple(ses.take_events())
         to_step = next((e["to_step"] for e in events if e["action"] == "rollback"), None)
-        act = "rolled_back" if action == "rollback" else "applied" if applied else "skipped"
+        act = "rolled_back" if action == "rollback" else "skipped" if ctx.skipped else "applied"
         if to_step is not None:  # the abandoned steps' records go, as in the lab's loop
             self.records = [r for r in self.records if r["step"] <= to_step]
-        return StepResult(act, st.step, self.next_position(), loss, gnorm,
+        return StepResult(act, st.step, self.next_position(), ctx.loss_value, ctx.grad_norm,
                           tuple(ses.findings), events, to_step)  # fmt: skip
 
     def next_position(self) -> int:
@@ -238,11 +233,6 @@ class GuardedStep:
         while self.state.cursor in self.state.skip_batches:
             self.state.cursor += 1
         return self.state.cursor
-
-    def _unscale_and_clip(self) -> tuple[bool, float]:
-        from fp8lab.optim import unscale_and_clip
-
-        return unscale_and_clip(self.scaler, self.optimizer, self.params, self.clip)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -287,6 +277,11 @@ def load_guard_checkpoint(
         session.prepare_load(dict(state))
     for k in names:
         setattr(st, k, copy.deepcopy(loop[k]))
+
+
+def _run_closure(closure: Callable[[], Any]) -> Any:
+    """The step's loss function: the batch a GuardedStep hands its TrainStep is the closure."""
+    return closure()
 
 
 def _position(position: Any) -> int:

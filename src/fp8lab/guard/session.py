@@ -1,9 +1,9 @@
 """`GuardSession`: the anomaly guard of one training run, whoever runs the loop -- last-good
 snapshots, skip, rollback and escalation around `GuardMonitor`'s detectors (docs/guard.md).
 
-One definition for every loop: the lab's (`fp8lab.lab.guard_run.GuardRun` adds the
-`fp8lab.lab.step.TrainStep` hooks), a user's (`fp8lab.guard.GuardedStep`) and the framework
-callbacks (`fp8lab.integrations`). Per step a loop calls `before_step` (and, on the steps
+One definition for every loop: `fp8lab.guard.hook.GuardHook` makes it a hook of the one
+training step, `fp8lab.step.TrainStep`, which the lab's loop, a user's loop
+(`fp8lab.guard.GuardedStep`) and the framework callbacks (`fp8lab.integrations`) all run. Per step a loop calls `before_step` (and, on the steps
 `wants_rows` names, collects the operand percentages), `check` after backward and clipping
 (True: do not apply the update), and `after_step(st)` once the step is counted. ``st`` is the
 loop's state: ``step`` (steps done), ``cursor`` (the batch index of the next step) and the

@@ -1,21 +1,27 @@
 """What the framework callbacks share (`fp8lab.integrations.hf`, `fp8lab.integrations.lightning`):
 `CallbackCore`, the watch records and the anomaly guard of a loop that someone else runs.
 
-A framework calls the core at its own events: `start` (the model and optimizer exist, any
-checkpoint is loaded), `step_begin` (before the first forward of an optimizer step), `add_loss`
-(each micro-batch's loss), `before_update` (gradients final, before ``optimizer.step()``: the
-detectors run, and when the guard acts every gradient is set to None, so the framework's
-``optimizer.step()`` changes nothing), `step_end` (after the optimizer step and the scheduler:
-skip, rollback or escalation, `fp8lab.guard.session.GuardSession`, the lab's one definition).
+The framework runs the arithmetic of each step (forward, backward, clipping, the optimizer);
+the core calls the hooks of the one training step (`fp8lab.step.TrainStep`'s, through
+`fp8lab.step.Hooks` with a `fp8lab.step.StepContext`) at the framework's events: the guard
+(`fp8lab.guard.GuardHook`) and the watch (`fp8lab.step.WatchHook`), the same objects the lab's
+loop and `fp8lab.guard.GuardedStep` run. `start` (the model and optimizer exist, any checkpoint
+is loaded), `step_begin` (before the first forward of an optimizer step:
+``on_before_forward``), `add_loss` (each micro-batch's loss), `before_update` (gradients final,
+before ``optimizer.step()``: ``on_after_backward``, then ``on_before_optimizer_step``, whose
+veto sets every gradient to None, so the framework's ``optimizer.step()`` changes nothing),
+`step_end` (after the optimizer step and the scheduler: skip, rollback or escalation,
+`fp8lab.guard.session.GuardSession`, the lab's one definition).
 
-A rollback restores model, optimizer, loss scaler, scheduler, torch RNG and the guard's
-statistics from the newest last-good snapshot; the framework's own step counter and data
-order go on (the rolled-back steps' batches are not replayed).
+The guard counts steps as the framework does (`step_end` takes the framework's step count). A
+rollback restores model, optimizer, loss scaler, torch RNG and the guard's statistics from the
+newest last-good snapshot; the framework's own step counter, learning-rate schedule and data
+order go on (the rolled-back steps' batches are not replayed; the optimizer's hyperparameters,
+such as the scheduled learning rate, stay those of the framework's step).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -25,9 +31,11 @@ from typing import Any
 
 import torch
 
-from fp8lab.guard import AnomalyGuard, GuardSession, GuardState
+from fp8lab.guard import AnomalyGuard, GuardHook, GuardState
 from fp8lab.guard.guarded_step import guard_checkpoint, load_guard_checkpoint
+from fp8lab.guard.hook import as_guard
 from fp8lab.integrations.accelerate import check_prepared
+from fp8lab.step import Hooks, ScopedHook, StepContext, WatchHook
 
 __all__ = ["DEFAULT_GUARD", "GUARD_FILE", "CallbackCore", "CoreCallback"]
 
@@ -37,36 +45,33 @@ DEFAULT_GUARD: Any = object()
 #: the guard's state in a framework checkpoint directory (beside `fp8lab.nn.FP8_STATE_FILE`)
 GUARD_FILE = "fp8lab_guard.json"
 
-
-def _converted_names(model: torch.nn.Module) -> list[str]:
-    from fp8lab.nn import Linear
-
-    return [n for n, m in model.named_modules() if isinstance(m, Linear)]
+#: how the callbacks name themselves in errors and warnings
+WHO = "fp8lab FP8LabCallback"
 
 
 class CallbackCore:
     """The framework-neutral part of a callback (see the module doc). ``guard``: an
     `fp8lab.AnomalyGuard` (None: watch only); ``watch_every``: operand statistics of every
     N-th optimizer step (0 = off), the lab's records (`fp8lab.observe.sample`, ``step`` = steps
-    done after the sampled step) in ``records``."""
+    done after the sampled step) in ``records``; a model without converted layers warns."""
 
     def __init__(self, guard: AnomalyGuard | None, watch_every: int) -> None:
-        if guard is not None and not isinstance(guard, AnomalyGuard):
-            raise TypeError(f"guard must be an fp8lab.AnomalyGuard or None, got {guard!r}")
+        if guard is not None:
+            guard = as_guard(guard, WHO)
         if isinstance(watch_every, bool) or not isinstance(watch_every, int) or watch_every < 0:
-            raise ValueError(f"watch_every must be an integer >= 0, got {watch_every!r}")
+            raise ValueError(f"{WHO}: watch_every must be an integer >= 0, got {watch_every!r}")
         self.guard, self.watch_every = guard, watch_every
         self.records: list[dict[str, Any]] = []
-        self.session: GuardSession | None = None
+        self.session: GuardHook | None = None
         self.state = GuardState()
         self.expected: list[str] | None = None  # converted layers before the framework wrapped
         self.last_action: str | None = None
-        self._stack: contextlib.ExitStack | None = None
-        self._guard_rows: list[dict[str, Any]] | None = None
-        self._watch_rows: list[dict[str, Any]] = []
+        self._hooks: Hooks | None = None
+        self._watch: WatchHook | None = None
+        self._ctx: StepContext | None = None  # the step in progress
         self._losses: list[float] = []
         self._model: torch.nn.Module | None = None
-        self._converted = False
+        self._opt: Any = None
         self._params: list[torch.Tensor] = []
 
     @property
@@ -78,41 +83,36 @@ class CallbackCore:
     def remember(self, model: torch.nn.Module) -> None:
         """Note the converted layers before the framework prepares the model (`check_prepared`
         then names those another FP8 library replaced)."""
-        self.expected = _converted_names(model)
+        from fp8lab.nn import converted
+
+        self.expected = converted(model)
 
     def start(
-        self, model: torch.nn.Module, optimizer: Any, scaler: Any = None, scheduler: Any = None,
-        step: int = 0,
-    ) -> None:  # fmt: skip
+        self, model: torch.nn.Module, optimizer: Any, scaler: Any = None, step: int = 0
+    ) -> None:
         """Training begins at ``step`` steps done (model and optimizer loaded)."""
         check_prepared(model, self.expected)
-        self._model, self._converted = model, bool(_converted_names(model))
+        self._model, self._opt = model, optimizer
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self.state.step = self.state.cursor = step
+        self._watch = WatchHook(model, self.watch_every, WHO)
+        hooks: list[Any] = [self._watch]
         if self.guard is not None:
-            stateful = {"scheduler": scheduler} if scheduler is not None else None
-            self.session = GuardSession(self.guard, model, optimizer, scaler, None, stateful)
+            # the learning-rate scheduler is not the guard's to restore: it follows the
+            # framework's step count, which a rollback does not rewind
+            self.session = GuardHook(self.guard, model, optimizer, scaler)
             self.session.snapshot(self.state)  # the first last-good state: the start
+            hooks.insert(0, self.session)
+        self._hooks = Hooks(hooks, WHO)
 
     def step_begin(self) -> None:
         """Before the first forward of the optimizer step ``state.step``."""
-        t, model = self.state.step, self._model
-        if model is None:
-            raise RuntimeError("fp8lab callback: a training step began before training started")
+        if self._hooks is None:
+            raise RuntimeError(f"{WHO}: a training step began before training started")
         self.close()
-        self._losses, self._watch_rows, self._guard_rows = [], [], None
-        self._stack = contextlib.ExitStack()
-        ses = self.session
-        if ses is not None:
-            ses.before_step()
-            if self._converted and ses.wants_rows(t):
-                from fp8lab.guard.percent import operand_percentages
-
-                self._guard_rows = self._stack.enter_context(operand_percentages())
-        if self.watch_every and (t + 1) % self.watch_every == 0:
-            from fp8lab.observe import sample
-
-            self._watch_rows = self._stack.enter_context(sample(model, t + 1))
+        self._losses = []
+        self._ctx = StepContext(self.state.step, None)
+        self._hooks.call("on_before_forward", self._ctx)
 
     def add_loss(self, loss: Any) -> None:
         """One micro-batch's loss (a tensor or a number), as it was computed."""
@@ -122,40 +122,58 @@ class CallbackCore:
         """The gradients are final: run the detectors; True when the guard acts (every
         gradient is then set to None so that the optimizer step changes nothing).
         ``grad_norm``: the norm before the framework clipped (default: the norm now)."""
-        self.close()
-        self.records.extend(self._watch_rows)
-        ses = self.session
-        if ses is None:
+        ctx, hooks, watch = self._ctx, self._hooks, self._watch
+        if ctx is None or hooks is None or watch is None:
+            raise RuntimeError(f"{WHO}: an optimizer step came before its training step began")
+        hooks.call("on_after_backward", ctx)  # the step's operand collectors close
+        self.records.extend(watch.rows)
+        watch.rows = []
+        if self.session is None:
             return False
         from fp8lab.optim import grad_norm as norm_now
 
         if not self._losses:
             raise RuntimeError(
-                "fp8lab callback: no training loss was seen this step (the model's output has "
-                "no 'loss'); the guard needs it"
+                f"{WHO}: no training loss was seen this step (the model's output has no "
+                "'loss'); the guard needs it"
             )
-        loss = sum(self._losses) / len(self._losses)
-        gnorm = float(norm_now(self._params)) if grad_norm is None else float(grad_norm)
-        veto = ses.check(self.state.step, loss, gnorm, self._guard_rows)
-        if veto:
+        ctx.global_loss = sum(self._losses) / len(self._losses)
+        ctx.grad_norm = float(norm_now(self._params)) if grad_norm is None else float(grad_norm)
+        ctx.vetoed = not hooks.call("on_before_optimizer_step", ctx)
+        if ctx.vetoed:
             for p in self._params:
                 p.grad = None
-        return veto
+        return ctx.vetoed
 
-    def step_end(self) -> str | None:
-        """After the optimizer step (and the scheduler's): None (kept), "skip" or "rollback"."""
-        self.state.step += 1
-        self.state.cursor += 1
+    def step_end(self, step: int | None = None) -> str | None:
+        """After the optimizer step (and the scheduler's): None (kept), "skip" or "rollback".
+        ``step``: the framework's count of steps done (default: one more than before), which
+        the guard's count follows, a rollback included."""
+        st = self.state
+        st.step = st.cursor = st.step + 1 if step is None else int(step)
+        self._ctx = None
         if self.session is None:
             return None
-        self.last_action = self.session.after_step(self.state)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self._opt.param_groups]
+        self.last_action = self.session.after_step(st)
+        if self.last_action == "rollback":
+            # the framework's count, data order and schedule go on; the optimizer's moments
+            # are the snapshot's, its scheduled hyperparameters (learning rate) this step's
+            if step is not None:
+                st.step = st.cursor = int(step)
+            for g, h in zip(self._opt.param_groups, hyper, strict=True):
+                g.update(h)
         return self.last_action
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The guard's event records since the last call (for the framework's log)."""
+        return [] if self.session is None else self.session.take_events()
 
     def close(self) -> None:
         """Stop collecting this step's operands (after backward, or when training ends)."""
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
+        for h in self._hooks or ():
+            if isinstance(h, ScopedHook):
+                h.close()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -165,11 +183,11 @@ class CallbackCore:
     def save(self, directory: str | Path) -> None:
         """Write the FP8 state (`fp8lab.nn.save_fp8_state`) and the guard's (`GUARD_FILE`) into
         a checkpoint directory, each atomically."""
-        from fp8lab.nn import save_fp8_state
+        from fp8lab.nn import converted, save_fp8_state
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        if self._model is not None and self._converted:
+        if self._model is not None and converted(self._model):
             save_fp8_state(self._model, d)
         tmp = d / (GUARD_FILE + ".tmp")
         tmp.write_text(json.dumps(self.state_dict(), allow_nan=False))
@@ -210,8 +228,8 @@ class CallbackCore:
         (the delayed-scaling histories then come from the model's own state_dict, if at all)."""
         if directory is not None and not self.load(directory):
             warnings.warn(
-                f"fp8lab callback: {directory} holds no fp8lab state ({GUARD_FILE}); the guard "
-                "starts afresh", UserWarning, stacklevel=3,
+                f"{WHO}: {directory} holds no fp8lab state ({GUARD_FILE}); the guard starts "
+                "afresh", UserWarning, stacklevel=3,
             )  # fmt: skip
 
 

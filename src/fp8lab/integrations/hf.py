@@ -15,13 +15,20 @@
   loss is read from the model's output (``.loss``, as transformers models return it; the mean
   over gradient-accumulation micro-batches), the gradient norm before the Trainer's clipping
   (with ``max_grad_norm > 0``: summed from per-parameter hooks on the step's last backward, as
-  the lab measures it), the detectors in ``on_pre_optimizer_step``. When the guard acts, the gradients are set to None so the
-  Trainer's ``optimizer.step()`` changes nothing; a rollback restores model, optimizer,
-  scheduler and RNG from the last-good snapshot at ``on_step_end``. The Trainer's step counter
-  and data order go on: rolled-back steps' batches are not replayed;
+  the lab measures it), the detectors in ``on_pre_optimizer_step``. When the guard acts, the
+  gradients are set to None so the Trainer's ``optimizer.step()`` changes nothing; a rollback
+  restores model, optimizer (its moments; the learning rate stays the schedule's) and RNG from
+  the last-good snapshot at ``on_step_end``. The guard counts steps as the Trainer does
+  (``state.global_step``); the Trainer's step counter, learning-rate schedule and data order go
+  on: rolled-back steps' batches are not replayed. Each guard event also goes to the Trainer's
+  ``state.log_history`` as ``{"fp8lab_guard": event, "step": global_step}`` (so it is in
+  ``trainer_state.json``);
 * **checkpoints**: ``on_save`` writes `fp8lab.nn.FP8_STATE_FILE` (the converted layers'
   scaling state, safetensors) and ``fp8lab_guard.json`` into ``checkpoint-N``; a run resumed
-  from it (``resume_from_checkpoint``) restores both at ``on_train_begin``;
+  from it restores both at ``on_train_begin``, from the directory given to
+  ``trainer.train(resume_from_checkpoint=PATH)`` (wherever it is; ``True``: the Trainer's
+  latest checkpoint), else from ``TrainingArguments.resume_from_checkpoint``, else from
+  ``output_dir/checkpoint-N``;
 * **accelerate**: a model whose fp8lab layers ``mixed_precision="fp8"`` replaced is refused
   (`fp8lab.integrations.accelerate.check_prepared`).
 """
@@ -29,6 +36,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +58,32 @@ def _loss_of(output: Any) -> Any:
         first = output[0]
         return first if isinstance(first, torch.Tensor) and first.dim() == 0 else None
     return getattr(output, "loss", None)
+
+
+def _resume_path() -> str | None:
+    """The checkpoint directory the running ``Trainer.train`` resumes from: the one given to
+    ``train(resume_from_checkpoint=...)`` (``True`` already resolved to the latest), read from
+    the Trainer's own training-loop frame, since a callback is never told; None when not
+    found."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        local = frame.f_locals
+        if "resume_from_checkpoint" in local and isinstance(local.get("self"), Trainer):
+            where = local["resume_from_checkpoint"]
+            return os.fspath(where) if isinstance(where, str | os.PathLike) else None
+        frame = frame.f_back
+    return None
+
+
+def _resume_dir(args: Any, global_step: int) -> str:
+    """Where a resumed run's fp8lab state is: the path given to ``train()``, else the
+    ``TrainingArguments`` field, else ``output_dir/checkpoint-N``."""
+    for where in (_resume_path(), args.resume_from_checkpoint):
+        if isinstance(where, str) and os.path.isdir(where):
+            return where
+    return os.path.join(args.output_dir, f"checkpoint-{global_step}")
 
 
 class FP8LabCallback(CoreCallback, TrainerCallback):
@@ -75,12 +109,9 @@ class FP8LabCallback(CoreCallback, TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
         lr_scheduler: Any = None, **kw: Any,
     ) -> None:  # fmt: skip
-        self.core.start(model, optimizer, None, lr_scheduler, step=state.global_step)
+        self.core.start(model, optimizer, None, step=state.global_step)
         if state.global_step > 0:  # resumed: the checkpoint this run continues from
-            where = args.resume_from_checkpoint
-            if not isinstance(where, str) or not os.path.isdir(where):
-                where = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            self.core.resume(where)
+            self.core.resume(_resume_dir(args, state.global_step))
         if self._hook is None:
             self._hook = model.register_forward_hook(self._on_forward)
         if args.max_grad_norm and args.max_grad_norm > 0 and self.core.session is not None:
@@ -110,7 +141,9 @@ class FP8LabCallback(CoreCallback, TrainerCallback):
         self.core.before_update(before)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.core.step_end()
+        self.core.step_end(state.global_step)
+        for event in self.core.take_events():  # into trainer_state.json with the Trainer's logs
+            state.log_history.append({"fp8lab_guard": event, "step": state.global_step})
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if args.should_save:  # the main process writes, as the Trainer does

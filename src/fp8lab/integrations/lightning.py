@@ -13,8 +13,9 @@ optimization, one optimizer): the loss from ``on_before_backward`` (the mean ove
 gradient clipping, so the norm is the lab's: before clipping), the skip / rollback decision at
 ``on_train_batch_end`` of the step's last micro-batch. When the guard acts, the gradients are
 set to None so the optimizer step changes nothing; a rollback restores the LightningModule,
-optimizer, the first step-interval scheduler and RNG from the last-good snapshot, while
-Lightning's step counter and data order go on. Checkpoints: the converted layers' FP8 state is
+optimizer (its moments; the learning rate stays the schedule's) and RNG from the last-good
+snapshot, while Lightning's step counter (the guard counts steps as ``trainer.global_step``),
+learning-rate schedule and data order go on. Checkpoints: the converted layers' FP8 state is
 part of the module's ``state_dict`` (``fp8_*`` tensors) and the guard's state is this callback's
 ``state_dict`` (plain data), both in Lightning's checkpoint and restored by ``ckpt_path=``.
 """
@@ -55,9 +56,7 @@ class FP8LabCallback(CoreCallback, Callback):
                 f"only (got {len(trainer.optimizers)} optimizers, automatic_optimization="
                 f"{pl_module.automatic_optimization}); a manual loop can use fp8lab.GuardedStep"
             )
-        sched = next((c.scheduler for c in trainer.lr_scheduler_configs
-                      if c.interval == "step"), None)  # fmt: skip
-        self.core.start(pl_module, trainer.optimizers[0], None, sched, step=trainer.global_step)
+        self.core.start(pl_module, trainer.optimizers[0], None, step=trainer.global_step)
         if self._loaded is not None:  # resumed with ckpt_path: model and optimizer are loaded
             self.core.load_state(self._loaded)
             self.core.snapshot()
@@ -83,7 +82,8 @@ class FP8LabCallback(CoreCallback, Callback):
     ) -> None:
         if self._decide:
             self._decide = False
-            self.core.step_end()
+            self.core.step_end(trainer.global_step)
+            self.core.take_events()  # kept in `events`; Lightning's loggers are the user's
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.core.close()

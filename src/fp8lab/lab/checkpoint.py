@@ -1,7 +1,7 @@
 """Run checkpoints of the lab: the one place that saves (atomically), loads (``weights_only``),
 keeps / rotates them, and says whether a checkpoint's configuration matches the run's.
 
-A checkpoint (``checkpoint.pt``) holds the hooks' extras (`fp8lab.lab.step.TrainStep.checkpoint`:
+A checkpoint (``checkpoint.pt``) holds the hooks' extras (`fp8lab.step.TrainStep.checkpoint`:
 the guard's detectors, each rank's scaling state), ``config`` (`checkpoint_config`: lab config,
 recipe settings, corpus fingerprint, a user model's identity), ``model``, ``optimizer``,
 ``scaler``, ``loop`` (the loop state), ``torch_rng`` and, on a GPU, ``cuda_rng`` (that device's

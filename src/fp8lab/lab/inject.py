@@ -176,7 +176,7 @@ class Injector:
 
 
 class InjectionHook:
-    """The one-shot step faults as `fp8lab.lab.step.TrainStep` hooks: the gradient spike's
+    """The one-shot step faults as `fp8lab.step.TrainStep` hooks: the gradient spike's
     loss multiplier (divided out of ``params``' gradients after backward) and the NaN loss.
     ``fired``: the loop state's record of faults that fired (`Injector.fire`)."""
 
@@ -184,16 +184,16 @@ class InjectionHook:
         self.injector, self.params, self.fired = injector, params, fired
         self.nan = False
 
-    def before_forward(self, ctx: Any) -> None:
+    def on_before_forward(self, ctx: Any) -> None:
         self.injector.set_step(ctx.step)
         ctx.loss_mult, self.nan = self.injector.fire(ctx.step, self.fired)
 
-    def after_forward(self, ctx: Any) -> None:
+    def on_after_forward(self, ctx: Any) -> None:
         if self.nan:  # injected fault: the loss and every gradient become NaN
             ctx.loss = ctx.loss * float("nan")
             ctx.global_loss = float("nan")
 
-    def after_backward(self, ctx: Any) -> None:
+    def on_after_backward(self, ctx: Any) -> None:
         if ctx.loss_mult != 1.0:
             for p in self.params:
                 if p.grad is not None:

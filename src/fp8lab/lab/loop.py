@@ -1,7 +1,9 @@
-"""The lab's run loop: resume, the steps (`fp8lab.lab.step.TrainStep` with the lab's hooks),
+"""The lab's run loop: resume, the steps (`fp8lab.step.TrainStep` with the lab's hooks),
 evaluation, the metrics and stats files, the checkpoint cadence and the anomaly guard's rollback
-bookkeeping. `fp8lab.lab.train.train_run` builds a run's objects and hands them to `run_loop`;
-the file formats are described there."""
+bookkeeping. `fp8lab.lab.train.build_run_parts` builds a run's objects (for training, `fp8lab
+replay` and the debugger's step replay alike) and `fp8lab.lab.train.train_run` hands them to
+`run_loop`; the file formats are described there. `next_batch` is the one rule for the batch a
+step trains on."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import os
 import shutil
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,8 @@ from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, get_batch, val_batches
 from fp8lab.lab.inject import InjectionHook, Injector
-from fp8lab.lab.step import TrainStep, WatchHook
 from fp8lab.stats import json_safe
+from fp8lab.step import TrainStep, WatchHook
 
 Callback = Callable[[dict[str, Any]], None]
 METRICS = "metrics.jsonl"
@@ -107,7 +109,7 @@ class LoopState:
     skipped_steps: int = 0
     nonfinite_run: int = 0
     diverged: bool = False
-    # anomaly guard (fp8lab.lab.guard_run): the batch index of the next step (ahead of `step`
+    # anomaly guard (fp8lab.guard.GuardHook): the batch index of the next step (ahead of `step`
     # once batches were skipped) and the fields a rollback never rewinds
     cursor: int = 0
     injected: list[str] = field(default_factory=list)  # one-shot faults that fired ("nan@T")
@@ -172,7 +174,7 @@ class DataParallelHook:
     def __init__(self, dp: Any) -> None:
         self.dp = dp
 
-    def before_forward(self, ctx: Any) -> None:
+    def on_before_forward(self, ctx: Any) -> None:
         ctx.batch = self.dp.shard(*ctx.batch)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, float]:
@@ -181,7 +183,7 @@ class DataParallelHook:
         loss, loss_all, _ = self.dp.loss(*batch)
         return loss, loss_all
 
-    def after_optimizer_step(self, ctx: Any) -> None:
+    def on_after_optimizer_step(self, ctx: Any) -> None:
         # ranks, amax group, gradient communication (collective with amax_group none)
         ctx.extra["record"] = self.dp.state()
 
@@ -207,6 +209,22 @@ def make_step(
     return TrainStep(loss_fn, opt, scaler, grad_clip, hooks, params), watch
 
 
+def next_batch(cursor: int, skip_batches: Sequence[int] = ()) -> int:
+    """The index of the batch the next step trains on: ``cursor`` (the loop state's), or the
+    first index after it that a guard rollback did not choose to skip."""
+    skip = set(skip_batches)
+    while cursor in skip:
+        cursor += 1
+    return cursor
+
+
+def batch_at(corpus: Corpus, cfg: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training batch ``index`` of a run under ``cfg`` (`fp8lab.lab.data.get_batch`: the same
+    batch for every recipe)."""
+    tc = cfg.train
+    return get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, index)
+
+
 def train_step(
     ts: TrainStep, watch: WatchHook, st: LoopState, corpus: Corpus, cfg: Any
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -218,9 +236,8 @@ def train_step(
     lr = tc.lr_at(step)
     for g in ts.optimizer.param_groups:
         g["lr"] = lr
-    while st.cursor in st.skip_batches:  # batches a guard rollback chose to skip
-        st.cursor += 1
-    batch = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed, st.cursor)
+    st.cursor = next_batch(st.cursor, st.skip_batches)
+    batch = batch_at(corpus, cfg, st.cursor)
     st.cursor += 1
     ctx = ts(step, batch)
     loss_v = ctx.loss_value
@@ -278,17 +295,13 @@ def _data_parallel(
 
 
 def _guard_run(guard: Any, model, opt, scaler, recipe) -> Any:
-    """`fp8lab.lab.guard_run.GuardRun` for ``guard`` (an AnomalyGuard or its dict; None: none)."""
+    """The run's `fp8lab.guard.GuardHook` for ``guard`` (an AnomalyGuard or its dict; None:
+    none)."""
     if guard is None:
         return None
-    from fp8lab.guard import AnomalyGuard
-    from fp8lab.lab.guard_run import GuardRun
+    from fp8lab.guard.hook import GuardHook, as_guard
 
-    if isinstance(guard, Mapping):
-        guard = AnomalyGuard.from_dict(guard)
-    if not isinstance(guard, AnomalyGuard):
-        raise TypeError(f"guard must be an AnomalyGuard, got {type(guard).__name__}")
-    return GuardRun(guard, model, opt, scaler, recipe)
+    return GuardHook(as_guard(guard, "train_run"), model, opt, scaler, recipe)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -22,17 +22,9 @@ from typing import Any
 from fp8lab.lab import checkpoint as ckpt
 from fp8lab.lab.checkpoint import CHECKPOINT, CHECKPOINTS, checkpoint_config, mismatch_message
 from fp8lab.lab.data import load_corpus
-from fp8lab.lab.inject import Injector
-from fp8lab.lab.loop import (
-    LoopState,
-    _data_parallel,
-    _guard_run,
-    make_step,
-    read_metrics,
-    train_step,
-)
+from fp8lab.lab.loop import LoopState, make_step, next_batch, read_metrics, train_step
 from fp8lab.lab.machine import deterministic_kernels, torch_device
-from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+from fp8lab.lab.train import LabConfig, build_run_parts
 
 __all__ = ["replay_step"]
 
@@ -117,14 +109,12 @@ def _replay(run: Path, step: int) -> dict[str, Any]:
         raise ValueError(f"{run}: cannot replay here: {why}")
     start = _start(paths, step)
     tc = cfg.train
-    model = build_model(cfg.model, recipe, tc.seed)
-    opt = make_optimizer(model, recipe, tc)
     from fp8lab.guard import AnomalyGuard
-    from fp8lab.optim import LossScaler
 
-    scaler = None if recipe is None else LossScaler.from_recipe(recipe)
     guard_cfg = dict(newest.get("guard_config") or AnomalyGuard().to_dict())
-    grun = _guard_run({**guard_cfg, "policy": "off"}, model, opt, scaler, recipe)
+    parts = build_run_parts(cfg, recipe, {**guard_cfg, "policy": "off"})
+    model, opt, scaler, grun, injector = (parts.model, parts.opt, parts.scaler, parts.grun,
+                                          parts.injector)  # fmt: skip
     if start is not None:
         loop = ckpt.load(start[0], ckpt_cfg, model, opt, scaler, prepare=grun.prepare_load)
         st = LoopState(**loop)
@@ -133,15 +123,11 @@ def _replay(run: Path, step: int) -> dict[str, Any]:
         st = LoopState(skip_batches=list(loop.get("skip_batches", [])))
         st.injected = _undone_faults(loop.get("guard_events", []), loop.get("injected", []))
         grun.apply_escalations(list(loop.get("escalations", [])))
-    injector = Injector(model, cfg.inject)
-    dp = _data_parallel(model, "world", "fp32")
     ts, watch = make_step(model, opt, scaler, injector, st, tc.grad_clip, tc.stats_every,
-                          recipe, dp, grun)  # fmt: skip
+                          recipe, parts.dp, grun)  # fmt: skip
     try:
         while True:
-            batch = st.cursor
-            while batch in st.skip_batches:
-                batch += 1
+            batch = next_batch(st.cursor, st.skip_batches)  # the index train_step trains on
             rec, _ = train_step(ts, watch, st, corpus, cfg)
             if st.step - 1 == step:
                 break

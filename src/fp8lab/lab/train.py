@@ -12,7 +12,7 @@ plain fp32 ``torch.nn.Linear``) and writes into ``run_dir``:
   records of ``fp8lab.watch`` (``fp8lab.observe.sample``, docs/observe.md), with ``step`` the
   number of steps done.
 - ``checkpoint.pt``: model (incl. scaling state), optimizer, loss scaler, RNG and loop state.
-- with an anomaly guard (``guard=``, `fp8lab.lab.guard_run`, docs/guard.md): ``guard_events`` in
+- with an anomaly guard (``guard=``, `fp8lab.guard.GuardHook`, docs/guard.md): ``guard_events`` in
   every metrics record and the summary, and ``checkpoints/step-NNNNNN.pt``, the last ``keep``
   checkpoints (for ``fp8lab replay``).
 
@@ -331,6 +331,46 @@ def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
     return AdamW(groups, **kw) if recipe is None else AdamW.from_recipe(groups, recipe, **kw)
 
 
+def make_scaler(recipe: Any) -> Any:
+    """The run's loss scaler: ``LossScaler.from_recipe`` (None for fp32, ``recipe`` None)."""
+    from fp8lab.optim import LossScaler
+
+    return None if recipe is None else LossScaler.from_recipe(recipe)
+
+
+@dataclass
+class RunParts:
+    """The objects of one run (`build_run_parts`). ``dp``: `fp8lab.distributed.ddp.DataParallel`
+    under torchrun with > 1 rank, else None; ``grun``: the guard's `fp8lab.guard.GuardHook` or
+    None."""
+
+    model: torch.nn.Module
+    opt: Any
+    scaler: Any
+    injector: Injector
+    dp: Any
+    grun: Any
+
+
+def build_run_parts(
+    cfg: LabConfig, recipe: Any, guard: Any = None, amax_group: str = "world",
+    grad_comm: str = "fp32", fsdp: bool = False, fp8_allgather: bool = False,
+) -> RunParts:  # fmt: skip
+    """The objects of one run of ``recipe`` under ``cfg``: the one place the lab builds them,
+    for training (`train_run`), `fp8lab replay` and the debugger's step replay alike, in this
+    order: the model (`build_model`: the same initial weights for every recipe), data
+    parallelism under torchrun (before the optimizer: FSDP's ``fully_shard`` replaces the
+    parameters), the optimizer (`make_optimizer`), the loss scaler (`make_scaler`), the fault
+    injector and the anomaly guard's hook (``guard``: an `fp8lab.AnomalyGuard` or its plain
+    dict; None: none)."""
+    model = build_model(cfg.model, recipe, cfg.train.seed)
+    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
+    opt = make_optimizer(model, recipe, cfg.train)
+    scaler = make_scaler(recipe)
+    injector = Injector(model, cfg.inject)
+    return RunParts(model, opt, scaler, injector, dp, _guard_run(guard, model, opt, scaler, recipe))
+
+
 # ----------------------------------------------------------------------------- the run
 def train_run(
     recipe: Any,
@@ -354,7 +394,7 @@ def train_run(
     load onto the run's device, so a run resumes on another device.
 
     ``guard``: an `fp8lab.guard.AnomalyGuard` (or its plain dict) watching every step
-    (`fp8lab.lab.guard_run`); the summary then has ``guard_events`` (actions taken: rollback,
+    (`fp8lab.guard.GuardHook`); the summary then has ``guard_events`` (actions taken: rollback,
     skip, escalate; empty for a clean run) and, after an escalation, ``effective_recipe``;
     every metrics record has ``guard_events`` (the events handled just before it). A guard
     that takes no action changes nothing: the run is bit-identical to an unguarded one.
@@ -368,27 +408,20 @@ def train_run(
     FSDP2 with ``fsdp``, gathering weights as FP8 codes with ``fp8_allgather``); rank 0 alone
     writes metrics (plus the ranks' communication fields), checkpoints (consolidated) and
     run.json, so a checkpoint resumes on any number of ranks. Single-process runs are unchanged.
-    The steps run through `fp8lab.lab.step.TrainStep`; the loop is `fp8lab.lab.loop.run_loop`.
+    The steps run through `fp8lab.step.TrainStep`; the loop is `fp8lab.lab.loop.run_loop`;
+    the run's objects come from `build_run_parts`.
     """
     if torch_device is not None:
         with machines.using_torch_device(torch_device):
             return train_run(recipe, cfg, corpus, run_dir, callback, stop_after, amax_group,
                              grad_comm, guard, fsdp, fp8_allgather)  # fmt: skip
-    from fp8lab.optim import LossScaler
-
     cfg.check()
     # on a GPU, deterministic kernels: a resumed run must give the uninterrupted run's bits
     with machines.deterministic_kernels(machines.torch_device()):
-        tc = cfg.train
-        model = build_model(cfg.model, recipe, tc.seed)
-        # before the optimizer: FSDP's fully_shard replaces the parameters
-        dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
-        opt = make_optimizer(model, recipe, tc)
-        scaler = None if recipe is None else LossScaler.from_recipe(recipe)
-        injector = Injector(model, cfg.inject)
+        p = build_run_parts(cfg, recipe, guard, amax_group, grad_comm, fsdp, fp8_allgather)
         run = Run(
-            cfg=cfg, recipe=recipe, corpus=corpus, model=model, opt=opt, scaler=scaler,
-            injector=injector, dp=dp, grun=_guard_run(guard, model, opt, scaler, recipe),
+            cfg=cfg, recipe=recipe, corpus=corpus, model=p.model, opt=p.opt, scaler=p.scaler,
+            injector=p.injector, dp=p.dp, grun=p.grun,
             run_path=None if run_dir is None else Path(run_dir),
             ckpt_cfg=checkpoint_config(cfg, recipe, corpus), emit=callback or (lambda event: None),
             name=recipe_name(recipe),

@@ -18,7 +18,9 @@ and scores each cell by the share of the error it removes, ``(e_R - e_c) / e_R``
 ``e_x = |u(g_x) - u(g_B)|`` is measured in the space training applies: ``u`` is the update the
 checkpoint's optimizer makes from that gradient (:class:`OptimizerUpdate`: the optimizer's own
 ``step()`` from the saved moments and step count, after the run's own gradient clipping). The
-replayed step itself is the lab's `fp8lab.lab.step.TrainStep` with the run's fault hook. A raw
+replayed step itself is the lab's `fp8lab.step.TrainStep` with the run's fault hook, on the
+objects the lab builds for every run (`fp8lab.lab.train.build_run_parts`) and the batch the
+lab's loop picks (`fp8lab.lab.loop.next_batch`). A raw
 gradient-norm
 error is dominated by whichever entries have the largest gradients (e.g. the weight columns that
 meet outlier activations), which Adam divides by their equally large second moments; the update
@@ -36,12 +38,13 @@ from typing import Any
 
 import torch
 
-from fp8lab.lab.data import Corpus, get_batch, load_corpus
-from fp8lab.lab.debug.runner import load_state, load_weights, rebatch, replay_parallel
+from fp8lab.lab.data import Corpus, load_corpus
+from fp8lab.lab.debug.runner import load_state, load_weights, rebatch
 from fp8lab.lab.debug.variants import CELLS, ROLE_GEMMS, with_cells_hp
-from fp8lab.lab.inject import InjectionHook, Injector
-from fp8lab.lab.step import StepContext, TrainStep
-from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+from fp8lab.lab.inject import InjectionHook
+from fp8lab.lab.loop import batch_at, next_batch
+from fp8lab.lab.train import LabConfig, build_run_parts, make_scaler
+from fp8lab.step import StepContext, TrainStep
 
 
 class StepReplay:
@@ -58,15 +61,12 @@ class StepReplay:
         state: dict[str, Any],
         baseline_weights: bool = False,
     ) -> None:
-        from fp8lab.optim import LossScaler
-
         self.recipe, self.cfg, self.state = recipe, cfg, state
-        tc = cfg.train
-        self.model = build_model(cfg.model, recipe, tc.seed)
-        self.dp = replay_parallel(self.model)  # torchrun: replay the step as the ranks ran it
-        self.opt = make_optimizer(self.model, recipe, tc)
+        # under torchrun `dp` replays the step as the ranks ran it (this rank's shard)
+        parts = build_run_parts(cfg, recipe)
+        self.model, self.dp, self.opt, self.injector = (parts.model, parts.dp, parts.opt,
+                                                        parts.injector)  # fmt: skip
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
-        self.injector = Injector(self.model, cfg.inject)
         self.own = not baseline_weights
         if self.own:
             self.model_state = state["model"]
@@ -74,10 +74,12 @@ class StepReplay:
             load_weights(self.model, state["model"])
             self.model_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self._scaler_state = state.get("scaler") if self.own else None
-        self._new_scaler = lambda: LossScaler.from_recipe(recipe)
-        self.step = int(state["loop"]["step"])
-        self.batch = get_batch(corpus.train, tc.batch_size, cfg.model.block_size, tc.seed,
-                               self.step)  # fmt: skip
+        self._new_scaler = lambda: make_scaler(recipe)
+        loop = state["loop"]
+        self.step = int(loop["step"])
+        # the batch the run's next step trained on (past batches a guard rollback skipped)
+        index = next_batch(int(loop.get("cursor", self.step)), loop.get("skip_batches", ()))
+        self.batch = batch_at(corpus, cfg, index)
         self.layer_recipes: dict[str, Any] = {}
 
     def _reset(self) -> Any:
@@ -144,7 +146,7 @@ class _GradientOnly:
         self.params = params
         self.flat: torch.Tensor | None = None
 
-    def before_optimizer_step(self, ctx: StepContext) -> bool:
+    def on_before_optimizer_step(self, ctx: StepContext) -> bool:
         self.flat = torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
             for p in self.params
