@@ -589,7 +589,10 @@ def delayed_scale(
     gives step 0's scale from a throwaway state (1.0, or current scaling with
     ``first_step="current"``) and records nothing anywhere.
     """
-    ds = scaling if isinstance(scaling, DelayedScaling) else DelayedScaling.bind(scaling)
+    if isinstance(scaling, DelayedScaling):
+        ds = scaling
+    else:
+        ds = DelayedScaling.bind(scaling, device=amax.device)
     s = ds.scale_for(amax, fmt)
     ds.observe(amax)
     return s
