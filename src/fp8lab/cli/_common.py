@@ -62,7 +62,8 @@ Tokenizer = Annotated[Path | None, typer.Option(
     "--tokenizer",
     help="A local tokenizer.json (Hugging Face tokenizers, read offline) that encodes the text "
     "of --data instead of UTF-8 bytes; with a token file, the vocabulary its ids must fit. "
-    "Same as --set data.tokenizer=PATH.",
+    "Default: the tokenizer.json of an hf:DIR model when DIR has one, else bytes. Same as "
+    "--set data.tokenizer=PATH.",
     show_default=False,
 )]  # fmt: skip
 #: --token-dtype: the id type of a .bin token file
@@ -77,8 +78,9 @@ TokenDtype = Annotated[str | None, typer.Option(
 InitFrom = Annotated[Path | None, typer.Option(
     "--init-from",
     help="Start the model from the weights of a .safetensors file (the keys of the model's own "
-    "state_dict(), matched strictly); for hf:DIR the directory's weights are used instead. "
-    "Same as --set model.init_from=PATH.",
+    "state_dict(), matched strictly): the built-in GPT, a factory's model or hf:CONFIG.json. "
+    "Not with hf:DIR, which starts from its directory's weights (the pair is refused). Same as "
+    "--set model.init_from=PATH.",
     show_default=False,
 )]  # fmt: skip
 
@@ -227,10 +229,11 @@ def with_run_options(
 ) -> Any:
     """``cfg`` (a `fp8lab.lab.train.LabConfig`) with the options ``compare`` and ``debug``
     share applied in their order: ``--set`` assignments, ``--model``, ``--steps``, ``--data``,
-    ``--tokenizer``, ``--token-dtype``, ``--init-from``."""
+    ``--tokenizer``, ``--token-dtype``, ``--init-from``. ValueError for a ``--set model.KEY``
+    that the chosen model would ignore (a GPT size with a factory or ``hf:`` model)."""
     from dataclasses import replace
 
-    from fp8lab.lab.models import ModelConfig
+    from fp8lab.lab.models import ModelConfig, check_factory_keys
 
     if overrides:
         cfg = cfg.with_overrides(overrides)
@@ -248,6 +251,8 @@ def with_run_options(
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(tokenizer)))
     if token_dtype is not None:
         cfg = replace(cfg, data=replace(cfg.data, token_dtype=token_dtype))
+    keys = [o.partition("=")[0].strip() for o in overrides or []]
+    check_factory_keys(cfg.model, [k[6:] for k in keys if k.startswith("model.")], "--set")
     return cfg
 
 
@@ -257,7 +262,9 @@ def check_model_data(cfg: Any) -> Any:
     naming the file otherwise. Byte text always fits (every model has V >= 256). Returns
     ``cfg`` with a ``.bin`` file's ``token_dtype = "auto"`` made concrete when no tokenizer
     gives the vocabulary: uint32 when the model declares more than 65536 ids
-    (`fp8lab.lab.tokens.bin_dtype`), recorded so that a resume reads the same ids."""
+    (`fp8lab.lab.tokens.bin_dtype`), recorded so that a resume reads the same ids; and with
+    ``data.tokenizer`` set to an ``hf:DIR`` model's ``tokenizer.json`` when none is given
+    (`fp8lab.lab.models.hf_tokenizer`: the model's own tokens, not bytes)."""
     from dataclasses import replace
 
     from fp8lab.lab import models
@@ -265,6 +272,9 @@ def check_model_data(cfg: Any) -> Any:
     from fp8lab.lab.tokens import bin_dtype, is_token_file
 
     models.model_identity(cfg.model)  # a missing --init-from or weight file fails here
+    own = None if cfg.data.tokenizer else models.hf_tokenizer(cfg.model)
+    if own is not None:
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(own)))
     paths = cfg.data.paths
     token_file = bool(paths) and is_token_file(paths[0])
     if token_file and cfg.data.token_dtype == "auto" and not cfg.data.tokenizer:

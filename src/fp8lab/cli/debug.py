@@ -170,7 +170,8 @@ def debug_cmd(
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
         inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
-                                                   steps, data, layers, jobs, inputs)  # fmt: skip
+                                                   steps, data, layers, jobs, inputs,
+                                                   from_checkpoint)  # fmt: skip
     main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
     stop_on_sigterm()
     t0 = time.perf_counter()
@@ -192,14 +193,16 @@ def debug_cmd(
 def _setup(
     recipe: str | None, scenario: str | None, config: Path | None, overrides: list[str] | None,
     model: str | None, steps: int | None, data: Any, layers: str | None, jobs: int,
-    inputs: dict[str, Any] | None = None,
+    inputs: dict[str, Any] | None = None, start: Path | None = None,
 ) -> tuple[Any, Any, Any, list[str] | None, Any]:  # fmt: skip
     """Check the options before any training: (recipe, LabConfig, the planted fault's
     expectation, layer globs, the torchrun rank context). ``inputs``: --tokenizer,
-    --token-dtype, --init-from (`with_run_options`)."""
+    --token-dtype, --init-from (`with_run_options`); ``start``: --from-checkpoint, which
+    needs the user's model named (--model, or [model] factory in --config)."""
     from fp8lab.distributed.runtime import check_global_batch, check_jobs, init_from_env
     from fp8lab.lab.debug.scenarios import get_scenario, plant
     from fp8lab.lab.machine import torch_device
+    from fp8lab.lab.models import is_builtin
 
     if (recipe is None) == (scenario is None):
         raise fail("give exactly one of --recipe and --scenario (--list-scenarios "
@@ -208,6 +211,12 @@ def _setup(
     if scenario is not None:
         cfg = cfg.replace_train(**get_scenario(scenario).train)
     cfg = with_run_options(cfg, overrides, model, steps, data, **(inputs or {}))
+    if start is not None and model is None and is_builtin(cfg.model):
+        raise ValueError(
+            f"--from-checkpoint {start}: give --model, the model your loop trained "
+            "(MODULE:FACTORY, path/to/file.py:FACTORY, hf:CONFIG.json or hf:DIR; --model gpt "
+            "for fp8lab's built-in GPT): the checkpoint's weights are loaded into it"
+        )
     cfg = check_model_data(cfg)  # weight files; tokens that fit the model's vocabulary
     expect = None
     if scenario is not None:

@@ -9,11 +9,18 @@
   (``AutoModelForCausalLM.from_config``; nothing is ever downloaded; needs ``pip install
   'fp8lab[hf]'``);
 - ``"hf:DIR"``: a ``save_pretrained`` directory (``config.json`` and ``model.safetensors``, or
-  ``model.safetensors.index.json`` and its shards): the same, started from those weights.
+  ``model.safetensors.index.json`` and its shards): the same, started from those weights (finite
+  floating-point values only). A ``tokenizer.json`` in DIR (``tokenizer.save_pretrained(DIR)``)
+  is the data's tokenizer unless ``[data] tokenizer`` names one (:func:`hf_tokenizer`).
+
+Nothing reaches the Hugging Face hub and the process environment is left alone: the config is
+read from the file and the model built with ``from_config(..., trust_remote_code=False)``, which
+reads no file of the hub (a config naming remote code is refused).
 
 ``[model] init_from`` (``--init-from FILE.safetensors``) starts the built-in GPT, a factory's
 model or an ``hf:CONFIG.json`` model from the weights of a safetensors file holding the keys of
-the model's own ``state_dict()``. Weights load strictly (`fp8lab.lab.weights.load_strict`:
+the model's own ``state_dict()`` (not ``hf:DIR``, whose directory holds the weights: the pair is
+a ValueError). Weights load strictly (`fp8lab.lab.weights.load_strict`:
 missing, unexpected and mismatched keys are listed) after the seeded initialisation, and the
 run records each weight file's SHA-256.
 
@@ -199,7 +206,6 @@ def read_hf_config(spec: str, path_text: str) -> dict[str, Any]:
 
 
 def _transformers() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the hub: configs are local
     try:
         import transformers
     except ImportError as exc:
@@ -229,7 +235,10 @@ def _from_hf(spec: str, path_text: str) -> ModelSource:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--model {spec!r}: transformers rejects the config: {exc}") from None
         try:
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            # trust_remote_code=False: a config naming code on the hub is refused, not fetched
+            model = tf.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, trust_remote_code=False
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(
                 f"--model {spec!r}: no causal LM for this config ({type(exc).__name__}: {exc})"
@@ -293,6 +302,38 @@ def init_file(model_cfg: GPTConfig) -> Path | None:
     if not path.is_file():
         raise ValueError(f"--init-from {name}: no such file")
     return path
+
+
+def hf_tokenizer(model_cfg: GPTConfig) -> Path | None:
+    """The ``tokenizer.json`` of an ``hf:DIR`` model (what ``tokenizer.save_pretrained(DIR)``
+    writes beside the weights), the data's tokenizer when none is given; None for any other
+    model or a directory without one."""
+    spec = factory_of(model_cfg)
+    if not spec.startswith(HF_PREFIX):
+        return None
+    f = Path(spec[len(HF_PREFIX) :]) / weights.TOKENIZER
+    return f if f.is_file() else None
+
+
+#: the [model] keys a factory's model reads (its sizes are its own: module doc)
+FACTORY_KEYS = ("factory", "init_from", "block_size")
+
+
+def check_factory_keys(model_cfg: GPTConfig, keys: list[str], where: str) -> None:
+    """ValueError when ``keys`` (``[model]`` keys the user set, e.g. by ``--set``) hold a GPT
+    size that a factory's or ``transformers`` model does not read (its sizes are its own or
+    its config's: ``model.vocab_size`` would be silently ignored)."""
+    if is_builtin(model_cfg):
+        return
+    ignored = sorted({k for k in keys if k not in FACTORY_KEYS})
+    if ignored:
+        spec = factory_of(model_cfg)
+        whose = "its config file" if spec.startswith(HF_PREFIX) else "the factory"
+        raise ValueError(
+            f"{where} {', '.join('model.' + k for k in ignored)}: --model {spec!r} takes its "
+            f"sizes from {whose}, so this would be ignored; with a model other than the "
+            f"built-in GPT only {', '.join('model.' + k for k in FACTORY_KEYS)} apply"
+        )
 
 
 def check_data_fits(model_cfg: GPTConfig, corpus: Any, seed: int) -> None:

@@ -5,7 +5,9 @@
 ``model.safetensors.index.json``) and ``--init-from FILE.safetensors`` (any model, the keys of
 its own ``state_dict()``). Both go through :func:`load_strict`: every key of the model must be
 in the files with its shape, and no other key may be (a tied weight, stored once, counts for
-each of its names). Only safetensors is read: a pickled ``pytorch_model.bin`` could run code.
+each of its names); a floating tensor of the model must be floating in the file (integer or
+boolean values are not weights) and finite (a NaN or infinite weight is refused naming the
+file and the tensor, instead of a run that "diverges" from its first step). Only safetensors is read: a pickled ``pytorch_model.bin`` could run code.
 The run records :func:`weights_identity` (SHA-256 of each file, read in 1 MiB chunks), so a
 run resumed on other weights is refused.
 """
@@ -25,6 +27,7 @@ from torch import nn
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"  # a save_pretrained directory's tokenizer (fp8lab.lab.models)
 _SHOWN = 6  # keys listed per kind of mismatch
 
 
@@ -85,16 +88,18 @@ def _shards(spec: str, index: Path) -> list[Path]:
     return files
 
 
-def _shapes(files: list[Path], what: str) -> dict[str, tuple[Path, list[int]]]:
-    """Each key of the files -> (its file, its shape), read from the headers only."""
+def _shapes(files: list[Path], what: str) -> dict[str, tuple[Path, list[int], str]]:
+    """Each key of the files -> (its file, its shape, its safetensors dtype such as "F32" or
+    "I64"), read from the headers only."""
     from safetensors import SafetensorError, safe_open
 
-    out: dict[str, tuple[Path, list[int]]] = {}
+    out: dict[str, tuple[Path, list[int], str]] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():  # noqa: SIM118 (a safetensors handle: not iterable)
-                    out[k] = (f, list(h.get_slice(k).get_shape()))
+                    sl = h.get_slice(k)
+                    out[k] = (f, list(sl.get_shape()), str(sl.get_dtype()))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"{what}: {f} is not a readable safetensors file ({exc})") from None
     return out
@@ -133,10 +138,15 @@ def load_strict(model: nn.Module, files: list[Path], what: str) -> None:
     unexpected = [k for k in found if k not in own and not any(p.search(k) for p in ignore)]
     wrong = [f"{k} {found[k][1]} (model {list(own[k].shape)})"
              for k in own if k in found and found[k][1] != list(own[k].shape)]  # fmt: skip
-    if missing or unexpected or wrong:
+    # a floating weight stored as integers or booleans (safetensors "F*" and "BF16" are floats)
+    kind = [f"{src} {found[src][2]} (model {own[k].dtype})" for k, src in source.items()
+            if src is not None and own[k].is_floating_point()
+            and not found[src][2].startswith(("F", "BF"))]  # fmt: skip
+    if missing or unexpected or wrong or kind:
         parts = [f"{len(missing)} missing: {_listed(missing)}" if missing else "",
                  f"{len(unexpected)} unexpected: {_listed(unexpected)}" if unexpected else "",
-                 f"{len(wrong)} of another shape: {_listed(wrong)}" if wrong else ""]  # fmt: skip
+                 f"{len(wrong)} of another shape: {_listed(wrong)}" if wrong else "",
+                 f"{len(kind)} not floating point: {_listed(kind)}" if kind else ""]  # fmt: skip
         names = ", ".join(str(f) for f in files)
         raise ValueError(
             f"{what}: the weights in {names} do not fit the model: "
@@ -147,7 +157,14 @@ def load_strict(model: nn.Module, files: list[Path], what: str) -> None:
             with safe_open(str(f), framework="pt") as h:
                 for k, t in own.items():
                     if found[source[k]][0] == f:
-                        t.copy_(h.get_tensor(source[k]))
+                        value = h.get_tensor(source[k])
+                        if value.is_floating_point() and not bool(value.isfinite().all()):
+                            bad = int((~value.isfinite()).sum())
+                            raise ValueError(
+                                f"{what}: {f}: tensor {source[k]} holds {bad} NaN or infinite "
+                                f"value(s) of {value.numel()}; weights must be finite"
+                            )
+                        t.copy_(value)
 
 
 def read_config(spec: str, path: Path) -> dict[str, Any]:
