@@ -52,3 +52,11 @@ def test_check_shapes_refuses_k_or_n_that_do_not_tile_the_blocks(tmp_path):
     with pytest.raises(RecipeFileError, match=r"layer 'b'.*200"):
         check_shapes(rec, [("b", 256, 200)], tokens=256)  # N = 200
     check_shapes(get_recipe("te-current"), [("a", 100, 200)], tokens=7)  # per tensor: any shape
+    # wgrad taking the saved 1x128 copies dequantized quantizes nothing: 100 tokens tile no 128x1
+    # block, and that is no longer asked for
+    with pytest.raises(RecipeFileError, match=r"wgrad.*100"):
+        check_shapes(rec, [("a", 256, 512)], tokens=100)
+    deq = Recipe.from_dict(
+        {"base": "deepseek-v3", "wgrad": {"operand_source": "saved_dequantized"}}
+    )
+    check_shapes(deq, [("a", 256, 512)], tokens=100)

@@ -37,15 +37,13 @@ from dataclasses import dataclass
 from fp8lab.gemm import Accumulator
 from fp8lab.nn.state import ScalingState, state_key
 from fp8lab.qtensor import Quantizer, QuantSpec
-from fp8lab.recipe import GEMM_OPERANDS, GEMMS, Recipe
+from fp8lab.recipe import BACKWARD_OPERANDS, GEMM_OPERANDS, GEMMS, Recipe
 
 __all__ = ["GemmPlan", "LinearPlan", "OperandPlan", "Reuse", "build_plan", "source_of"]
 
 #: (earlier GEMM, later GEMM, role): the operand a backward GEMM may take from an earlier one
-CHAINS = (
-    ("fprop", "dgrad", "weight"),
-    ("fprop", "wgrad", "input"),
-    ("dgrad", "wgrad", "grad_output"),
+CHAINS = tuple(
+    (src, dst, role) for dst, roles in BACKWARD_OPERANDS.items() for role, src in roles.items()
 )
 
 

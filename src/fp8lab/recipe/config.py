@@ -40,11 +40,12 @@ HIGH_PRECISIONS = ("fp32", "bf16", "fp16")
 #: source system's choice, docs/recipes.md), the high-precision tensor, the earlier GEMM's saved
 #: quantized copy (as is when it quantizes alike, else re-tiled), or that copy's dequantized values
 OPERAND_SOURCES = ("auto", "high_precision", "saved_quantized", "saved_dequantized")
-#: the roles a backward GEMM may take from an earlier GEMM (dgrad's grad_output is dy's first use)
-BACKWARD_OPERANDS: dict[str, tuple[str, ...]] = {
-    "fprop": (),
-    "dgrad": ("weight",),
-    "wgrad": ("input", "grad_output"),
+#: per GEMM, the roles it may take from an earlier GEMM and that GEMM (dgrad's grad_output is
+#: dy's first use)
+BACKWARD_OPERANDS: dict[str, dict[str, str]] = {
+    "fprop": {},
+    "dgrad": {"weight": "fprop"},
+    "wgrad": {"input": "fprop", "grad_output": "dgrad"},
 }
 SAVE_MODES = ("quantized", "high_precision")
 LOSS_SCALINGS = ("none", "static", "dynamic")
@@ -188,7 +189,7 @@ def check_operand_source(gemm: str, cfg: GemmConfig) -> GemmConfig:
     GEMM takes from an earlier one (`BACKWARD_OPERANDS`) and stored per role (one value
     expanded to those roles, so equal settings compare and fingerprint alike)."""
     src = cfg.operand_source
-    roles = BACKWARD_OPERANDS[gemm]
+    roles = tuple(BACKWARD_OPERANDS[gemm])
     if isinstance(src, str):
         if src == "auto":
             return cfg

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fp8lab.recipe.config import GEMM_OPERANDS, GEMMS, RecipeFileError
+from fp8lab.recipe.config import BACKWARD_OPERANDS, GEMM_OPERANDS, GEMMS, RecipeFileError
 
 __all__ = ["check_layer_rules", "check_shapes", "origin"]
 
@@ -51,6 +51,18 @@ def _operand_shape(role: str, tokens: int, k_in: int, n_out: int) -> tuple[int, 
     }[role]
 
 
+def _dequantized(rec: Any, gemm: str, role: str) -> bool:
+    """Whether (gemm, role) takes the earlier GEMM's quantized copy dequantized (``operand_source
+    = "saved_dequantized"`` with such a copy made): it quantizes nothing of its own."""
+    earlier = BACKWARD_OPERANDS[gemm].get(role)
+    return (
+        earlier is not None
+        and rec.gemm(gemm).source(role) == "saved_dequantized"
+        and rec.gemm(earlier).high_precision is None
+        and rec.spec(earlier, role) is not None
+    )
+
+
 def check_shapes(recipe: Any, linears: Iterable[tuple[str, int, int]], tokens: int) -> None:
     """Raise naming the file, layer, GEMM, operand and dimension when a quantized operand of
     ``recipe`` does not tile its block shape on the Linears ``(name, in, out)`` with ``tokens``
@@ -60,7 +72,7 @@ def check_shapes(recipe: Any, linears: Iterable[tuple[str, int, int]], tokens: i
         rec = recipe.for_layer(name)
         for g in GEMMS:
             for role, reduced_first in GEMM_OPERANDS[g]:
-                if rec.precision(g, role) is not None:
+                if rec.precision(g, role) is not None or _dequantized(rec, g, role):
                     continue
                 spec = rec.spec(g, role)
                 if spec is None:
