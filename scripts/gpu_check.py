@@ -1080,7 +1080,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     status = _git("status", "--porcelain", "--untracked-files=no")
-    # a copy of the tree without .git (a lent GPU machine's): the commit the caller names
+    # a copy of the tree without .git: the commit the caller names
     commit = _git("rev-parse", "HEAD") or os.environ.get("GPU_CHECK_COMMIT") or None
     lab = {"version": fp8lab.__version__, "commit": commit}
     lab["dirty"] = None if status is None else bool(status)
