@@ -30,14 +30,20 @@ none is registered.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 
 import fp8lab.nn.context as _context
 from fp8lab.gemm.accumulator import Accumulator
@@ -302,6 +308,57 @@ def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.dtype == torch.float32 else t.float()
 
 
+_OPERAND_FIELDS = tuple(f.name for f in dataclasses.fields(Operand))
+
+
+def _save_kept(ctx: Any, *kept: Operand | None) -> None:
+    """Keep ``kept`` for the backward through ``ctx.save_for_backward``: every tensor, a
+    QTensor's too (`QTensor.to_tensors`), is a saved tensor, so saved-tensor hooks see them and
+    activation checkpointing frees them; ctx holds only the plain data to rebuild them."""
+    tensors: list[torch.Tensor | None] = []
+    layout: list[list[tuple[int, Any]] | None] = []
+    for op in kept:
+        if op is None:
+            layout.append(None)
+            continue
+        fields: list[tuple[int, Any]] = []
+        for name in _OPERAND_FIELDS:
+            v = getattr(op, name)
+            if isinstance(v, QTensor):
+                ts, rest = v.to_tensors()
+                fields.append((len(tensors), (len(ts), rest)))
+                tensors.extend(ts)
+            elif v is None or isinstance(v, torch.Tensor):
+                fields.append((len(tensors), None))
+                tensors.append(v)
+            else:  # plain data
+                fields.append((-1, v))
+        layout.append(fields)
+    ctx.save_for_backward(*tensors)
+    ctx.kept_layout = layout
+
+
+def _saved_kept(ctx: Any) -> list[Operand | None]:
+    """The operands `_save_kept` kept, rebuilt from ``ctx.saved_tensors``."""
+    saved = ctx.saved_tensors
+    out: list[Operand | None] = []
+    for fields in ctx.kept_layout:
+        if fields is None:
+            out.append(None)
+            continue
+        values = []
+        for i, how in fields:
+            if i < 0:
+                values.append(how)
+            elif how is None:
+                values.append(saved[i])
+            else:
+                n, rest = how
+                values.append(QTensor.from_tensors(saved[i : i + n], rest))
+        out.append(Operand(*values))
+    return out
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LinearPlan, state: ScalingState | None, keep: bool,
@@ -315,7 +372,9 @@ class _LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, plan, state, keep, gathered):
         x2 = _float32(x.reshape(-1, x.shape[-1]))
         weight, bias = _float32(weight), _float32(bias)
-        held: list[torch.Tensor] = []  # pooled buffers of the forward's operands
+        # pooled buffers of the forward's operands; none under saved-tensor hooks (activation
+        # checkpointing, offload): the hooks decide how long the kept tensors live
+        held: list[torch.Tensor] | None = None if _saved_tensor_hooks() else []
 
         # ---- fprop: y = Q(x) · Q(W)ᵀ (+ b)
         fprop = plan.fprop
@@ -325,14 +384,16 @@ class _LinearFunction(torch.autograd.Function):
 
         ctx.plan, ctx.state = plan, state
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        if keep:  # QTensors are not tensors: kept on ctx; their buffers live until backward ends
-            ctx.w_kept = keep_for_backward(w_op, plan.dgrad.operands[1])
-            ctx.x_kept = keep_for_backward(x_op, plan.wgrad.operands[1])
-            ctx.held = held
+        if keep:  # every kept tensor is a saved tensor; pooled buffers live until backward ends
+            _save_kept(
+                ctx,
+                keep_for_backward(w_op, plan.dgrad.operands[1]),
+                keep_for_backward(x_op, plan.wgrad.operands[1]),
+            )
+            ctx.held = held or []
         else:  # no backward will run: the operands die here
-            ctx.w_kept = ctx.x_kept = None
             x_op = w_op = None
-            POOL.give(held)
+            POOL.give(held or [])
             ctx.held = []
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if x.dtype == torch.float32 else y.to(x.dtype)  # drop-in: output in x's dtype
@@ -347,6 +408,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy):
         plan: LinearPlan = ctx.plan
+        ctx.w_kept, ctx.x_kept = _saved_kept(ctx)
         dy2 = _float32(dy.reshape(-1, dy.shape[-1]))
         dx = dw = db = None
         dy_op: Operand | None = None
@@ -406,6 +468,86 @@ def linear(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
     return _LinearFunction.apply(x, weight, bias, plan, state, keep, gathered)
+
+
+# =========================================================================== activation recompute
+# torch.utils.checkpoint runs a checkpointed block's forward twice: first without keeping its
+# activations (reentrant: under no_grad; non-reentrant: under saved-tensor hooks that drop them),
+# then again inside the backward to recompute them. Transformer Engine marks the two phases in
+# its own checkpoint (``in_fp8_activation_recompute_phase``) and replays the recompute under
+# the scaling state the first forward used (``copy_forward_fp8_meta_tensors_for_recompute``,
+# ``get_old_fp8_meta_tensors_for_recompute``, ``restore_fp8_meta_tensors``). fp8lab does the
+# same under torch's own checkpoint, so a checkpointed model trains bit for bit as without.
+
+_REENTRANT_FORWARD = _ReentrantCheckpoint.forward.__code__
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (non-reentrant checkpoint, offload, user hooks)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _in_backward() -> bool:
+    """A forward with grad enabled inside a backward pass: a checkpoint recomputing (either
+    mode; torch's non-reentrant checkpoint asks the same graph-task id)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+def _reentrant_checkpoint() -> Any:
+    """The ctx of the reentrant ``torch.utils.checkpoint`` whose no_grad forward is running
+    (found on the call stack: only asked for a training module's no_grad forward), or None."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _REENTRANT_FORWARD:
+            return f.f_locals.get("ctx")
+        f = f.f_back
+    return None
+
+
+@dataclass(eq=False)
+class _Replay:
+    """What a recompute of one checkpointed forward repeats: the plan (the recipe it ran under,
+    an `fp8lab.nn.autocast` one included) and its `ScalingState`, the forward roles' states
+    before it (`ScalingState.snapshot_forward`), torch's CPU generator state when the forward
+    rounds stochastically (its one draw per cast comes from that generator), and whether
+    operands were observed (the kept operands then include their sources)."""
+
+    plan: LinearPlan
+    state: ScalingState
+    snapshot: list[dict[str, torch.Tensor]]
+    rng: torch.Tensor | None
+    observed: bool
+
+
+def _draws_random(plan: LinearPlan) -> bool:
+    return any(
+        s is not None and s.rounding == "stochastic"
+        for op in plan.fprop.operands
+        for s in (op.spec, op.shadow)
+    )
+
+
+def _silent(*args: object) -> None:
+    """The observer a recompute runs under when the first forward was observed: the kept
+    operands have the same layout, and nobody sees an operand twice."""
+
+
+@contextlib.contextmanager
+def _replaying(rec: _Replay) -> Iterator[None]:
+    """A recompute of ``rec``'s forward: its scaling states, random bits and operand layout;
+    observers are not called again."""
+    observers = _OBSERVERS.active
+    _OBSERVERS.active = [_silent] if rec.observed else []
+    try:
+        with rec.state.replaying(rec.snapshot):
+            if rec.rng is None or torch.equal(torch.get_rng_state(), rec.rng):
+                yield  # (torch's checkpoint restored the generator already: preserve_rng_state)
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(rec.rng)
+                    yield
+    finally:
+        _OBSERVERS.active = observers
 
 
 # =========================================================================== the module
@@ -522,6 +664,9 @@ class Linear(torch.nn.Linear):
         self._other_states: dict[str, ScalingState] = {}  # autocast(recipe) overrides
         self._plans: dict[str, LinearPlan] = {}
         self._own_plan: tuple[LinearPlan, ScalingState] | None = None  # self.recipe's
+        # forwards a checkpoint may recompute, oldest first (weak: the autograd graph keeps
+        # each alive, so a forward whose graph is gone leaves nothing behind)
+        self._replays: deque[weakref.ref[_Replay]] = deque()
 
     def set_recipe(self, recipe: Recipe | str, keep_state: bool = False) -> None:
         """Switch to another recipe (per-layer rules resolved for this module's name).
@@ -566,6 +711,7 @@ class Linear(torch.nn.Linear):
         state = dict(state)
         state["_plans"] = {}
         state["_own_plan"] = None
+        state["_replays"] = deque()
         return state
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:  # type: ignore[override]
@@ -587,6 +733,30 @@ class Linear(torch.nn.Linear):
         for st in (self._state, *self._other_states.values()):
             st.discard_forward()
 
+    def _remember(self, plan: LinearPlan, state: ScalingState) -> _Replay:
+        """Note a forward that activation checkpointing will recompute (before it runs)."""
+        rec = _Replay(
+            plan,
+            state,
+            state.snapshot_forward(),
+            torch.get_rng_state() if _draws_random(plan) else None,
+            bool(_OBSERVERS.active),
+        )
+        q = self._replays
+        while q and q[0]() is None:  # forwards whose graph is gone (no backward came)
+            q.popleft()
+        q.append(weakref.ref(rec))
+        return rec
+
+    def _next_replay(self) -> _Replay | None:
+        """The oldest remembered forward still alive (TE's order: first in, first recomputed)."""
+        q = self._replays
+        while q:
+            rec = q.popleft()()
+            if rec is not None:
+                return rec
+        return None
+
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -606,11 +776,31 @@ class Linear(torch.nn.Linear):
                 own = self._own_plan = self._plan(self.recipe)
             plan, state = own
         w = self.weight if self.weight_layout == "out_in" else self.weight.t()
+        grad = torch.is_grad_enabled()
+        if grad and _in_backward():  # a checkpoint recomputing this forward
+            again = self._next_replay()
+            if again is not None:  # (gathered weights may be gone: quantized here, alike)
+                with _replaying(again):
+                    return linear(x, w, self.bias, again.plan, again.state)
+        rec = reentrant = None
+        if grad:
+            if _saved_tensor_hooks():  # a non-reentrant checkpoint's first forward, maybe
+                rec = self._remember(plan, state)
+        elif self.training:
+            reentrant = _reentrant_checkpoint()
+            if reentrant is not None:  # its backward recomputes this forward with grad
+                rec = self._remember(plan, state)
+                reentrant.__dict__.setdefault("fp8lab_replays", []).append(rec)
         y = linear(x, w, self.bias, plan, state, self._gathered)
+        if rec is not None and reentrant is None:
+            if y.grad_fn is None:
+                self._replays.pop()  # nothing kept for a backward: never recomputed
+            else:
+                y.grad_fn.fp8lab_replay = rec  # lives as long as this forward's graph
         if state.by_key:  # TE timing of the forward roles' delayed-scaling update
             if _context._STATE.stack:
                 _context.defer_forward_update(self)  # once, at the outermost autocast exit
-            elif torch.is_grad_enabled():
+            elif grad or reentrant is not None:  # a training forward, checkpointed or not
                 self.update_forward()
             else:
                 self.discard_forward()  # evaluation must not move the scales

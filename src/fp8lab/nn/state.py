@@ -4,11 +4,14 @@ Timing (Transformer Engine): the forward roles (``input``, ``weight``) update af
 or once at the outermost :func:`fp8lab.nn.autocast` exit (max over its micro-batches), and not at
 all under ``no_grad`` (the amax is discarded); ``grad_output`` updates at the end of the module's
 backward (the autograd Function of `fp8lab.nn.linear` runs both, reading `ScalingState.forward` and
-`ScalingState.backward`).
+`ScalingState.backward`). A forward that activation checkpointing recomputes runs once more under
+the states it first ran with and leaves them as they were (`ScalingState.replaying`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,6 +83,31 @@ class ScalingState:
         """End of the module's backward: the gradient role's scales update (TE)."""
         for ds in self.backward:
             ds.update()
+
+    def snapshot_forward(self) -> list[dict[str, torch.Tensor]]:
+        """Copies of the forward roles' states (`DelayedScaling.state_dict`), taken before a
+        forward that activation checkpointing will recompute (TE:
+        ``copy_forward_fp8_meta_tensors_for_recompute``)."""
+        return [ds.state_dict() for ds in self.forward]
+
+    @contextlib.contextmanager
+    def replaying(self, snapshot: list[dict[str, torch.Tensor]]) -> Iterator[None]:
+        """Inside the block the forward roles' states are ``snapshot`` (`snapshot_forward`), so
+        a recomputed forward quantizes with the scales of the forward it repeats; at exit they
+        are as before the block, whatever it observed (the recompute neither stages an amax
+        nor rolls a history). TE: ``get_old_fp8_meta_tensors_for_recompute`` and
+        ``restore_fp8_meta_tensors``."""
+        if not snapshot:
+            yield
+            return
+        now = self.snapshot_forward()
+        for ds, s in zip(self.forward, snapshot, strict=True):
+            ds.load_state_dict(s)
+        try:
+            yield
+        finally:
+            for ds, s in zip(self.forward, now, strict=True):
+                ds.load_state_dict(s)
 
 
 def delayed_states(model: torch.nn.Module) -> dict[str, DelayedScaling]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,17 +92,61 @@ class QTensor:
         self._dense[0] = (self._key(self.values), d)
 
     def _dense_copy(self) -> torch.Tensor:
-        v = self.values
-        held = self._dense[0]
-        if held is not None:
-            key, d = held
-            if key == self._key(v):
-                return d
-            if v.dim() == 2 and key == self._key(v.t()):
-                return d.t()
-        d = self._compute_dense()
-        self._dense[0] = (self._key(v), d)
+        d = self._memoised()
+        if d is None:
+            d = self._compute_dense()
+            self._dense[0] = (self._key(self.values), d)
         return d
+
+    def _memoised(self) -> torch.Tensor | None:
+        """The memoised dequantized copy in this tensor's layout, None if not computed yet."""
+        held = self._dense[0]
+        if held is None:
+            return None
+        key, d = held
+        v = self.values
+        if key == self._key(v):
+            return d
+        if v.dim() == 2 and key == self._key(v.t()):
+            return d.t()
+        return None
+
+    def to_tensors(self) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+        """The QTensor as plain tensors and plain data, for ``ctx.save_for_backward``: saved
+        that way, ``torch.autograd.graph.saved_tensors_hooks`` (activation checkpointing, CPU
+        offload) see every tensor it holds. Tensors: ``[values, scales, global_scale,
+        scale_multipliers, the memoised dequantized copy (None until computed), the
+        straight-through source]``; the rest is ``spec``, ``retiled``, ``meta`` and
+        ``block_shape``. `from_tensors` rebuilds it."""
+        rest = {
+            "spec": self.spec,
+            "retiled": self.retiled,
+            "meta": self.meta,
+            "block_shape": self.block_shape,
+        }
+        tensors = [self.values, self.scales, self.global_scale, self.scale_multipliers]
+        return [*tensors, self._memoised(), self._source], rest
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor | None], rest: dict[str, Any]) -> QTensor:
+        """The QTensor `to_tensors` took apart (the tensors may be new copies of the same
+        values, e.g. recomputed by activation checkpointing: the dequantized copy is adopted
+        as the memoised one, keyed by the new layout)."""
+        values, scales, global_scale, multipliers, dense, source = tensors
+        q = cls(
+            values,  # type: ignore[arg-type]
+            scales,  # type: ignore[arg-type]
+            rest["spec"],
+            global_scale=global_scale,
+            retiled=rest["retiled"],
+            meta=rest["meta"],
+            scale_multipliers=multipliers,
+            block_shape=rest["block_shape"],
+            _source=source,
+        )
+        if dense is not None:
+            q._set_dense(dense)
+        return q
 
     def _key(self, v: torch.Tensor) -> tuple:
         """What the memoised copy was computed from: the values' layout and the scales' storage
