@@ -18,16 +18,32 @@ The policy, applied by `parallel` before every kernel that has a parallel varian
 
 Serial and parallel variants compute every output element the same way (no reduction is split
 across threads), so results are bit-identical either way (tests/formats/test_threads.py).
+
+**Jobs are claimed, not assigned.** numba's ``prange`` gives every thread one equal, contiguous
+share of the iterations up front (the ``omp`` layer's ``#pragma omp for`` has no schedule clause,
+so static; ``workqueue`` splits the same way; more, smaller chunks through
+``numba.set_parallel_chunksize`` are still dealt out statically). A core shared with another
+process (a nice-19 job in another session gets an equal share of its core: nice only weighs
+within a session's autogroup) then holds every other thread at the region's end, and the
+``limited`` GEMM at 2048^3 took 2-2.5x its time beside one busy neighbour. The GEMM kernels'
+parallel variants therefore run one ``prange`` iteration per thread, each taking the next job
+from a shared counter (`claim`, an atomic fetch-and-add) until none is left: a slowed thread
+takes fewer jobs and the others finish the rest (`benchmarks/bench_threads.py --neighbour`,
+docs/gemm.md). Which thread runs a job never changes its bits.
 """
 
 from __future__ import annotations
 
 import numba
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from fp8lab._counters import read_counts
 
-__all__ = ["SERIAL_BELOW", "dispatch_counts", "parallel"]
+__all__ = ["SERIAL_BELOW", "claim", "dispatch_counts", "parallel"]
 
 SERIAL_BELOW = 1 << 21
 """Work (elementary operations: elements of a cast, products of a GEMM) below which a kernel runs
@@ -51,3 +67,22 @@ def parallel(work: int) -> bool:
 def dispatch_counts(reset: bool = False) -> dict[str, int]:
     """How many kernel calls took the serial and the parallel variant in this process."""
     return read_counts(_COUNTS, reset)
+
+
+@intrinsic
+def claim(typingctx, counter):  # pragma: no cover - compiled by numba
+    """In numba code: the next job number, ``counter[0]`` before an atomic ``counter[0] += 1``
+    (every number is handed out once, whatever the threads). A parallel kernel over ``jobs``
+    jobs runs, in ``for _ in prange(numba.get_num_threads())``,
+    ``job = claim(counter)`` then ``while job < jobs: work(job); job = claim(counter)``."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [cgutils.intp_t(0)])
+        # monotonic is enough: the counter orders nothing else; the jobs' writes are published
+        # by the parallel region's closing barrier
+        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen

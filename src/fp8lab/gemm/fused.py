@@ -45,13 +45,14 @@ the sweeps are bound by loads and stores, and this cut the time at 2048^3 by ~30
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
-from fp8lab._threads import parallel
+from fp8lab._threads import claim, parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
 from fp8lab.gemm.fused_triton import fits, fused_gemm_triton, triton_mode, verified_kernel
@@ -186,17 +187,22 @@ def _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, r
 
 @njit(parallel=True, cache=True)
 def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
-                   floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
+                   floor_p, gpp, workers):  # fmt: skip  # pragma: no cover - numba
     """The model with `_step64` for every step: acc [M, N] float32 holds c in and the chain's
-    last result out; with ``gpp`` > 0 (groups per promotion) steps are promoted into ``out``."""
-    for r in prange(va.shape[0]):
-        _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
-                     floor_p, gpp)  # fmt: skip
+    last result out; with ``gpp`` > 0 (groups per promotion) steps are promoted into ``out``.
+    ``workers`` threads claim the rows (`fp8lab._threads.claim`)."""
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
+        r = claim(counter)
+        while r < va.shape[0]:
+            _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne,
+                         c_after, floor_p, gpp)  # fmt: skip
+            r = claim(counter)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fused_general_serial(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne,
-                          c_after, floor_p, gpp):  # fmt: skip  # pragma: no cover - numba
+                          c_after, floor_p, gpp, workers):  # fmt: skip  # pragma: no cover
     """`_fused_general` on the calling thread (`fp8lab._threads`)."""
     for r in range(va.shape[0]):
         _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
@@ -317,17 +323,22 @@ def _fast_jobs(m: int, ncols: int) -> int:
 
 @njit(parallel=True, cache=True)
 def _fused_fast(
-    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs
+    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs, workers
 ):  # pragma: no cover
     """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
     SIMD across a tile of output columns; same contract as `_fused_general`."""
-    for job in prange(jobs):
-        _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp)
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
+        job = claim(counter)
+        while job < jobs:
+            _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p,
+                      gpp)  # fmt: skip
+            job = claim(counter)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fused_fast_serial(
-    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs
+    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs, workers
 ):  # pragma: no cover
     """`_fused_fast` on the calling thread (`fp8lab._threads`)."""
     for job in range(jobs):
@@ -348,14 +359,19 @@ def _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floo
 
 
 @njit(parallel=True, cache=True)
-def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
-    """Row-wise dot products ``va[s] . vbt[:, s]`` chained over K steps (c: [S], in and out)."""
-    for r in prange(va.shape[0]):
-        _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
+def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p, workers):
+    """Row-wise dot products ``va[s] . vbt[:, s]`` chained over K steps (c: [S], in and out);
+    ``workers`` threads claim the rows (`fp8lab._threads.claim`)."""
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
+        r = claim(counter)
+        while r < va.shape[0]:
+            _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
+            r = claim(counter)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
-def _dots_serial(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p):
+def _dots_serial(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p, workers):
     """`_dots` on the calling thread (`fp8lab._threads`)."""
     for r in range(va.shape[0]):
         _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
@@ -435,12 +451,13 @@ def fused(
     par = parallel(m * n * k)  # the thread policy of fp8lab._threads
     if use_fast:
         kernel = _fused_fast if par else _fused_fast_serial
-        kernel(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp, _fast_jobs(m, n))
+        kernel(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp, _fast_jobs(m, n),
+               numba.get_num_threads())  # fmt: skip
     else:
         f_bits = -1 if acc.align_bits is None else acc.align_bits
         kernel = _fused_general if par else _fused_general_serial
         kernel(*args, acc.group, f_bits, acc.out_bits, acc.out_rounding == "nearest_even",
-               acc.c_entry == "after", floor_p, gpp)  # fmt: skip
+               acc.c_entry == "after", floor_p, gpp, numba.get_num_threads())  # fmt: skip
     return output_scales(out if pe is not None else accbuf, a, b, pe is not None)
 
 
@@ -492,5 +509,5 @@ def fused_dot(
     kernel = _dots if parallel(a_vals.numel()) else _dots_serial
     kernel(va.numpy(), pa.numpy(), vb.numpy().T, pb.numpy().T, out.numpy(), acc.group, f_bits,
           acc.out_bits, acc.out_rounding == "nearest_even", acc.c_entry == "after",
-          2.0**acc.exp_floor)  # fmt: skip
+          2.0**acc.exp_floor, numba.get_num_threads())  # fmt: skip
     return out

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from fp8lab._bits import f64_to_u64 as _f64_to_u64
 from fp8lab._bits import u64_to_f64 as _u64_to_f64
-from fp8lab._threads import parallel
+from fp8lab._threads import claim, parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.limited_torch import acc_step_torch, per_product_torch
 from fp8lab.gemm.operands import blocks as _blocks
@@ -19,7 +20,9 @@ from fp8lab.qtensor import QTensor
 
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
 
-_ROW_CHUNK = 64  # output rows per pass of the limited model
+_ROW_CHUNK = 64  # output rows per pass of the limited model (torch kernels)
+_RB = 16  # output rows per job of the numba kernel `_acc_sums`
+_NT = 512  # output columns per job of `_acc_sums` (a group's b rows stay in L2)
 _BATCH_K = 512  # K elements per batched group-sum GEMM
 
 
@@ -55,6 +58,111 @@ def _acc_step(acc, buf, drop, rne, gpp, out, sa, sb):  # pragma: no cover - numb
                 for n in range(cols):
                     out[r, n] += (s_r * sb[t, n]) * np.float32(acc[r, n])
                     acc[r, n] = 0.0
+
+
+@njit(cache=True, fastmath={"contract"})
+def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
+    """``s[i, j]`` = the sum of ``va[r + i, k] * vb[k, n0 + j]`` over ``k`` in [k0, k1), for
+    ``i`` < 4 rows and ``j`` < ``w`` columns: from +0, in K order, four K elements per sweep
+    with the running sums in registers, b's loads shared by the four rows.
+
+    The products of FP8 values are exact in float64 and so is their sum for E4M3 and for E5M2
+    groups spanning less than 2**53 (docs/gemm.md): the order, and the fused multiply-adds that
+    ``contract`` allows here only, cannot change a bit there."""
+    for i in range(4):
+        for j in range(w):
+            s[i, j] = 0.0
+    s0, s1, s2, s3 = s[0], s[1], s[2], s[3]
+    q = k0
+    while q < k1:
+        if q + 4 <= k1:
+            a0, a1, a2, a3 = va[r, q : q + 4]
+            c0, c1, c2, c3 = va[r + 1, q : q + 4]
+            d0, d1, d2, d3 = va[r + 2, q : q + 4]
+            e0, e1, e2, e3 = va[r + 3, q : q + 4]
+            b0, b1 = vb[q, n0 : n0 + w], vb[q + 1, n0 : n0 + w]
+            b2, b3 = vb[q + 2, n0 : n0 + w], vb[q + 3, n0 : n0 + w]
+            for j in range(w):
+                x0, x1, x2, x3 = b0[j], b1[j], b2[j], b3[j]
+                s0[j] = (((s0[j] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+                s1[j] = (((s1[j] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
+                s2[j] = (((s2[j] + d0 * x0) + d1 * x1) + d2 * x2) + d3 * x3
+                s3[j] = (((s3[j] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
+            q += 4
+        else:
+            a0, c0, d0, e0 = va[r, q], va[r + 1, q], va[r + 2, q], va[r + 3, q]
+            b0 = vb[q, n0 : n0 + w]
+            for j in range(w):
+                x0 = b0[j]
+                s0[j] += a0 * x0
+                s1[j] += c0 * x0
+                s2[j] += d0 * x0
+                s3[j] += e0 * x0
+            q += 1
+
+
+@njit(cache=True)
+def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  # pragma: no cover
+    """Job ``job`` of `_acc_sums`: `_RB` output rows by `_NT` output columns, all of K.
+
+    Per output element exactly the operations of `_acc_step` over the batched GEMM's group
+    sums (`_group_sums`): ``acc = cut(acc + sum)`` per group and, every ``gpp`` groups, the
+    promotion. ``va`` has rows up to a multiple of 4 (rows past ``M`` are computed, not kept)."""
+    m, ncols = acc.shape
+    k = va.shape[1]
+    ntiles = (ncols + _NT - 1) // _NT
+    n0 = (job % ntiles) * _NT
+    r0 = (job // ntiles) * _RB
+    w = min(n0 + _NT, ncols) - n0
+    dropu = np.uint64(drop)
+    half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
+    mask = ~((np.uint64(1) << dropu) - np.uint64(1))
+    s = np.empty((4, _NT), dtype=np.float64)
+    for r4 in range(r0, min(r0 + _RB, m), 4):
+        for g in range(ngroups):
+            k0 = min(g * group, k)
+            # groups past K (`limited` pads K to whole steps) sum to +0
+            _group_sums(s, va, vb, r4, k0, min(k0 + group, k), n0, w)
+            for r in range(r4, min(r4 + 4, m)):
+                ar = acc[r, n0 : n0 + w]
+                sr = s[r - r4]
+                for j in range(w):
+                    ar[j] = _cut(ar[j] + sr[j], dropu, half_m1, mask, rne)
+                if gpp > 0 and (g + 1) % gpp == 0:
+                    s_r = sa[r, g // gpp]
+                    sbt = sb[g // gpp, n0 : n0 + w]
+                    outr = out[r, n0 : n0 + w]
+                    for j in range(w):
+                        outr[j] += (s_r * sbt[j]) * np.float32(ar[j])
+                        ar[j] = 0.0
+        if gpp == 0:  # never promoted: `limited`'s closing pass, cut(acc + 0) times unit scales
+            for r in range(r4, min(r4 + 4, m)):
+                ar = acc[r, n0 : n0 + w]
+                outr = out[r, n0 : n0 + w]
+                for j in range(w):
+                    outr[j] += np.float32(_cut(ar[j] + 0.0, dropu, half_m1, mask, rne))
+
+
+@njit(parallel=True, cache=True)
+def _acc_sums(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+    """The limited model (not per product) over float64 ``va`` [M rounded up to 4, K] and
+    ``vb`` [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
+    accumulator ``acc`` [M, N] float64 in (c or 0), promoted into ``out`` [M, N] float32 with
+    ``sa`` [M, T], ``sb`` [T, N] every ``gpp`` groups (0: never; then ``out`` += the last
+    accumulator). ``workers`` threads claim the jobs (`fp8lab._threads.claim`)."""
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
+        job = claim(counter)
+        while job < jobs:
+            _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne)
+            job = claim(counter)
+
+
+@njit(cache=True)
+def _acc_sums_serial(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+    """`_acc_sums` on the calling thread (`fp8lab._threads`)."""
+    for job in range(jobs):
+        _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
@@ -99,14 +207,19 @@ def _per_product_job(job, a, b, k0, k1, group, drop, rne, acc):  # pragma: no co
 
 
 @njit(parallel=True, cache=True)
-def _acc_per_product(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragma: no cover - numba
-    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product."""
-    for job in prange(jobs):
-        _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
+def _acc_per_product(a, b, k0, k1, group, drop, rne, acc, jobs, workers):  # pragma: no cover
+    """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product.
+    ``workers`` threads claim the jobs (`fp8lab._threads.claim`)."""
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
+        job = claim(counter)
+        while job < jobs:
+            _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
+            job = claim(counter)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
-def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs):  # pragma: no cover
+def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs, workers):  # pragma: no cover
     """`_acc_per_product` on the calling thread (`fp8lab._threads`)."""
     for job in range(jobs):
         _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
@@ -174,10 +287,30 @@ def _numba_step(acc, buf, drop, rne, gpp, out, sa, sb) -> None:
     _acc_step(acc.numpy(), buf.numpy(), drop, rne, gpp, out.numpy(), sa.numpy(), sb.numpy())
 
 
+def _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne) -> None:
+    """`limited` without per-product alignment as one numba pass (group sums included) into
+    ``out`` over jobs the threads claim (`fp8lab._threads`); ``kp``: K padded to whole steps."""
+    m, k = a.shape
+    n = b.shape[1]
+    f64 = {"dtype": torch.float64, "device": a.values.device}
+    va = torch.zeros((-(-m // 4) * 4, k), **f64)  # whole blocks of 4 rows for `_group_sums`
+    va[:m].copy_(a.values)
+    vb = b.values.to(**f64).contiguous()
+    acc_t = torch.zeros((m, n), **f64)
+    if acc0 is not None:  # c enters the first MMA step (a copy: the caller's c stays)
+        acc_t.copy_(acc0)
+    sa, sb = interval_scales(a, b, kp, span) if gpp else (out[:1, :1],) * 2
+    jobs = -(-m // _RB) * -(-n // _NT)
+    kernel = _acc_sums if parallel(m * n * k) else _acc_sums_serial
+    kernel(va.numpy(), vb.numpy(), acc_t.numpy(), out.numpy(), sa.numpy(), sb.numpy(), grp,
+           kp // grp, gpp, drop, rne, jobs, numba.get_num_threads())  # fmt: skip
+
+
 def _numba_per_product(a, b, k0, k1, group, drop, rne, acc) -> None:
     rows, n = acc.shape
     kernel = _acc_per_product if parallel(rows * n * (k1 - k0)) else _acc_per_product_serial
-    kernel(a.numpy(), b.numpy(), k0, k1, group, drop, rne, acc.numpy(), rows * -(-n // 64))
+    kernel(a.numpy(), b.numpy(), k0, k1, group, drop, rne, acc.numpy(), rows * -(-n // 64),
+           numba.get_num_threads())  # fmt: skip
 
 
 def limited(
@@ -213,12 +346,15 @@ def limited(
     kp = calls * step
     # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
     # cutting an already cut accumulator is a no-op and promoting 0 adds +0
+    ng = step // grp
+    gpp = span // grp if pe is not None else 0
+    if not generic and not acc.per_product:
+        _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne)
+        return output_scales(out, a, b, pe is not None)
     va, vb = a.values.double(), b.values.double()
     if kp > k:
         va = torch.nn.functional.pad(va, (0, kp - k))
         vb = torch.nn.functional.pad(vb, (0, 0, 0, kp - k))
-    ng = step // grp
-    gpp = span // grp if pe is not None else 0
     nst = step // span
     chunk = m if acc.per_product else _row_chunk(m, ng * n, generic, dev)
     f64 = {"dtype": torch.float64, "device": dev}
