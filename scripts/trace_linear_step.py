@@ -3,8 +3,8 @@
 Runs a few warm-up steps (so delayed-scaling histories and numba compilation are past their first
 call), then traces one forward + backward with ``sys.setprofile`` and prints every call into
 ``src/fp8lab`` in order, the distinct files and functions, and the returns to a file already left
-(how often the step jumps back into a file it had finished with). ``docs/design.md`` quotes these
-counts; rerun this script when the hot path changes.
+(how often the step jumps back into a file it had finished with). ``tests/test_trace.py`` holds
+the limits of these counts and checks that ``docs/design.md``'s walk names the files visited.
 
     python scripts/trace_linear_step.py --recipe te-delayed
     python scripts/trace_linear_step.py --recipe deepseek-v3 --json
