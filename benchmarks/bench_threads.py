@@ -1,9 +1,11 @@
-"""The thread policy of the numba kernels (`fp8lab._threads`): where the serial cut-off lies, and
-the issue-22 loop (converted 128x128 bf16 layers) with and without the policy.
+"""The thread policy of the numba kernels (`fp8lab._threads`): where the serial cut-off lies, the
+issue-22 loop (converted 128x128 bf16 layers) with and without the policy, and the GEMM models
+beside a busy neighbour.
 
-    .venv/bin/python benchmarks/bench_threads.py              # both sections
+    .venv/bin/python benchmarks/bench_threads.py              # --sweep and --loop
     .venv/bin/python benchmarks/bench_threads.py --sweep      # serial vs parallel by size
     .venv/bin/python benchmarks/bench_threads.py --loop       # the user's loop
+    .venv/bin/python benchmarks/bench_threads.py --neighbour  # limited GEMM, one core shared
 
 ``--sweep``: for each kernel and size, the parallel variant's time (numba at torch's thread
 count) over the serial variant's, measured in the same run, interleaved, the median of
@@ -12,7 +14,12 @@ machine it moves up: the workers have to win a core first). ``--loop``: median s
 backward) of ``--layers`` converted 128 x 128 Linear layers on 128 tokens, torch at 1 and at 2
 threads, under the policy and under "always parallel with numba's whole pool" (the behaviour before
 the policy for the bf16 rounding and GEMM kernels), and the fp32 recipe (no numba kernel) as the
-control; the ratio is to the policy's time in the same run.
+control; the ratio is to the policy's time in the same run. ``--neighbour``: the ``limited``
+qmatmul at ``--size``^3 (incl. quantization, as in bench_gemm.py) over the fp32 ``a @ b`` timed
+in the same phase, best of ``--repeat``, alone and then beside a CPU-bound process at nice 19
+pinned to the last core, in a session of its own (as a job from another terminal: nice only
+weighs within a session's autogroup, so it takes half of that core); the neighbour stops when the
+measurement ends, and by itself after ``--neighbour-seconds`` whatever happens here.
 Report the machine's load (``uptime``) with the numbers.
 """
 
@@ -21,6 +28,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -142,6 +151,69 @@ def loop(layers: int, steps: int, repeat: int) -> None:
     print()
 
 
+_NEIGHBOUR = """
+import os, time
+os.nice(19)
+os.sched_setaffinity(0, {{{cpu}}})
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    pass
+"""
+
+
+def _neighbour(seconds: float) -> subprocess.Popen:
+    """A CPU-bound nice-19 process on the last core, in its own session, ending by itself."""
+    cpu = max(os.sched_getaffinity(0))
+    code = _NEIGHBOUR.format(cpu=cpu, seconds=seconds)
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up (numba compilation, allocator)
+    return min(_time(fn, 1) for _ in range(repeat))
+
+
+def neighbour(size: int, repeat: int, seconds: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g)
+    b = torch.randn(size, size, generator=g)
+    tensor = QuantSpec("e4m3")
+    act = QuantSpec("e4m3", (1, 128), "pow2_down")
+    wgt = QuantSpec("e4m3", (128, 128), "pow2_down")
+    lim, lim_p = Accumulator("limited"), Accumulator("limited", promote_every=128)
+    cases = {
+        "per-tensor, limited 13 bits, no promotion": lambda: qmatmul(
+            a, b, lim, spec=tensor, spec_b=tensor
+        ),
+        "1x128 x 128x128, limited 13 bits, promote 128": lambda: qmatmul(
+            a, b, lim_p, spec=act, spec_b=wgt
+        ),
+    }
+    print(f"## limited qmatmul / fp32 a @ b, M = N = K = {size}, incl. quantization, torch "
+          f"threads = {torch.get_num_threads()}, best of {repeat}\n")  # fmt: skip
+    print("| case | alone: fp32 (s) | alone: time (s) | alone: ratio "
+          "| neighbour: fp32 (s) | neighbour: time (s) | neighbour: ratio |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    res: dict[str, list[float]] = {name: [] for name in cases}
+    for phase in ("alone", "neighbour"):
+        proc = _neighbour(seconds) if phase == "neighbour" else None
+        try:
+            if proc is not None:
+                time.sleep(0.5)  # let it start spinning
+            for name, fn in cases.items():
+                base = _best(lambda: a @ b, repeat)
+                res[name] += [base, _best(fn, repeat)]
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=10)
+    for name, (b0, t0, b1, t1) in res.items():
+        print(f"| {name} | {b0:.3f} | {t0:.3f} | {t0 / b0:.2f}x | {b1:.3f} | {t1:.3f} "
+              f"| {t1 / b1:.2f}x |", flush=True)  # fmt: skip
+    print(f"\nnumba threading layer: {numba.threading_layer()}; load average after: "
+          f"{os.getloadavg()}\n")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -150,16 +222,23 @@ def main() -> None:
     )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--loop", action="store_true")
+    ap.add_argument("--neighbour", action="store_true", help="limited GEMM beside a nice-19 job")
+    ap.add_argument("--size", type=int, default=2048, help="--neighbour: M = N = K")
+    ap.add_argument(
+        "--neighbour-seconds", type=float, default=600.0, help="the neighbour's longest life"
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    both = not (args.sweep or args.loop)
+    both = not (args.sweep or args.loop or args.neighbour)
     print(f"load average: {os.getloadavg()}, NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}")
     if args.sweep or both:
         sweep(args.repeat)
     if args.loop or both:
         loop(args.layers, args.steps, args.repeat)
+    if args.neighbour:
+        neighbour(args.size, args.repeat, args.neighbour_seconds)
 
 
 if __name__ == "__main__":
