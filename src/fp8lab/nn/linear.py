@@ -443,8 +443,7 @@ class _LinearFunction(torch.autograd.Function):
         POOL.give(ctx.held)
         state = ctx.state
         if state is not None:  # TE: the gradient role's scales update now
-            for ds in state.backward:
-                ds.update()
+            state.after_backward()
         return dx, dw, db, None, None, None, None
 
 
@@ -725,8 +724,7 @@ class Linear(torch.nn.Linear):
     def update_forward(self) -> None:
         """Update the forward roles' delayed scaling (every recipe this module has run)."""
         for st in (self._state, *self._other_states.values()):
-            for ds in st.forward:
-                ds.update()
+            st.update_forward()
 
     def discard_forward(self) -> None:
         """Forget the forward roles' staged amaxes (no update)."""

@@ -70,6 +70,8 @@ class ScalingState:
             ds.to(device)
 
     def update_forward(self) -> None:
+        """After the forward (or at the outermost autocast exit): the forward roles' scales
+        update (TE). `fp8lab.nn.Linear.update_forward` runs it for every recipe it ran."""
         for ds in self.forward:
             ds.update()
 

@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from fp8lab.formats import FloatFormat
 from fp8lab.qtensor.quantizer import Quantizer
-from fp8lab.qtensor.spec import QuantSpec, ScalingLike, _spec_from_args
+from fp8lab.qtensor.spec import QuantSpec, ScalingLike, _spec_from_args, split_state
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling import rules as _rules
+from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import GranularityLike, check_fit, shape_2d
 
 __all__ = ["fake_quant", "quantize"]
@@ -31,15 +33,20 @@ def quantize(
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
     dequantized_out: torch.Tensor | None = None,
+    state: DelayedScaling | None = None,
 ) -> QTensor:
     """Quantize ``x`` (float tensor, any shape) under a spec.
 
     ``fmt`` is a format name / `FloatFormat` (then the other arguments build a `QuantSpec`) or a
     `QuantSpec` (then non-None arguments override its fields). Returns a `QTensor` whose
-    ``values = cast(x * scale)`` per block and ``scales = 1/scale``. With a `DelayedScaling`
-    the current scale is used and this tensor's amax is recorded (call its ``update()`` once per
-    step); with a `DelayedScalingConfig` alone (a preset's spec) step 0's scale comes from a
-    throwaway state and nothing is recorded. ``generator`` feeds stochastic rounding.
+    ``values = cast(x * scale)`` per block and ``scales = 1/scale``. Delayed scaling: with
+    ``state=ds`` (a `DelayedScaling`, which the caller owns: one per tensor) the current scale
+    is used and this tensor's amax is recorded (call ``ds.update()`` once per step); the spec's
+    scaling is then ``ds.cfg`` (taken when ``fmt`` is a format name and ``scaling`` is not
+    given; any other scaling is a ValueError). Without a state, a `DelayedScalingConfig` (a
+    preset's spec) gives step 0's scale from a throwaway state and records nothing. A
+    `DelayedScaling` passed as ``scaling`` or held by the spec is deprecated (a
+    DeprecationWarning) and acts as ``state=``. ``generator`` feeds stochastic rounding.
     float16/bfloat16/float64 inputs are first converted to float32 (float64 rounds once there; TE
     multiplies in FP32 as well). Any device: the kernels follow ``x``'s (numba on the CPU by
     default, the device-generic torch kernels elsewhere: `fp8lab.kernels`), with the same bits;
@@ -60,9 +67,8 @@ def quantize(
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    spec = _spec_from_args(
-        fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
-    )
+    spec, state = _with_state(fmt, granularity, scaling, rounding, saturate, pad, margin,
+                              epsilon, state)  # fmt: skip
     # straight-through gradient (QTensor.dequantize): keep the source only when it can carry one
     source = x if (x.requires_grad and torch.is_grad_enabled()) else None
     x = x.detach()
@@ -78,13 +84,61 @@ def quantize(
     deq2 = _check_buffer(dequantized_out, x, "dequantized_out")
     if out2 is not None and deq2 is not None and _overlap(out2, deq2):
         raise ValueError("out and dequantized_out must not overlap")
-    q = Quantizer(spec).quantize(
+    q = Quantizer(spec, state).quantize(
         x2, out2, deq2, generator=generator, value_for_inf=vinf, source=source
     )
     q.values = q.values.reshape(x.shape)
     if dequantized_out is not None:
         q._set_dense(dequantized_out)  # the memoised dequantized copy, in x's shape
     return q
+
+
+def _with_state(
+    fmt: str | FloatFormat | QuantSpec,
+    granularity: GranularityLike | None,
+    scaling: ScalingLike,
+    rounding: str | None,
+    saturate: bool | None,
+    pad: bool | None,
+    margin: int | None,
+    epsilon: float | None,
+    state: DelayedScaling | None,
+) -> tuple[QuantSpec, DelayedScaling | None]:
+    """`quantize`'s spec (configuration only) and delayed-scaling state: ``state=``, or the
+    deprecated `DelayedScaling` given as ``scaling`` or held by a `QuantSpec`; two different
+    states, a state beside a scaling that is not its configuration, or a state that is not a
+    `DelayedScaling`, are errors."""
+    if state is not None and not isinstance(state, DelayedScaling):
+        raise TypeError(f"state must be a DelayedScaling, got {type(state).__name__}")
+    held = []
+    if isinstance(scaling, DelayedScaling):
+        warnings.warn(
+            "quantize(..., scaling=DelayedScaling(...)) is deprecated: use "
+            "quantize(x, fmt, scaling=ds.cfg, state=ds) (or just state=ds)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        held.append(scaling)
+        scaling = scaling.cfg
+    if isinstance(fmt, QuantSpec):
+        fmt, bound = split_state(fmt)
+        if bound is not None:
+            held.append(bound)
+    for other in held:
+        if state is not None and other is not state:
+            raise ValueError("quantize: two delayed-scaling states (state= and the spec's)")
+        state = other
+    if state is not None and scaling is None and not isinstance(fmt, QuantSpec):
+        scaling = state.cfg
+    spec = _spec_from_args(
+        fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
+    )
+    if state is not None and spec.scaling != state.cfg:
+        raise ValueError(
+            f"quantize: state= is a DelayedScaling ({state.cfg!r}); the spec's scaling must be "
+            f"its configuration (scaling=state.cfg), got {spec.describe()}"
+        )
+    return spec, state
 
 
 def _check_buffer(buf: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:

@@ -1,12 +1,14 @@
-"""`Quantizer`: one operand's quantization — its spec, its kernels and its delayed-scaling state.
+"""`Quantizer`: one operand's quantization — its spec, its kernels and the delayed-scaling state
+it quantizes with.
 
 A `QuantSpec` is configuration only. A `Quantizer` is what quantizes one tensor again and again
 (one GEMM operand of one layer): it resolves the spec once (format constants, the fast cast's
 grid, the block geometry per input shape, the transposed spec of the other GEMM direction) and,
-for delayed scaling, owns the `fp8lab.scaling.delayed.DelayedScaling` (config + state) whose
-scale it uses and whose amax it records (Transformer Engine's quantizers own their state the same
-way). Operations: `Quantizer.quantize`, `Quantizer.observe`, `Quantizer.update`,
-`Quantizer.retile`.
+for delayed scaling, quantizes with the `fp8lab.scaling.delayed.DelayedScaling` its owner hands
+it: it uses that object's scale and stages the tensor's amax into it, nothing more. The object
+belongs to whoever owns the tensor's scaling (a converted Linear's `fp8lab.nn.state.ScalingState`,
+or the user of ``fp8lab.quantize(x, spec, state=ds)``), which updates, saves and loads it.
+Operations: `Quantizer.quantize`, `Quantizer.retile`.
 
 The public `fp8lab.quantize` and `fp8lab.retile` run through this class too (a throwaway
 quantizer per call), so there is one quantization path.
@@ -27,7 +29,7 @@ import torch
 
 from fp8lab._counters import read_counts
 from fp8lab.qtensor.kernels import _fast_params, block_amax, scale_cast
-from fp8lab.qtensor.spec import QuantSpec
+from fp8lab.qtensor.spec import QuantSpec, split_state
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling
@@ -54,10 +56,11 @@ def retile_counts(reset: bool = False) -> dict[str, int]:
 class Quantizer:
     """Quantizes one tensor under one spec, again and again (see the module doc).
 
-    ``spec``: a `QuantSpec`. ``delayed``: the `DelayedScaling` this quantizer owns (its scale is
-    used, its staging amax updated); by default a spec whose scaling is a `DelayedScaling` object
-    brings its own (the user's state object), a `DelayedScalingConfig` gets a throwaway state per
-    call (step 0, nothing recorded: what quantizing under a recipe's spec alone means).
+    ``spec``: a `QuantSpec`. ``delayed``: the `DelayedScaling` this quantizer quantizes with
+    (its scale is used, its staging amax updated; the caller owns it and runs its ``update``).
+    Without one, a `DelayedScalingConfig` gets a throwaway state per call (step 0, nothing
+    recorded: what quantizing under a recipe's spec alone means); a spec of the deprecated form
+    ``QuantSpec(scaling=DelayedScaling(...))`` is split into its configuration and that state.
     """
 
     __slots__ = ("_geom", "_grid", "_rule", "_rule_args", "_t", "block", "delayed", "spec",
@@ -66,11 +69,13 @@ class Quantizer:
     def __init__(self, spec: QuantSpec, delayed: DelayedScaling | None = None) -> None:
         if not isinstance(spec, QuantSpec):
             raise TypeError(f"Quantizer expects a QuantSpec, got {type(spec).__name__}")
+        spec, bound = split_state(spec)
+        if bound is not None and delayed is not None and bound is not delayed:
+            raise ValueError("Quantizer: two delayed-scaling states (delayed= and the spec's)")
+        delayed = delayed if delayed is not None else bound
         self.spec = spec
         self.block = spec.block
         sc = spec.scaling
-        if delayed is None and isinstance(sc, DelayedScaling):
-            delayed = sc
         self.throwaway = delayed is None and spec.is_delayed
         if delayed is not None:
             if not spec.is_delayed:
@@ -207,28 +212,6 @@ class Quantizer:
         res.meta["retile_added_error"] = None
         res.retiled = q.retiled + 1
         return res
-
-    # ------------------------------------------------------------------ delayed scaling
-    def observe(self, amax: torch.Tensor | float) -> None:
-        """Record an amax measured elsewhere (e.g. a sharded weight's all-reduced amax) into the
-        staging slot of this quantizer's delayed-scaling state."""
-        if self.delayed is None:
-            raise ValueError(f"observe needs delayed scaling; this quantizer is {self.spec}")
-        self.delayed.observe(amax)
-
-    def update(self, reduced: torch.Tensor | None = None) -> None:
-        """End of this operand's step: the delayed-scaling update (a no-op otherwise).
-        ``reduced``: the staged amax already all-reduced by the caller."""
-        if self.delayed is not None:
-            self.delayed.update(reduced=reduced)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The delayed-scaling state as plain tensors (empty without delayed scaling)."""
-        return {} if self.delayed is None else self.delayed.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.delayed is not None:
-            self.delayed.load_state_dict(state)
 
     def __repr__(self) -> str:
         own = "" if self.delayed is None else f", step={self.delayed.step}"

@@ -47,8 +47,9 @@ class QuantSpec:
             ``mx_even``, ``mx_rceil``, ``nvfp4``), a fixed float quantization multiplier
             (``values = cast(x * scaling)``), or delayed scaling (per-tensor only): a frozen
             `DelayedScalingConfig` (what recipes hold; each quantize then uses a throwaway
-            state, i.e. step 0) or a stateful `DelayedScaling` (its scale is used and the
-            tensor's amax recorded).
+            state, i.e. step 0, unless a state is given: ``quantize(x, spec, state=ds)``).
+            A stateful `DelayedScaling` here is deprecated (DeprecationWarning): it still
+            quantizes with its scale and records the amax, as ``state=`` does.
             ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
             ``nvfp4`` for NVFP4 blocks, ``max`` otherwise.
         rounding: rounding mode of the element cast (`fp8lab.ROUNDING_MODES`); ``None`` = the
@@ -102,6 +103,15 @@ class QuantSpec:
         elif isinstance(sc, DelayedScaling | DelayedScalingConfig):
             if block != (-1, -1):
                 raise ValueError("DelayedScaling is per-tensor: use granularity='tensor'")
+            if isinstance(sc, DelayedScaling):
+                # specs are configuration; the state belongs to whoever quantizes
+                warnings.warn(
+                    "QuantSpec(scaling=DelayedScaling(...)) is deprecated: give the spec the "
+                    "configuration (scaling=ds.cfg) and the state to quantize "
+                    "(fp8lab.quantize(x, spec, state=ds))",
+                    DeprecationWarning,
+                    stacklevel=3,  # the caller of QuantSpec(...) (through dataclass __init__)
+                )
         else:
             raise TypeError(
                 "scaling must be a rule name, a float or a DelayedScaling(Config), "
@@ -242,6 +252,16 @@ class QuantSpec:
                 raise ValueError(f"scaling dict must be {{'delayed': {{...}}}}, got {sc!r}")
             kw["scaling"] = DelayedScalingConfig.from_dict(sc["delayed"])
         return cls(**kw)
+
+
+def split_state(spec: QuantSpec) -> tuple[QuantSpec, DelayedScaling | None]:
+    """``(configuration-only spec, its DelayedScaling or None)``: a spec of the deprecated form
+    ``QuantSpec(scaling=DelayedScaling(...))`` split into the spec with ``ds.cfg`` and ``ds``;
+    any other spec is returned as is, with None."""
+    sc = spec.scaling
+    if isinstance(sc, DelayedScaling):
+        return dataclasses.replace(spec, scaling=sc.cfg), sc
+    return spec, None
 
 
 def _spec_from_args(
