@@ -74,22 +74,12 @@ _SUBMODULES = {
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
-def _install_amax_reduction(module: str) -> None:
-    # A public name beyond the formats installs TE's default amax all-reduce (fp8lab.distributed), so
-    # delayed scaling under torchrun reduces over the world without `import fp8lab.distributed`; the
-    # scaling layer never communicates itself. The formats alone stay torch-free and quick.
-    if module not in ("fp8lab.formats", "fp8lab.kernels"):
-        importlib.import_module("fp8lab.distributed.amax")
-
-
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        _install_amax_reduction(_EXPORTS[name])
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        _install_amax_reduction(f"fp8lab.{name}")
         return importlib.import_module(f"fp8lab.{name}")
     raise AttributeError(f"module 'fp8lab' has no attribute {name!r}")
 

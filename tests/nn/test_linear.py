@@ -171,12 +171,16 @@ def test_hif8_delayed_first_step_current_and_interval_in_module():
 def test_distributed_single_rank_group(tmp_path):
     import torch.distributed as dist
 
+    from fp8lab.distributed import set_amax_reduction
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    old = set_amax_reduction()  # explicit: no import turns the amax all-reduce on
     try:
         mod = Linear(16, 8, recipe="te-delayed")
         mod(torch.ones(4, 16) * 2.0).sum().backward()
         assert float(mod.scaling_states["input"].scale) == pytest.approx(448.0 / 2.0)
     finally:
+        set_amax_reduction(old)
         dist.destroy_process_group()
 
 

@@ -311,6 +311,9 @@ def _dist_worker(rank, world, path, out):  # pragma: no cover - runs in a subpro
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    from fp8lab.distributed import set_amax_reduction
+
+    set_amax_reduction()  # explicit: no import turns it on
     ds = DelayedScaling(history_len=4, fmt="e4m3")
     ds.observe([2.0, 7.0][rank])
     ds.update()
@@ -332,16 +335,19 @@ def test_distributed_max_reduction(tmp_path):
 
 
 @pytest.mark.no_arithmetic  # which modules an import loads: the same on every kernel and CPU
-def test_public_api_installs_the_default_amax_reduction():
-    """`fp8lab.<name>` beyond the formats installs dist's all-reduce (the scaling layer never
-    communicates; the distributed test above relies on it); the formats alone do not."""
+def test_no_import_installs_the_amax_reduction():
+    """The amax all-reduce is explicit (`fp8lab.distributed.set_amax_reduction`): neither the
+    public API nor `fp8lab.distributed` itself installs it on import (the scaling layer never
+    communicates; the distributed test above turns it on)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, fp8lab; fp8lab.FloatFormat; assert 'fp8lab.distributed' not in sys.modules; "
-        "fp8lab.DelayedScaling; from fp8lab.scaling.delayed import amax_reduction_installed; "
-        "assert amax_reduction_installed()"
+        "import sys, fp8lab; fp8lab.FloatFormat; fp8lab.DelayedScaling; fp8lab.nn.Linear; "
+        "import fp8lab.distributed.amax; "
+        "from fp8lab.scaling.delayed import amax_reduction_installed as on; assert not on(); "
+        "import fp8lab.distributed as d; assert d.set_amax_reduction() is False and on(); "
+        "assert d.set_amax_reduction(False) is True and not on()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -11,4 +11,20 @@
 * `fp8lab.distributed.runtime`: joining torchrun's group, guard agreement, leaving the group.
 
 Tensor and sequence parallelism are out of scope (see docs/distributed.md).
+
+`fp8lab.distributed.set_amax_reduction()` (from `amax`, loaded on first use) turns on the amax
+all-reduce of delayed scaling across the ranks; importing fp8lab never does.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: the pure submodules (comm) do not pull in torch.nn and the recipes
+    if name == "set_amax_reduction":
+        from fp8lab.distributed.amax import set_amax_reduction
+
+        return set_amax_reduction
+    raise AttributeError(f"module 'fp8lab.distributed' has no attribute {name!r}")

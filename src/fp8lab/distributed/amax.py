@@ -20,6 +20,12 @@ forward and one backward per step deferring the updates to the end of the backwa
 number (tested bit for bit against the unbatched path); a state updated twice before a flush is
 updated once with the max of its amaxes (TE's ``fp8_autocast`` semantics). It turns the 30 scalar all-reduces per step of the default GPT (te-delayed) into one.
 
+Explicit, not an import side effect: delayed scaling all-reduces its amaxes only after
+`set_amax_reduction` (TE's default reduction, for the whole process) -- called by `set_amax_group`
+and `batch_amax_reduction`, which the lab's `DataParallel` runs. So ``import fp8lab`` and
+``from fp8lab.nn import Linear`` behave alike; a converted Linear with delayed scaling under an initialised process group
+and no reduction warns, naming the call.
+
 Only data parallelism is modelled: with tensor or sequence parallelism one tensor's amax is split
 over ranks and ``none`` would be wrong inside a layer; those are out of scope.
 """
@@ -33,7 +39,8 @@ import torch
 
 from fp8lab.distributed.runtime import is_distributed, rank, world_size
 from fp8lab.nn.state import delayed_states
-from fp8lab.scaling.delayed import DelayedScaling, set_amax_reduction
+from fp8lab.scaling import delayed as _delayed
+from fp8lab.scaling.delayed import DelayedScaling, amax_reduction_installed
 
 AMAX_GROUPS = ("world", "none")
 
@@ -47,6 +54,7 @@ __all__ = [
     "reduce_amax",
     "scale_spread",
     "set_amax_group",
+    "set_amax_reduction",
 ]
 
 
@@ -63,21 +71,31 @@ def reduce_amax(amax: torch.Tensor, group: Any = None) -> torch.Tensor:
 class _ImmediateReduction:
     """TE's default: each delayed-scaling update all-reduces its staged amax at once over the
     state's process group (``group``: None = the world; `set_amax_group`). Installed into
-    `fp8lab.scaling.delayed` when this module is imported; active while a process group is up."""
+    `fp8lab.scaling.delayed` by `set_amax_reduction`; active while a process group is up."""
 
     def defer_update(self, state: DelayedScaling, fmt: Any = None) -> None:
         buf = reduce_amax(state.state.amax_history[0:1].clone(), state.group)
         state.update(fmt, reduced=buf.reshape(()))
 
 
-def _install() -> None:
-    d = torch.distributed
-    # torch's own check (no fp8lab frame on the per-step path)
-    active = d.is_initialized if d.is_available() else (lambda: False)
-    set_amax_reduction(_ImmediateReduction(), active)
+def set_amax_reduction(enabled: bool = True) -> bool:
+    """Make every delayed-scaling update of this process all-reduce (MAX) its staged amax over
+    its state's process group (the world unless `set_amax_group` chose another) while
+    torch.distributed is initialised: Transformer Engine's default for ``reduce_amax=True``
+    states. Without a process group it changes nothing. ``enabled=False`` keeps every amax
+    local. Returns the previous setting.
 
-
-_install()
+    Importing fp8lab installs nothing: call this before training under torchrun (the lab does,
+    through `set_amax_group` / `batch_amax_reduction` in its `DataParallel`)."""
+    old = amax_reduction_installed()
+    if enabled:
+        d = torch.distributed
+        # torch's own check (no fp8lab frame on the per-step path)
+        active = d.is_initialized if d.is_available() else (lambda: False)
+        _delayed.set_amax_reduction(_ImmediateReduction(), active)
+    else:
+        _delayed.set_amax_reduction(None, lambda: False)
+    return old
 
 
 def _dist() -> Any:
@@ -102,7 +120,8 @@ def set_amax_group(model: torch.nn.Module, mode: str = "world", group: Any = Non
     ``mode`` is ``"world"`` (``group``, default the whole world) or ``"none"`` (local amaxes).
     Collective under torch.distributed for ``"none"`` (new groups): call it on every rank.
     A state whose config has ``reduce_amax=False`` refuses ``"world"`` (it would not reduce).
-    Returns the number of states set.
+    Turns the process's amax reduction on (`set_amax_reduction`). Returns the number of states
+    set.
     """
     if mode not in AMAX_GROUPS:
         raise ValueError(f"unknown amax group {mode!r}: expected one of {AMAX_GROUPS}")
@@ -118,6 +137,7 @@ def set_amax_group(model: torch.nn.Module, mode: str = "world", group: Any = Non
         target = _own_group() if is_distributed() else None
     for ds in states.values():
         ds.group = target
+    set_amax_reduction(True)
     return len(states)
 
 

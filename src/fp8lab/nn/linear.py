@@ -551,15 +551,16 @@ def _replaying(rec: _Replay) -> Iterator[None]:
 
 # =========================================================================== the module
 def _warn_unreduced_amax() -> None:
-    """Delayed scaling under torch.distributed reduces amaxes through `fp8lab.distributed` (installed
-    when it is imported; the scaling layer never communicates): say so if it is missing, since
-    ranks with local amaxes drift apart silently."""
+    """Delayed scaling under torch.distributed reduces amaxes only once
+    `fp8lab.distributed.set_amax_reduction()` was called (explicitly, never by an import; the
+    scaling layer never communicates): say so if it was not, since ranks with local amaxes drift
+    apart silently."""
     d = torch.distributed
     if d.is_available() and d.is_initialized() and not amax_reduction_installed():
         warnings.warn(
-            "fp8lab: delayed scaling under torch.distributed without an amax reduction: "
-            "`import fp8lab.distributed` (or fp8lab.distributed.set_amax_group(model, 'world')) so the amaxes "
-            "are all-reduced over the ranks as Transformer Engine does",
+            "fp8lab: delayed scaling under torch.distributed without an amax reduction: call "
+            "fp8lab.distributed.set_amax_reduction() (or fp8lab.distributed.set_amax_group(model, "
+            "'world')) so the amaxes are all-reduced over the ranks as Transformer Engine does",
             RuntimeWarning,
             stacklevel=4,
         )

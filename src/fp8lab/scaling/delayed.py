@@ -56,9 +56,10 @@ State (`state_dict`) is a plain dict of tensors: ``scale`` (float32 scalar), ``a
 Amax reduction (``reduce_amax``): this layer never communicates. A state's runtime ``group`` may
 hold a reducer (an object with ``defer_update(state, fmt)``, e.g. `fp8lab.distributed.amax.AmaxBatch`)
 that takes `update` over and calls back ``update(fmt, reduced=...)`` with the reduced amax; else
-the reducer installed from above with `set_amax_reduction` (`fp8lab.distributed` installs TE's default,
-an all-reduce MAX over the state's process group, when it is imported) serves a measured step
-while its ``active()`` says a process group is up.
+the reducer installed from above with `set_amax_reduction` serves a measured step while its
+``active()`` says a process group is up. `fp8lab.distributed.set_amax_reduction()` installs TE's
+default, an all-reduce MAX over the state's process group, when called (explicitly: never on
+import, so every import style behaves alike); without it amaxes stay local.
 """
 
 from __future__ import annotations
@@ -570,7 +571,7 @@ def set_amax_reduction(reducer: Any, active: Callable[[], bool]) -> None:
     """Install the amax reduction of delayed-scaling updates whose state has no reducer of its
     own: ``reducer.defer_update(state, fmt)`` serves a measured update of a ``reduce_amax``
     state while ``active()`` is true (e.g. while a process group is up). Called by
-    `fp8lab.distributed` when it is imported; ``reducer=None`` keeps every amax local."""
+    `fp8lab.distributed.set_amax_reduction`; ``reducer=None`` keeps every amax local."""
     _REDUCTION.reducer = reducer
     _REDUCTION.active = active  # type: ignore[method-assign]
 
