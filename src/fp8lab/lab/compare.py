@@ -105,7 +105,8 @@ def run_comparison(
     """Train every recipe of ``recipes`` (the baseline is added if missing) into ``out_dir``,
     write ``summary.json`` and ``metrics.csv`` there and return the results. ``noise_seeds``:
     also train the baseline under that many other seeds (``train.seed`` + 1, + 2, ...; run
-    directories ``runs/BASELINE@seedS``) for the noise estimate (`fp8lab.lab.compare_summary.noise_estimate`); the order of the runs is
+    directories ``runs/BASELINE@seedS``) for the noise estimate
+    (`fp8lab.lab.compare_summary.noise_estimate`); the runs and their order are
     `fp8lab.lab.compare_runs.run_order`'s.
 
     Everything is checked before anything is written: recipe names and files, ``jobs``,

@@ -128,8 +128,9 @@ def summarize_comparison(
     the GPU of ``predicted_step_ms`` (:func:`predicted_steps`; null with the reason in
     ``details[name]["predicted_step"]`` when the recipe cannot be priced there). ``metrics``
     (read from ``out`` when None), ``user_model`` (a user's model, built here when None) and
-    ``machine`` (:func:`machine_of_runs` when None): what the caller already has.
-    ``replicas``: the baseline's seed replicas (:func:`seed_replica`) for the noise estimate.
+    ``machine`` (`fp8lab.lab.compare_runs.machine_of_runs` when None): what the caller already has.
+    ``replicas``: the baseline's seed replicas (`fp8lab.lab.recipes.seed_replica`) for the noise
+    estimate.
 
     Gaps are null for a diverged recipe, and for every recipe when the baseline diverged.
     ``noise`` (:func:`noise_estimate`) is how far fp32 and bf16 end apart; each recipe's
