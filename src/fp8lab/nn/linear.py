@@ -487,9 +487,9 @@ def _saved_tensor_hooks() -> bool:
 
 
 def _in_backward() -> bool:
-    """A forward with grad enabled inside a backward pass: a checkpoint recomputing (either
-    mode; torch's non-reentrant checkpoint asks the same graph-task id)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+    """Whether a backward pass is running: a forward with grad enabled there is a checkpoint
+    recomputing (either mode; torch's non-reentrant checkpoint asks the same graph-task id)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _reentrant_checkpoint() -> Any:
