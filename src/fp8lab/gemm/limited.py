@@ -20,7 +20,7 @@ from fp8lab.qtensor import QTensor
 
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
 
-_ROW_CHUNK = 64  # output rows per pass of the limited model (torch kernels)
+_ROW_CHUNK = 64  # output rows per pass of the torch kernels on the CPU
 _RB = 16  # output rows per job of the numba kernel `_acc_sums`
 _NT = 512  # output columns per job of `_acc_sums` (a group's b rows stay in L2)
 _BATCH_K = 512  # K elements per batched group-sum GEMM
@@ -344,13 +344,13 @@ def limited(
     calls = -(-intervals // max(1, _BATCH_K // span))
     step = span * -(-intervals // calls)
     kp = calls * step
-    # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
-    # cutting an already cut accumulator is a no-op and promoting 0 adds +0
     ng = step // grp
     gpp = span // grp if pe is not None else 0
-    if not generic and not acc.per_product:
+    if not generic and not acc.per_product:  # the same kp // grp groups, those past K empty
         _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne)
         return output_scales(out, a, b, pe is not None)
+    # exact float64 operands, zero-padded along K to whole steps: a zero group adds an exact 0,
+    # cutting an already cut accumulator is a no-op and promoting 0 adds +0
     va, vb = a.values.double(), b.values.double()
     if kp > k:
         va = torch.nn.functional.pad(va, (0, kp - k))
@@ -397,9 +397,9 @@ def limited(
 
 
 def _row_chunk(m: int, per_row: int, generic: bool, device: torch.device) -> int:
-    """Output rows per pass: `_ROW_CHUNK` for numba (its serial step stays in cache); the
-    torch kernels take as many rows as keep the [groups, rows, N] float64 group sums within
-    2**24 elements off the CPU (each pass is a few kernel launches per group)."""
+    """Output rows per pass of the torch kernels and of numba's per-product variant:
+    `_ROW_CHUNK` on the CPU; elsewhere as many rows as keep the [groups, rows, N] float64 group
+    sums within 2**24 elements (each pass is a few kernel launches per group)."""
     if not generic or device.type == "cpu":
         return min(_ROW_CHUNK, m)
     return min(m, max(_ROW_CHUNK, (1 << 24) // max(1, per_row)))
