@@ -442,8 +442,10 @@ class _LinearFunction(torch.autograd.Function):
         POOL.give(held)
         POOL.give(ctx.held)
         state = ctx.state
-        if state is not None:  # TE: the gradient role's scales update now
-            state.after_backward()
+        if state is not None:  # TE: the gradient role's scales update now (the loop here, not
+            # a ScalingState method: the per-step path stays in this file)
+            for ds in state.backward:
+                ds.update()
         return dx, dw, db, None, None, None, None
 
 
@@ -725,7 +727,8 @@ class Linear(torch.nn.Linear):
     def update_forward(self) -> None:
         """Update the forward roles' delayed scaling (every recipe this module has run)."""
         for st in (self._state, *self._other_states.values()):
-            st.update_forward()
+            for ds in st.forward:
+                ds.update()
 
     def discard_forward(self) -> None:
         """Forget the forward roles' staged amaxes (no update)."""

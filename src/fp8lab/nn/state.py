@@ -69,22 +69,11 @@ class ScalingState:
         for ds in self.by_key.values():
             ds.to(device)
 
-    def update_forward(self) -> None:
-        """After the forward (or at the outermost autocast exit): the forward roles' scales
-        update (TE). `fp8lab.nn.Linear.update_forward` runs it for every recipe it ran."""
-        for ds in self.forward:
-            ds.update()
-
     def discard_forward(self) -> None:
         """Forget this step's forward amaxes (no update: evaluation must not move the scales)."""
         for ds in self.forward:
             if ds.measuring:
                 ds.stage(0.0)
-
-    def after_backward(self) -> None:
-        """End of the module's backward: the gradient role's scales update (TE)."""
-        for ds in self.backward:
-            ds.update()
 
     def snapshot_forward(self) -> list[dict[str, torch.Tensor]]:
         """Copies of the forward roles' states (`DelayedScaling.state_dict`), taken before a
