@@ -73,8 +73,10 @@ def dispatch_counts(reset: bool = False) -> dict[str, int]:
 def claim(typingctx, counter):  # pragma: no cover - compiled by numba
     """In numba code: the next job number, ``counter[0]`` before an atomic ``counter[0] += 1``
     (every number is handed out once, whatever the threads). A parallel kernel over ``jobs``
-    jobs runs, in ``for _ in prange(numba.get_num_threads())``,
-    ``job = claim(counter)`` then ``while job < jobs: work(job); job = claim(counter)``."""
+    jobs runs, in ``for _ in prange(workers)``, ``job = claim(counter)`` then
+    ``while job < jobs: work(job); job = claim(counter)``, with ``counter`` a fresh int64 [1]
+    zero and ``workers`` = `numba.get_num_threads` passed in by the caller (read inside the
+    kernel, it would keep numba from caching the kernel)."""
     if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
         return None
 
