@@ -7,6 +7,9 @@ import pytest
 import torch
 from _dist_launch import run_ranks
 
+# multi-process torch.distributed (gloo) runs: make test-slow
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:

@@ -15,6 +15,9 @@ import pytest
 
 from tiny_lab import tiny_lab_toml
 
+# multi-process torch.distributed (gloo) runs: make test-slow
+pytestmark = pytest.mark.slow
+
 TEXT = "All the world's a stage, and all the men and women merely players. " * 40
 WORKER = Path(__file__).with_name("_debug_worker.py")
 # a tiny GPT; R is bf16 except the gradient operand of every layer in unscaled E4M3 (the

@@ -10,6 +10,9 @@ from _dist_launch import run_ranks
 from fp8lab.distributed.fsdp import check_shardable, shard_rows
 from fp8lab.qtensor import QuantSpec
 
+# multi-process torch.distributed (gloo) runs: make test-slow
+pytestmark = pytest.mark.slow
+
 MODES = "fsdp,fsdp8,fsdp32,ddp8,fsdp8d,fsdp8du,world,fsdp8h,ddph"
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# multi-process torch.distributed (gloo) runs: make test-slow
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("_guard_worker.py")
 TEXT = "Now is the winter of our discontent made glorious summer by this sun. " * 40
 

@@ -324,6 +324,7 @@ def _dist_worker(rank, world, path, out):  # pragma: no cover - runs in a subpro
 # the amaxes' all-reduce across 2 processes; its arithmetic (448 / max(2, 7) = 64, exact) runs
 # through no fp8lab kernel (scaling/delayed.py has none) and no instruction-set choice
 @pytest.mark.no_arithmetic
+@pytest.mark.slow  # two processes: make test-slow
 def test_distributed_max_reduction(tmp_path):
     import torch.multiprocessing as mp
 

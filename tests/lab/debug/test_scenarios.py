@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fp8lab.cli import app
 from fp8lab.lab.debug.scenarios import plant
 from fp8lab.lab.train import LabConfig
+
+# end-to-end debugger runs (minutes of training each): make test-slow
+pytestmark = pytest.mark.slow
 
 runner = CliRunner()
 SMALL = ["--set", "model.block_size=16", "--set", "model.n_layer=2", "--set", "model.n_head=2",
