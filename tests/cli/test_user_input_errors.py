@@ -137,17 +137,20 @@ def test_init_from_help_and_behaviour_agree_on_hf_dir(tmp_path, text):
 def test_set_model_size_on_an_hf_model_is_an_error(tmp_path, text, command):
     d = _llama_dir(tmp_path / "m")
     res, out = _run(tmp_path, text, command, "--model", f"hf:{d}", "--set", "model.vocab_size=512")
-    _bad(res, out, "--set model.vocab_size", "its config file", "model.block_size")
+    _bad(res, out, "--set model.vocab_size", "its config file's", "only the built-in GPT")
     factory = tmp_path / "f.py"
     factory.write_text("import torch\ndef make():\n    return torch.nn.Linear(4, 4)\n")
     res, out = _run(tmp_path, text, command, "--model", f"{factory}:make", "--set",
-                    "model.n_layer=3", "--set", "model.block_size=8")  # fmt: skip
-    _bad(res, out, "--set model.n_layer", "the factory")
+                    "model.vocab_size=300")  # fmt: skip
+    _bad(res, out, "--set model.vocab_size", "the one its factory builds")
 
 
 def test_set_block_size_on_an_hf_model_is_accepted():
-    cfg = with_run_options(LabConfig(), ["model.block_size=8"], "hf:x.json", None, None)
+    sets = ["model.block_size=8", "model.n_layer=3"]  # n_layer: documented as not read
+    cfg = with_run_options(LabConfig(), sets, "hf:x.json", None, None)
     assert cfg.model.block_size == 8
+    cfg = with_run_options(LabConfig(), ["model.vocab_size=512"], "gpt", None, None)
+    assert cfg.model.vocab_size == 512  # the built-in GPT's own size
 
 
 def test_debug_from_checkpoint_without_model_says_to_give_it(tmp_path, text):

@@ -229,8 +229,8 @@ def with_run_options(
 ) -> Any:
     """``cfg`` (a `fp8lab.lab.train.LabConfig`) with the options ``compare`` and ``debug``
     share applied in their order: ``--set`` assignments, ``--model``, ``--steps``, ``--data``,
-    ``--tokenizer``, ``--token-dtype``, ``--init-from``. ValueError for a ``--set model.KEY``
-    that the chosen model would ignore (a GPT size with a factory or ``hf:`` model)."""
+    ``--tokenizer``, ``--token-dtype``, ``--init-from``. ValueError for ``--set
+    model.vocab_size`` with a factory or ``hf:`` model, which has its own vocabulary."""
     from dataclasses import replace
 
     from fp8lab.lab.models import ModelConfig, check_factory_keys

@@ -315,25 +315,21 @@ def hf_tokenizer(model_cfg: GPTConfig) -> Path | None:
     return f if f.is_file() else None
 
 
-#: the [model] keys a factory's model reads (its sizes are its own: module doc)
-FACTORY_KEYS = ("factory", "init_from", "block_size")
-
-
 def check_factory_keys(model_cfg: GPTConfig, keys: list[str], where: str) -> None:
-    """ValueError when ``keys`` (``[model]`` keys the user set, e.g. by ``--set``) hold a GPT
-    size that a factory's or ``transformers`` model does not read (its sizes are its own or
-    its config's: ``model.vocab_size`` would be silently ignored)."""
-    if is_builtin(model_cfg):
+    """ValueError when ``keys`` (``[model]`` keys the user set, e.g. by ``--set``) hold
+    ``vocab_size`` for a factory's or ``transformers`` model: its vocabulary is its own (the
+    factory's or its config's), and the data's ids are checked against that one, so the value
+    would be silently ignored. The GPT's other sizes are documented as not read with a factory
+    (only ``block_size`` is) and stay accepted."""
+    if is_builtin(model_cfg) or "vocab_size" not in keys:
         return
-    ignored = sorted({k for k in keys if k not in FACTORY_KEYS})
-    if ignored:
-        spec = factory_of(model_cfg)
-        whose = "its config file" if spec.startswith(HF_PREFIX) else "the factory"
-        raise ValueError(
-            f"{where} {', '.join('model.' + k for k in ignored)}: --model {spec!r} takes its "
-            f"sizes from {whose}, so this would be ignored; with a model other than the "
-            f"built-in GPT only {', '.join('model.' + k for k in FACTORY_KEYS)} apply"
-        )
+    spec = factory_of(model_cfg)
+    whose = "its config file's" if spec.startswith(HF_PREFIX) else "the one its factory builds"
+    raise ValueError(
+        f"{where} model.vocab_size: --model {spec!r} has its own vocabulary ({whose}), which the "
+        "data's ids are checked against; model.vocab_size sizes only the built-in GPT. Change "
+        "the vocabulary in the model (its config's vocab_size) instead"
+    )
 
 
 def check_data_fits(model_cfg: GPTConfig, corpus: Any, seed: int) -> None:
