@@ -177,8 +177,8 @@ def test_checkpointing_frees_the_kept_operands(recipe: str) -> None:
 
 # ----------------------------------------------------------------- Hugging Face models
 transformers = pytest.importorskip("transformers")
-LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+LLAMA = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}  # fmt: skip
 
 
 def _hf_train(recipe: str, enable: dict | None, steps: int = 2):
