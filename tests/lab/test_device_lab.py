@@ -139,17 +139,19 @@ def test_a_cpu_model_under_nccl_is_refused(monkeypatch) -> None:
         _data_parallel(torch.nn.Linear(2, 2), "world", "fp32")
 
 
-def worker_setting(events) -> tuple[str, str]:
-    """A pool job: the torch device and kernel choice its worker process computes with."""
+def worker_setting(events) -> tuple[str, str, str]:
+    """A pool job: the torch device, kernel choice and Triton mode its worker computes with."""
+    from fp8lab.gemm.fused_triton import get_triton
     from fp8lab.kernels import get_kernels
 
-    return str(torch_device()), get_kernels()
+    return str(torch_device()), get_kernels(), get_triton()
 
 
 def test_spawned_workers_take_the_parents_device_and_kernels() -> None:
+    from fp8lab.gemm.fused_triton import using_triton
     from fp8lab.kernels import using_kernels
     from fp8lab.lab.pool import Job, WorkerPool
 
-    with using_kernels("torch"), WorkerPool(2, threads=1) as pool:
+    with using_kernels("torch"), using_triton("0"), WorkerPool(2, threads=1) as pool:
         got = pool.run([Job(f"j{i}", worker_setting) for i in range(2)])
-    assert got == [("cpu", "torch"), ("cpu", "torch")]
+    assert got == [("cpu", "torch", "0"), ("cpu", "torch", "0")]

@@ -6,9 +6,9 @@ job per probe). What it guarantees:
 
 - ``jobs`` > 1: that many *spawned* worker processes (never forked: torch and numba state do not
   survive a fork), started once and kept for the pool's life; each limits its torch and numba
-  thread pools to ``threads`` (`set_threads`) and computes on the parent's torch device and
-  kernels (`fp8lab.lab.machine.torch_device`, `fp8lab.kernels.get_kernels`, read when the pool
-  starts). ``jobs`` 1: the jobs run here, one after another, and their exceptions propagate
+  thread pools to ``threads`` (`set_threads`) and computes on the parent's torch device,
+  kernels and Triton mode (`fp8lab.lab.machine.torch_device`, `fp8lab.kernels.get_kernels`,
+  `fp8lab.gemm.fused_triton.get_triton`, read when the pool starts). ``jobs`` 1: the jobs run here, one after another, and their exceptions propagate
   unchanged.
 - Progress: ``events.put(dict)`` in a job reaches the parent's ``callback``, in the order put.
 - Errors: the first job that fails stops the pool (jobs not yet started are cancelled, running
@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from fp8lab.gemm.fused_triton import get_triton, set_triton
 from fp8lab.kernels import get_kernels, set_kernels
 from fp8lab.lab.machine import set_torch_device, torch_device
 
@@ -60,11 +61,12 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def _init_worker(threads: int, device: str, kernels: str) -> None:
-    """A spawned worker: the parent's threads, torch device and kernel choice."""
+def _init_worker(threads: int, device: str, kernels: str, triton: str) -> None:
+    """A spawned worker: the parent's threads, torch device, kernel choice and Triton mode."""
     set_threads(threads)
     set_torch_device(device)
     set_kernels(kernels)
+    set_triton(triton)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ class WorkerPool:
         self._events = self._manager.Queue()
         self._executor = ProcessPoolExecutor(
             max_workers=self.jobs, mp_context=ctx, initializer=_init_worker,
-            initargs=(self.threads, str(torch_device()), get_kernels()),
+            initargs=(self.threads, str(torch_device()), get_kernels(), get_triton()),
         )  # fmt: skip
 
     def run(self, jobs: Sequence[Job], callback: Callback | None = None) -> list[Any]:
