@@ -45,6 +45,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # two interpreters under torch.distributed (~10-25 s)
 @pytest.mark.no_arithmetic  # which code runs on import: the same on every kernel and CPU
 def test_both_import_styles_behave_alike(tmp_path: Path) -> None:
     got = {}
