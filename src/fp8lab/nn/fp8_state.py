@@ -58,7 +58,9 @@ __all__ = [
     "load_fp8_state",
     "pretrained_dir",
     "save_fp8_state",
+    "saved_weights_sha256",
     "strip_fp8_state",
+    "weights_mismatch",
     "weights_sha256",
 ]
 
@@ -123,9 +125,7 @@ def save_fp8_state(model: torch.nn.Module, path: str | Path) -> Path:
     ValueError when ``model`` has no converted layer (there is no FP8 state to write)."""
     from safetensors.torch import save_file
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / FP8_STATE_FILE
+    p = _state_file(path)
     if not _layers(model):
         raise ValueError(
             f"save_fp8_state: {type(model).__name__} has no converted layer, so no FP8 state "
@@ -140,6 +140,12 @@ def save_fp8_state(model: torch.nn.Module, path: str | Path) -> Path:
         raise
     os.replace(tmp, p)
     return p
+
+
+def _state_file(path: str | Path) -> Path:
+    """The FP8 state file ``path`` names: itself, or :data:`FP8_STATE_FILE` in a directory."""
+    p = Path(path)
+    return p / FP8_STATE_FILE if p.is_dir() else p
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -160,8 +166,7 @@ def saved_weights_sha256(path: str | Path) -> str | None:
     ValueError naming the file when it is missing or unreadable."""
     from safetensors import SafetensorError, safe_open
 
-    p = Path(path)
-    p = p / FP8_STATE_FILE if p.is_dir() else p
+    p = _state_file(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such FP8 state file")
     try:
@@ -175,8 +180,7 @@ def saved_weights_sha256(path: str | Path) -> str | None:
 def weights_mismatch(model: torch.nn.Module, path: str | Path) -> str | None:
     """Why the FP8 state file at ``path`` does not belong to ``model``'s weights (one sentence
     naming the file), or None when its recorded :func:`weights_sha256` is the model's."""
-    p = Path(path)
-    p = p / FP8_STATE_FILE if p.is_dir() else p
+    p = _state_file(path)
     saved = saved_weights_sha256(p)
     if saved is None:
         return f"{p} does not record which weights it was saved with (written by an earlier fp8lab)"
@@ -212,11 +216,13 @@ def load_fp8_state(
     if isinstance(path, Mapping):
         p, saved = "FP8 state", dict(path)
     else:
-        p = Path(path)
-        p = p / FP8_STATE_FILE if p.is_dir() else p
+        p = _state_file(path)
         saved = _read(p)
-        why = weights_mismatch(model, p) if check_weights else None
-        if why is not None and saved_weights_sha256(p) is not None:  # unrecorded: not checked
+        # a file without the hash (version 1) is not checked: the caller named it
+        why = None
+        if check_weights and saved_weights_sha256(p) is not None:
+            why = weights_mismatch(model, p)
+        if why is not None:
             raise ValueError(
                 f"{why}; its scales and amax histories were measured on those weights. Pass "
                 "check_weights=False to load them anyway"
