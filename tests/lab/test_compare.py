@@ -8,8 +8,8 @@ from fp8lab.cli.compare import compare_and_report
 from fp8lab.cost.memory import simulated_memory
 from fp8lab.lab.compare import DEFAULT_RECIPES, compare
 from fp8lab.lab.compare_summary import json_summary, summarize_comparison
-from fp8lab.lab.recipes import NEGATIVE_CONTROL, resolve_recipe
 from fp8lab.lab.gpt import GPTConfig
+from fp8lab.lab.recipes import NEGATIVE_CONTROL, resolve_recipe
 from fp8lab.lab.train import ConfigMismatchError, LabConfig, TrainConfig
 
 
