@@ -49,12 +49,13 @@ def main() -> None:
 
 def guard_ab(args: argparse.Namespace, device: torch.device) -> None:
     from fp8lab.guard import AnomalyGuard
-    from fp8lab.lab.pool import set_threads
-    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.inject import Injector
     from fp8lab.lab.loop import LoopState, _guard_run, make_step, train_step
-    from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+    from fp8lab.lab.parts import build_model, make_optimizer
+    from fp8lab.lab.pool import set_threads
+    from fp8lab.lab.recipes import resolve_recipe
+    from fp8lab.lab.train import LabConfig
     from fp8lab.optim import LossScaler
 
     set_threads(args.threads)
@@ -112,10 +113,11 @@ def percentages_ab(args: argparse.Namespace, device: torch.device) -> None:
     import contextlib
 
     from fp8lab.guard.percent import operand_percentages
+    from fp8lab.lab.data import get_batch, load_corpus
+    from fp8lab.lab.parts import build_model
     from fp8lab.lab.pool import set_threads
     from fp8lab.lab.recipes import resolve_recipe
-    from fp8lab.lab.data import get_batch, load_corpus
-    from fp8lab.lab.train import LabConfig, build_model
+    from fp8lab.lab.train import LabConfig
     from fp8lab.nn import on_operand
     from fp8lab.observe.records import NATURAL_OPERANDS
     from fp8lab.qtensor import QTensor

@@ -19,10 +19,10 @@ import statistics
 
 from _device import add_torch_device
 from _device import torch_device as parse_torch_device
-from fp8lab.lab.pool import set_threads
-from fp8lab.lab.recipes import resolve_recipe
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.machine import torch_device
+from fp8lab.lab.pool import set_threads
+from fp8lab.lab.recipes import resolve_recipe
 from fp8lab.lab.train import LabConfig, train_run
 
 TARGETS = {"bf16": 1.2}

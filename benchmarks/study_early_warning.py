@@ -167,9 +167,9 @@ def run_job(job: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(1)
     from fp8lab.guard import AnomalyGuard
     from fp8lab.lab import early_warning as ew
-    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.inject import InjectConfig
+    from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.train import LabConfig, TrainConfig, train_run
 
     tc = TrainConfig()

@@ -723,7 +723,8 @@ def build_step(case: str, sizes: Sizes, device: torch.device) -> Callable[[], No
     autocast, ``torch.nn.utils.clip_grad_norm_``, torch AdamW); a recipe name is the lab's step
     (the converted model, `TrainStep`, ``AdamW.from_recipe``)."""
     from fp8lab.lab.gpt import GPTConfig
-    from fp8lab.lab.train import TrainConfig, build_model, make_optimizer
+    from fp8lab.lab.parts import build_model, make_optimizer
+    from fp8lab.lab.train import TrainConfig
     from fp8lab.step import TrainStep
 
     cfg = GPTConfig(**sizes.gpt)
@@ -997,7 +998,8 @@ def _dist_case(sizes: Sizes, device: torch.device, fsdp: bool, fp8: bool) -> dic
     from fp8lab.distributed.ddp import DataParallel
     from fp8lab.lab.gpt import GPTConfig
     from fp8lab.lab.loop import DataParallelHook
-    from fp8lab.lab.train import TrainConfig, build_model, make_optimizer
+    from fp8lab.lab.parts import build_model, make_optimizer
+    from fp8lab.lab.train import TrainConfig
     from fp8lab.step import TrainStep
 
     cfg = GPTConfig(**{**sizes.gpt, "n_layer": min(2, sizes.gpt["n_layer"])})

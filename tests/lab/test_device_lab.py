@@ -131,12 +131,12 @@ def test_a_cpu_model_under_nccl_is_refused(monkeypatch) -> None:
     """Under torchrun with NCCL (simulated: no process group is made) a CPU model fails before
     DDP wraps it, naming both sides."""
     import fp8lab.distributed.runtime as runtime
-    from fp8lab.lab.loop import _data_parallel
+    from fp8lab.lab.parts import data_parallel
 
     monkeypatch.setattr(runtime, "world_size", lambda group=None: 2)
     monkeypatch.setattr(runtime, "collective_device", lambda group=None: torch.device("cuda", 0))
     with pytest.raises(ValueError, match="the model is on cpu but the process group is NCCL"):
-        _data_parallel(torch.nn.Linear(2, 2), "world", "fp32")
+        data_parallel(torch.nn.Linear(2, 2), "world", "fp32")
 
 
 def worker_setting(events) -> tuple[str, str, str]:

@@ -14,7 +14,8 @@ import torch
 
 from fp8lab.lab import models
 from fp8lab.lab.data import load_corpus
-from fp8lab.lab.train import ConfigMismatchError, LabConfig, build_model, train_run
+from fp8lab.lab.parts import build_model
+from fp8lab.lab.train import ConfigMismatchError, LabConfig, train_run
 from fp8lab.recipe import get_recipe
 
 pytest.importorskip("transformers")

@@ -10,7 +10,8 @@ import torch
 import fp8lab
 from fp8lab.lab.data import DataConfig, get_batch, load_corpus
 from fp8lab.lab.gpt import GPTConfig
-from fp8lab.lab.train import LabConfig, TrainConfig, build_model, make_optimizer, train_run
+from fp8lab.lab.parts import build_model, make_optimizer
+from fp8lab.lab.train import LabConfig, TrainConfig, train_run
 from fp8lab.optim import LossScaler
 from fp8lab.step import HOOKS, TrainStep
 

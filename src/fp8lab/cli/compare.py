@@ -535,8 +535,8 @@ def register(app: typer.Typer) -> None:
 def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:
     """For each recipe with ``[[layer]]`` rules: which layer of the model gets which settings
     (`fp8lab.nn.layer_settings` of the converted model)."""
+    from fp8lab.lab.parts import build_model
     from fp8lab.lab.recipes import resolve_recipe
-    from fp8lab.lab.train import build_model
     from fp8lab.nn import layer_settings
 
     out = {}

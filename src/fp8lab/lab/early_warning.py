@@ -343,12 +343,12 @@ class SignalRecorder:
 
 @contextlib.contextmanager
 def recording(recorder: SignalRecorder) -> Iterator[SignalRecorder]:
-    """Within the block, every model `fp8lab.lab.train.build_model` builds gets `OptionalSignals`
+    """Within the block, every model `fp8lab.lab.parts.build_model` builds gets `OptionalSignals`
     attached and handed to ``recorder`` (`train_run` builds its model internally; this is how a
     caller reaches it without a hook parameter). Not thread-safe: one run at a time."""
-    from fp8lab.lab import train
+    from fp8lab.lab import parts
 
-    orig = train.build_model
+    orig = parts.build_model
 
     def build(*args: Any, **kw: Any) -> torch.nn.Module:
         model = orig(*args, **kw)
@@ -357,10 +357,10 @@ def recording(recorder: SignalRecorder) -> Iterator[SignalRecorder]:
         recorder.hooks = OptionalSignals(model)
         return model
 
-    train.build_model = build
+    parts.build_model = build
     try:
         yield recorder
     finally:
-        train.build_model = orig
+        parts.build_model = orig
         if recorder.hooks is not None:
             recorder.hooks.remove()

@@ -1,6 +1,6 @@
 """The lab's run loop: resume, the steps (`fp8lab.step.TrainStep` with the lab's hooks),
 evaluation, the metrics and stats files, the checkpoint cadence and the anomaly guard's rollback
-bookkeeping. `fp8lab.lab.train.build_run_parts` builds a run's objects (for training, `fp8lab
+bookkeeping. `fp8lab.lab.parts.build_run_parts` builds a run's objects (for training, `fp8lab
 replay` and the debugger's step replay alike) and `fp8lab.lab.train.train_run` hands them to
 `run_loop`; the file formats are described there. `next_batch` is the one rule for the batch a
 step trains on."""
@@ -267,41 +267,6 @@ def train_step(
     }
     rec.update(ctx.extra.get("record", {}))
     return rec, watch.rows
-
-
-# ----------------------------------------------------------------------------- setup
-def _data_parallel(
-    model: torch.nn.Module, amax_group: str, grad_comm: str, fsdp: bool = False,
-    fp8_allgather: bool = False,
-) -> Any:  # fmt: skip
-    """`fp8lab.distributed.ddp.DataParallel` of ``model`` under torch.distributed with > 1 rank (options
-    checked either way: a bad value is an error even on one rank). ValueError for a model on the
-    CPU under an NCCL process group (NCCL reaches GPU tensors only)."""
-    from fp8lab.distributed.ddp import DataParallel, check_options
-    from fp8lab.distributed.runtime import collective_device, world_size
-
-    check_options(amax_group, grad_comm, fsdp, fp8_allgather)
-    if world_size() == 1:
-        return None
-    param = next(model.parameters(), None)
-    where = "cpu" if param is None else param.device.type
-    if collective_device().type == "cuda" and where != "cuda":
-        raise ValueError(
-            f"the model is on {where} but the process group is NCCL (GPU tensors only): join "
-            "it with the run's device (fp8lab.distributed.runtime.init_from_env(device=...), as "
-            "--torch-device does) or train on the GPU"
-        )
-    return DataParallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
-
-
-def _guard_run(guard: Any, model, opt, scaler, recipe) -> Any:
-    """The run's `fp8lab.guard.GuardHook` for ``guard`` (an AnomalyGuard or its dict; None:
-    none)."""
-    if guard is None:
-        return None
-    from fp8lab.guard.hook import GuardHook, as_guard
-
-    return GuardHook(as_guard(guard, "train_run"), model, opt, scaler, recipe)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -24,7 +24,8 @@ from fp8lab.lab.checkpoint import CHECKPOINT, CHECKPOINTS, checkpoint_config, mi
 from fp8lab.lab.data import load_corpus
 from fp8lab.lab.loop import LoopState, make_step, next_batch, read_metrics, train_step
 from fp8lab.lab.machine import deterministic_kernels, torch_device
-from fp8lab.lab.train import LabConfig, build_run_parts
+from fp8lab.lab.parts import build_run_parts
+from fp8lab.lab.train import LabConfig
 
 __all__ = ["replay_step"]
 

@@ -66,8 +66,6 @@ from fp8lab.lab.loop import (  # noqa: F401  (public names of this module)
     LoopState,
     Run,
     RunResult,
-    _data_parallel,
-    _guard_run,
     diverged_loss,
     evaluate,
     read_metrics,
@@ -76,6 +74,7 @@ from fp8lab.lab.loop import (  # noqa: F401  (public names of this module)
     summarize,
 )
 from fp8lab.lab.models import ModelConfig
+from fp8lab.lab.parts import build_run_parts
 
 
 @dataclass(frozen=True)
@@ -297,78 +296,6 @@ def toml_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)  # a JSON string is a valid TOML basic string
     return repr(v)
-
-
-# ----------------------------------------------------------------------------- recipes
-def build_model(model_cfg: GPTConfig, recipe: Any, seed: int) -> torch.nn.Module:
-    """Same initial weights for every recipe: init under ``seed`` first, then convert. The
-    model is the built-in GPT or a user's (``model_cfg.factory``, see ``fp8lab.lab.models``),
-    which maps ``(idx, targets)`` to ``(logits, loss)`` either way. Built and initialised on
-    the CPU (the same weights on every device), then moved with its scaling state to the lab's
-    torch device (`fp8lab.lab.machine.torch_device`)."""
-    model = models.build(model_cfg, seed)
-    if recipe is not None:
-        from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
-
-        convert(model, recipe)
-    return model.to(machines.torch_device())
-
-
-def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: TrainConfig):
-    """fp8lab AdamW (``AdamW.from_recipe``: the recipe's moment precision and master weights).
-
-    Weight decay applies to matrices only (not to norm gains), as in nanoGPT."""
-    from fp8lab.optim import AdamW
-
-    groups = [
-        {
-            "params": [p for p in model.parameters() if p.dim() >= 2],
-            "weight_decay": cfg.weight_decay,
-        },
-        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    kw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
-    return AdamW(groups, **kw) if recipe is None else AdamW.from_recipe(groups, recipe, **kw)
-
-
-def make_scaler(recipe: Any) -> Any:
-    """The run's loss scaler: ``LossScaler.from_recipe`` (None for fp32, ``recipe`` None)."""
-    from fp8lab.optim import LossScaler
-
-    return None if recipe is None else LossScaler.from_recipe(recipe)
-
-
-@dataclass
-class RunParts:
-    """The objects of one run (`build_run_parts`). ``dp``: `fp8lab.distributed.ddp.DataParallel`
-    under torchrun with > 1 rank, else None; ``grun``: the guard's `fp8lab.guard.GuardHook` or
-    None."""
-
-    model: torch.nn.Module
-    opt: Any
-    scaler: Any
-    injector: Injector
-    dp: Any
-    grun: Any
-
-
-def build_run_parts(
-    cfg: LabConfig, recipe: Any, guard: Any = None, amax_group: str = "world",
-    grad_comm: str = "fp32", fsdp: bool = False, fp8_allgather: bool = False,
-) -> RunParts:  # fmt: skip
-    """The objects of one run of ``recipe`` under ``cfg``: the one place the lab builds them,
-    for training (`train_run`), `fp8lab replay` and the debugger's step replay alike, in this
-    order: the model (`build_model`: the same initial weights for every recipe), data
-    parallelism under torchrun (before the optimizer: FSDP's ``fully_shard`` replaces the
-    parameters), the optimizer (`make_optimizer`), the loss scaler (`make_scaler`), the fault
-    injector and the anomaly guard's hook (``guard``: an `fp8lab.AnomalyGuard` or its plain
-    dict; None: none)."""
-    model = build_model(cfg.model, recipe, cfg.train.seed)
-    dp = _data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
-    opt = make_optimizer(model, recipe, cfg.train)
-    scaler = make_scaler(recipe)
-    injector = Injector(model, cfg.inject)
-    return RunParts(model, opt, scaler, injector, dp, _guard_run(guard, model, opt, scaler, recipe))
 
 
 # ----------------------------------------------------------------------------- the run

@@ -11,7 +11,8 @@ from fp8lab.lab.debug.names import lab_prefix, to_lab_names, with_user_names
 from fp8lab.lab.debug.runner import keep_same_numerics
 from fp8lab.lab.debug.start import read_start
 from fp8lab.lab.debug.variants import per_layer, with_cells_hp
-from fp8lab.lab.train import LabConfig, build_model
+from fp8lab.lab.parts import build_model
+from fp8lab.lab.train import LabConfig
 from fp8lab.recipe import LayerRule, get_recipe
 from tiny_lab import tiny_lab_toml
 
@@ -94,7 +95,7 @@ def test_start_checkpoint_takes_weights_moments_by_name_and_fp8_state(setup):
     assert start["loop"]["step"] == 0 and start["start"]["step"] == 7
     assert start["start"]["moments"] == "kept" and start["start"]["fp8_layers"] == LAB
     lab = build_model(cfg.model, get_recipe("te-delayed"), 0)
-    lab_opt = fp8lab.lab.train.make_optimizer(lab, None, cfg.train)
+    lab_opt = fp8lab.lab.parts.make_optimizer(lab, None, cfg.train)
     lab_opt.load_state_dict(start["optimizer"])
     for name, p in lab.named_parameters():
         mine = user.get_parameter(name.removeprefix("model."))

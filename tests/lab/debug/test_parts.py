@@ -6,7 +6,7 @@ import torch
 from fp8lab.lab.debug import remedies, search, variants
 from fp8lab.lab.debug.verdict import best_remedy, write_fix
 from fp8lab.lab.gpt import GPTConfig
-from fp8lab.lab.train import build_model
+from fp8lab.lab.parts import build_model
 from fp8lab.recipe import LayerRule, Recipe, get_recipe
 
 MODEL = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, d_ff=64)

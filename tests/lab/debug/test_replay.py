@@ -166,7 +166,7 @@ def test_outlier_channels_screening_puts_the_planted_cell_first(tmp_path, text):
     the planted layer's input first, far above every other cell."""
     from fp8lab.lab.debug.scenarios import plant
     from fp8lab.lab.debug.variants import converted_layers
-    from fp8lab.lab.train import build_model
+    from fp8lab.lab.parts import build_model
 
     rec, cfg, expect = plant("outlier-channels", _cfg(text))
     (layer,) = expect["layers"]

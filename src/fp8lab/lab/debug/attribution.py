@@ -19,7 +19,7 @@ and scores each cell by the share of the error it removes, ``(e_R - e_c) / e_R``
 checkpoint's optimizer makes from that gradient (:class:`OptimizerUpdate`: the optimizer's own
 ``step()`` from the saved moments and step count, after the run's own gradient clipping). The
 replayed step itself is the lab's `fp8lab.step.TrainStep` with the run's fault hook, on the
-objects the lab builds for every run (`fp8lab.lab.train.build_run_parts`) and the batch the
+objects the lab builds for every run (`fp8lab.lab.parts.build_run_parts`) and the batch the
 lab's loop picks (`fp8lab.lab.loop.next_batch`). A raw
 gradient-norm
 error is dominated by whichever entries have the largest gradients (e.g. the weight columns that
@@ -43,7 +43,8 @@ from fp8lab.lab.debug.runner import load_state, load_weights, rebatch
 from fp8lab.lab.debug.variants import CELLS, ROLE_GEMMS, with_cells_hp
 from fp8lab.lab.inject import InjectionHook
 from fp8lab.lab.loop import batch_at, next_batch
-from fp8lab.lab.train import LabConfig, build_run_parts, make_scaler
+from fp8lab.lab.parts import build_run_parts, make_scaler
+from fp8lab.lab.train import LabConfig
 from fp8lab.step import StepContext, TrainStep
 
 

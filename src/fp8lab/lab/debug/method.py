@@ -52,8 +52,9 @@ from fp8lab.lab.debug.runner import (
 )
 from fp8lab.lab.debug.start import START, read_start, write_start
 from fp8lab.lab.debug.verdict import decide
+from fp8lab.lab.parts import build_model
 from fp8lab.lab.pool import Callback, check_count
-from fp8lab.lab.train import LabConfig, build_model, read_metrics
+from fp8lab.lab.train import LabConfig, read_metrics
 from fp8lab.nn import convert, select_linears
 
 CONFIG_FILE = "debug.json"

@@ -40,16 +40,9 @@ import torch
 
 from fp8lab.distributed.runtime import check_global_batch, check_jobs, rank, world_size
 from fp8lab.lab.data import Corpus, load_corpus
+from fp8lab.lab.parts import build_model, make_optimizer
 from fp8lab.lab.pool import Callback, Job, WorkerPool
-from fp8lab.lab.train import (
-    CHECKPOINT,
-    LabConfig,
-    build_model,
-    checkpoint_config,
-    make_optimizer,
-    read_metrics,
-    train_run,
-)
+from fp8lab.lab.train import CHECKPOINT, LabConfig, checkpoint_config, read_metrics, train_run
 
 SNAPSHOTS = "snapshots"
 

@@ -129,7 +129,7 @@ def plant(name: str, cfg: LabConfig) -> tuple[Any, LabConfig, dict[str, Any]]:
     import torch
 
     from fp8lab.lab.debug.variants import converted_layers
-    from fp8lab.lab.train import build_model
+    from fp8lab.lab.parts import build_model
     from fp8lab.recipe import get_recipe
 
     with torch.random.fork_rng(devices=[]):

@@ -30,7 +30,8 @@ from fp8lab.lab.checkpoint import checkpoint_config
 from fp8lab.lab.data import Corpus
 from fp8lab.lab.debug.names import lab_prefix
 from fp8lab.lab.loop import LoopState
-from fp8lab.lab.train import LabConfig, build_model, make_optimizer
+from fp8lab.lab.parts import build_model, make_optimizer
+from fp8lab.lab.train import LabConfig
 from fp8lab.lab.weights import sha256_file
 
 START = "start.pt"
