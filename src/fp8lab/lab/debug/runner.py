@@ -115,18 +115,6 @@ def rank0_writes(fn: Callable[..., Any], ctx: Any, *args: Any) -> Any:
     return result
 
 
-def replay_parallel(model: torch.nn.Module) -> Any:
-    """`fp8lab.distributed.ddp.DataParallel` of a replay's model under torchrun, None on one process:
-    the replayed step then runs as the training step ran on the ranks (this rank's shard of the
-    global batch, the loss over the global token count, gradients summed over the ranks, the
-    delayed-scaling amaxes all-reduced in one batch at the end of the backward). Collective."""
-    if dist_world()[1] == 1:
-        return None
-    from fp8lab.distributed.ddp import DataParallel
-
-    return DataParallel(model)
-
-
 def rebatch(dp: Any, module: torch.nn.Module) -> None:
     """After ``module.set_recipe`` (fresh delayed-scaling state objects): route their updates
     through ``dp``'s batched amax all-reduce again, as the model's other states."""
