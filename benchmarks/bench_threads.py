@@ -210,8 +210,11 @@ def neighbour(size: int, repeat: int, seconds: float) -> None:
     for name, (b0, t0, b1, t1) in res.items():
         print(f"| {name} | {b0:.3f} | {t0:.3f} | {t0 / b0:.2f}x | {b1:.3f} | {t1:.3f} "
               f"| {t1 / b1:.2f}x |", flush=True)  # fmt: skip
-    print(f"\nnumba threading layer: {numba.threading_layer()}; load average after: "
-          f"{os.getloadavg()}\n")  # fmt: skip
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel numba kernel ran in this process
+        layer = "none started"
+    print(f"\nnumba threading layer: {layer}; load average after: {os.getloadavg()}\n")
 
 
 def main() -> None:

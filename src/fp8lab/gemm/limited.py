@@ -21,7 +21,7 @@ from fp8lab.qtensor import QTensor
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
 
 _ROW_CHUNK = 64  # output rows per pass of the torch kernels on the CPU
-_RB = 16  # output rows per job of the numba kernel `_acc_sums`
+_RB = 32  # output rows per job of the numba kernel `_acc_sums` (a multiple of 4)
 _NT = 512  # output columns per job of `_acc_sums` (a group's b rows stay in L2)
 _BATCH_K = 512  # K elements per batched group-sum GEMM
 
@@ -118,9 +118,12 @@ def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  #
     half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
     mask = ~((np.uint64(1) << dropu) - np.uint64(1))
     s = np.empty((4, _NT), dtype=np.float64)
-    for r4 in range(r0, min(r0 + _RB, m), 4):
-        for g in range(ngroups):
-            k0 = min(g * group, k)
+    r1 = min(r0 + _RB, m)
+    # group-major: a group's b tile (group x _NT float64) is read once per job from memory and
+    # then from cache for every 4 rows; each element still sees its groups in K order
+    for g in range(ngroups):
+        k0 = min(g * group, k)
+        for r4 in range(r0, r1, 4):
             # groups past K (`limited` pads K to whole steps) sum to +0
             _group_sums(s, va, vb, r4, k0, min(k0 + group, k), n0, w)
             for r in range(r4, min(r4 + 4, m)):
@@ -135,12 +138,12 @@ def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  #
                     for j in range(w):
                         outr[j] += (s_r * sbt[j]) * np.float32(ar[j])
                         ar[j] = 0.0
-        if gpp == 0:  # never promoted: `limited`'s closing pass, cut(acc + 0) times unit scales
-            for r in range(r4, min(r4 + 4, m)):
-                ar = acc[r, n0 : n0 + w]
-                outr = out[r, n0 : n0 + w]
-                for j in range(w):
-                    outr[j] += np.float32(_cut(ar[j] + 0.0, dropu, half_m1, mask, rne))
+    if gpp == 0:  # never promoted: `limited`'s closing pass, cut(acc + 0) times unit scales
+        for r in range(r0, r1):
+            ar = acc[r, n0 : n0 + w]
+            outr = out[r, n0 : n0 + w]
+            for j in range(w):
+                outr[j] += np.float32(_cut(ar[j] + 0.0, dropu, half_m1, mask, rne))
 
 
 @njit(parallel=True, cache=True)
