@@ -7,7 +7,7 @@ backend within 3x of numba for casts).
 For each row: the best time of ``--repeat`` rounds of numba (``set_kernels("numba")``) and of the
 torch kernels (``set_kernels("torch")``) on the same input (``--n`` float32 values, randn * 100:
 every rounding path is taken), measured interleaved, and torch / numba. Both run at torch's thread
-count (numba follows it, `fp8lab._threads`). ``--eager``: the torch kernels without torch.compile.
+count (numba follows it, `fp8lab.kernels`). ``--eager``: the torch kernels without torch.compile.
 Report the CPU and ``uptime`` with the numbers.
 Rows: `cast` e4m3 RNE, e5m2 RNE, e4m3 stochastic, hif8 TA (its native rounding), `encode` e4m3;
 `quantize` e4m3 per tensor (te-current), 1x128 (DeepSeek-V3 activations), 128x128 (its weights),

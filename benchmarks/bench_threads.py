@@ -1,4 +1,4 @@
-"""The thread policy of the numba kernels (`fp8lab._threads`): where the serial cut-off lies, the
+"""The thread policy of the numba kernels (`fp8lab.kernels`): where the serial cut-off lies, the
 issue-22 loop (converted 128x128 bf16 layers) with and without the policy, and the GEMM models
 beside a busy neighbour.
 
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numba
 import torch
 
-import fp8lab._threads as th
+import fp8lab.kernels as th
 from fp8lab import Accumulator, QuantSpec, cast, qmatmul, quantize
 from fp8lab.nn import convert
 from fp8lab.nn._kernels import round_bf16

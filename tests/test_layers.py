@@ -19,8 +19,7 @@ LAYERS: dict[str, int] = {
     "_bits": 0,
     "_counters": 0,
     "_keys": 0,
-    "_threads": 0,
-    "kernels": 0,  # which kernels run: numba or the device-generic torch ones  # the numba kernels' thread policy (torch + numba only)
+    "kernels": 0,  # which kernels run (numba or the device-generic torch ones), numba's thread policy
     "formats": 0,
     "scaling": 1,
     "qtensor": 2,

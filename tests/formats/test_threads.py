@@ -1,4 +1,4 @@
-"""The thread policy of the numba kernels (fp8lab._threads): numba follows torch's thread count,
+"""The thread policy of the numba kernels (fp8lab.kernels): numba follows torch's thread count,
 one thread or a small tensor runs the serial variant, and serial and parallel variants give the
 same bits. Behaviour only (which variant ran, numba's thread count), no timing."""
 
@@ -8,7 +8,7 @@ import numba
 import pytest
 import torch
 
-import fp8lab._threads as th
+import fp8lab.kernels as th
 from fp8lab import Accumulator, QuantSpec, cast, qmatmul, quantize
 from fp8lab.formats import decode, encode
 from fp8lab.gemm import fused_dot

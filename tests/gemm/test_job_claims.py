@@ -1,4 +1,4 @@
-"""Parallel GEMM kernels whose threads claim jobs (`fp8lab._threads.claim`): every job runs once,
+"""Parallel GEMM kernels whose threads claim jobs (`fp8lab.kernels.claim`): every job runs once,
 a thread held up on one job leaves the rest to the others, and the bits never depend on the
 thread count or on which thread ran which job. Behaviour only, no timing."""
 
@@ -12,10 +12,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-import fp8lab._threads as th
+import fp8lab.kernels as th
 from fp8lab import Accumulator, QuantSpec, qmatmul, quantize
-from fp8lab._threads import claim
 from fp8lab.gemm import limited as lim
+from fp8lab.kernels import claim
 
 pytestmark = pytest.mark.numba_only
 

@@ -23,12 +23,11 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fp8lab._threads import parallel
 from fp8lab.formats import codec_torch as _ct
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats.rounding import _check_tensor, cast
 from fp8lab.formats.spec import FloatFormat, get_format
-from fp8lab.kernels import use_torch
+from fp8lab.kernels import parallel, use_torch
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "e4m3": torch.float8_e4m3fn,

@@ -61,7 +61,6 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fp8lab._threads import parallel
 from fp8lab.formats import hif8 as _hif8
 from fp8lab.formats import rounding_torch as _rt
 from fp8lab.formats._grid import BITS32 as _BITS32
@@ -78,7 +77,7 @@ from fp8lab.formats._grid import GenericGrid as _GenericGrid
 from fp8lab.formats._grid import fast_grid
 from fp8lab.formats.spec import FloatFormat, get_format
 from fp8lab.formats.straight_through import straight_through
-from fp8lab.kernels import use_torch
+from fp8lab.kernels import parallel, use_torch
 
 ROUNDING_MODES: tuple[str, ...] = (
     "nearest_even",
@@ -583,7 +582,7 @@ def cast(
     if n == 0:
         return dst
     generic, fast = _grids(fmt, saturate, mode)
-    small = not parallel(n)  # the thread policy of fp8lab._threads
+    small = not parallel(n)  # the thread policy of fp8lab.kernels
     if fast is not None and src.dtype == torch.float32 and not _force_generic:
         s32 = src.view(-1).numpy().view(np.uint32)
         d32 = dst.view(-1).numpy().view(np.uint32)

@@ -52,12 +52,11 @@ from numba import njit, prange
 
 from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
-from fp8lab._threads import claim, parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
 from fp8lab.gemm.fused_triton import fits, fused_gemm_triton, triton_mode, verified_kernel
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
-from fp8lab.kernels import use_torch
+from fp8lab.kernels import claim, parallel, use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
@@ -190,7 +189,7 @@ def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rn
                    floor_p, gpp, workers):  # fmt: skip  # pragma: no cover - numba
     """The model with `_step64` for every step: acc [M, N] float32 holds c in and the chain's
     last result out; with ``gpp`` > 0 (groups per promotion) steps are promoted into ``out``.
-    ``workers`` threads claim the rows (`fp8lab._threads.claim`)."""
+    ``workers`` threads claim the rows (`fp8lab.kernels.claim`)."""
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         r = claim(counter)
@@ -203,7 +202,7 @@ def _fused_general(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rn
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fused_general_serial(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne,
                           c_after, floor_p, gpp, workers):  # fmt: skip  # pragma: no cover
-    """`_fused_general` on the calling thread (`fp8lab._threads`)."""
+    """`_fused_general` on the calling thread (`fp8lab.kernels`)."""
     for r in range(va.shape[0]):
         _general_row(r, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, rne, c_after,
                      floor_p, gpp)  # fmt: skip
@@ -340,7 +339,7 @@ def _fused_fast(
 def _fused_fast_serial(
     va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs, workers
 ):  # pragma: no cover
-    """`_fused_fast` on the calling thread (`fp8lab._threads`)."""
+    """`_fused_fast` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
         _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp)
 
@@ -361,7 +360,7 @@ def _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floo
 @njit(parallel=True, cache=True)
 def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p, workers):
     """Row-wise dot products ``va[s] . vbt[:, s]`` chained over K steps (c: [S], in and out);
-    ``workers`` threads claim the rows (`fp8lab._threads.claim`)."""
+    ``workers`` threads claim the rows (`fp8lab.kernels.claim`)."""
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         r = claim(counter)
@@ -372,7 +371,7 @@ def _dots(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p, w
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _dots_serial(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p, workers):
-    """`_dots` on the calling thread (`fp8lab._threads`)."""
+    """`_dots` on the calling thread (`fp8lab.kernels`)."""
     for r in range(va.shape[0]):
         _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
 
@@ -448,7 +447,7 @@ def fused(
     floor_p = 2.0**acc.exp_floor
     args = (va.numpy(), pa.numpy(), vb.numpy(), pb.numpy(), accbuf.numpy(), out.numpy(),
             sa.numpy(), sb.numpy())  # fmt: skip
-    par = parallel(m * n * k)  # the thread policy of fp8lab._threads
+    par = parallel(m * n * k)  # the thread policy of fp8lab.kernels
     if use_fast:
         kernel = _fused_fast if par else _fused_fast_serial
         kernel(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp, _fast_jobs(m, n),

@@ -10,12 +10,11 @@ from numba import njit, prange
 
 from fp8lab._bits import f64_to_u64 as _f64_to_u64
 from fp8lab._bits import u64_to_f64 as _u64_to_f64
-from fp8lab._threads import claim, parallel
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.limited_torch import acc_step_torch, per_product_torch
 from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
-from fp8lab.kernels import use_torch
+from fp8lab.kernels import claim, parallel, use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
@@ -152,7 +151,7 @@ def _acc_sums(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, wo
     ``vb`` [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
     accumulator ``acc`` [M, N] float64 in (c or 0), promoted into ``out`` [M, N] float32 with
     ``sa`` [M, T], ``sb`` [T, N] every ``gpp`` groups (0: never; then ``out`` += the last
-    accumulator). ``workers`` threads claim the jobs (`fp8lab._threads.claim`)."""
+    accumulator). ``workers`` threads claim the jobs (`fp8lab.kernels.claim`)."""
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         job = claim(counter)
@@ -163,7 +162,7 @@ def _acc_sums(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, wo
 
 @njit(cache=True)
 def _acc_sums_serial(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
-    """`_acc_sums` on the calling thread (`fp8lab._threads`)."""
+    """`_acc_sums` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
         _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne)
 
@@ -212,7 +211,7 @@ def _per_product_job(job, a, b, k0, k1, group, drop, rne, acc):  # pragma: no co
 @njit(parallel=True, cache=True)
 def _acc_per_product(a, b, k0, k1, group, drop, rne, acc, jobs, workers):  # pragma: no cover
     """DeepSeek §3.5.2 model over K range [k0, k1): per group align + truncate each product.
-    ``workers`` threads claim the jobs (`fp8lab._threads.claim`)."""
+    ``workers`` threads claim the jobs (`fp8lab.kernels.claim`)."""
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         job = claim(counter)
@@ -223,7 +222,7 @@ def _acc_per_product(a, b, k0, k1, group, drop, rne, acc, jobs, workers):  # pra
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _acc_per_product_serial(a, b, k0, k1, group, drop, rne, acc, jobs, workers):  # pragma: no cover
-    """`_acc_per_product` on the calling thread (`fp8lab._threads`)."""
+    """`_acc_per_product` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
         _per_product_job(job, a, b, k0, k1, group, drop, rne, acc)
 
@@ -292,7 +291,7 @@ def _numba_step(acc, buf, drop, rne, gpp, out, sa, sb) -> None:
 
 def _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne) -> None:
     """`limited` without per-product alignment as one numba pass (group sums included) into
-    ``out`` over jobs the threads claim (`fp8lab._threads`); ``kp``: K padded to whole steps."""
+    ``out`` over jobs the threads claim (`fp8lab.kernels`); ``kp``: K padded to whole steps."""
     m, k = a.shape
     n = b.shape[1]
     f64 = {"dtype": torch.float64, "device": a.values.device}

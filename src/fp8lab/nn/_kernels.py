@@ -2,7 +2,7 @@
 
 Round-to-nearest-even on the bits (``u + 0x7FFF + lsb``, then clear the low 16 bits), overflow to
 inf as real bf16 arithmetic does, NaN kept (quietened). Equal to ``x.to(bfloat16).float()`` and to
-``fp8lab.cast(x, "bf16", saturate=False)`` (tested), in one pass with no temporaries (parallel under the thread policy of `fp8lab._threads`).
+``fp8lab.cast(x, "bf16", saturate=False)`` (tested), in one pass with no temporaries (parallel under the thread policy of `fp8lab.kernels`).
 Tensors off the CPU, or under ``FP8LAB_KERNELS=torch``, take the same steps as torch int32 ops
 (`_bf16_rne_torch`), same bits.
 """
@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fp8lab._threads import parallel
-from fp8lab.kernels import use_torch
+from fp8lab.kernels import parallel, use_torch
 
 
 @njit(cache=True, inline="always")
