@@ -211,7 +211,17 @@ RUNNABLE_COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("block,line", RUNNABLE_COMMANDS, ids=lambda v: getattr(v, "id", None))
+def _marks(line: str) -> tuple:
+    # a whole study preset (``fp8lab snr --preset``: every figure of an article) is a study's
+    # smallest stage: make test-slow
+    return (pytest.mark.slow,) if "snr --preset" in line else ()
+
+
+@pytest.mark.parametrize(
+    "block,line",
+    [pytest.param(b, c, marks=_marks(c)) for b, c in RUNNABLE_COMMANDS],
+    ids=lambda v: getattr(v, "id", None),
+)
 def test_command_line_runs_at_tiny_size(block, line, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

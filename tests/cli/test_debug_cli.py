@@ -117,6 +117,7 @@ scaling = 6.103515625e-05
 """
 
 
+@pytest.mark.slow  # an end-to-end debugger run: make test-slow
 def test_user_model_file_end_to_end(tmp_path, config):
     """``--model FILE.py:fn`` through the whole debugger: a fault planted on the user's hidden
     layer is named (role input, that layer), the JSON has the issue's fields, and the fix file

@@ -139,6 +139,7 @@ def _config(d: Path) -> Path:
     return cfg
 
 
+@pytest.mark.slow  # an end-to-end debugger run: make test-slow
 def test_debug_from_a_user_checkpoint_names_the_layer_and_its_fix_closes_the_gap(
     user_run, tmp_path
 ):

@@ -164,6 +164,7 @@ def test_table_and_plot(tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a whole study preset (every figure of the article): make test-slow
 def test_preset_writes_figures_table_and_json(tmp_path) -> None:
     out = tmp_path / "seed000"
     res = _run("--preset", "seed000", "--samples", "8", "--out", str(out))

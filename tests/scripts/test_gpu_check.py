@@ -355,6 +355,7 @@ sys.exit(gc.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # runs gpu_check with a hung section until its watchdog fires: make test-slow
 def test_watchdog_writes_what_a_hung_section_did_and_exits_1(tmp_path):
     """A section still running past the budget + HARD_GRACE_S: the report on disk holds what
     was done before it and the cases it finished, marks it interrupted, and the run exits 1."""
