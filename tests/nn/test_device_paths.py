@@ -36,6 +36,10 @@ from fp8lab.lab.train import LabConfig, TrainConfig, train_run
 from fp8lab.nn import Linear
 from fp8lab.recipe import get_recipe, recipes
 
+# every test here runs the torch kernels itself (fp8lab.using_kernels('torch')) and checks where
+# tensors are made, not their bits: the torch-kernel and AVX2 repeats would run it again as is
+pytestmark = pytest.mark.no_arithmetic
+
 SRC = str(Path(fp8lab.__file__).resolve().parent)
 
 #: the factories that take ``device=`` and otherwise use the default device (torch's own list,

@@ -17,6 +17,10 @@ from fp8lab.nn import (
     save_fp8_state,
 )
 
+# which state file is applied to which weights (hashes, warnings): nothing the kernel choice or
+# the instruction set could change, so the torch-kernel and AVX2 repeats leave it out
+pytestmark = pytest.mark.no_arithmetic
+
 transformers = pytest.importorskip("transformers")
 
 
