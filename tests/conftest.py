@@ -66,3 +66,16 @@ def _refuse(name: str):
         raise NumbaKernelCalled(f"numba kernel {name} called under FP8LAB_KERNELS=torch")
 
     return kernel
+
+
+@pytest.fixture
+def threads():
+    """Restore torch's and numba's thread counts after the test (tests of the numba kernels'
+    thread policy set both)."""
+    import numba
+    import torch
+
+    t, n = torch.get_num_threads(), numba.get_num_threads()
+    yield
+    torch.set_num_threads(t)
+    numba.set_num_threads(n)

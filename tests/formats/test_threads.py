@@ -20,15 +20,6 @@ MULTI = numba.config.NUMBA_NUM_THREADS >= 2
 BIG = 1 << 22  # above SERIAL_BELOW
 
 
-@pytest.fixture
-def threads():
-    """Restore torch's and numba's thread counts after the test."""
-    t, n = torch.get_num_threads(), numba.get_num_threads()
-    yield
-    torch.set_num_threads(t)
-    numba.set_num_threads(n)
-
-
 def _cast_big():
     return cast(torch.randn(BIG, generator=torch.Generator().manual_seed(0)), "e4m3")
 

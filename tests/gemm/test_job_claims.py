@@ -22,15 +22,6 @@ pytestmark = pytest.mark.numba_only
 MULTI = numba.config.NUMBA_NUM_THREADS >= 2
 
 
-@pytest.fixture
-def threads():
-    """Restore torch's and numba's thread counts after the test."""
-    t, n = torch.get_num_threads(), numba.get_num_threads()
-    yield
-    torch.set_num_threads(t)
-    numba.set_num_threads(n)
-
-
 @intrinsic
 def _peek(typingctx, counter):  # pragma: no cover - numba
     """An atomic read of ``counter[0]`` (a plain read may be hoisted out of a spin loop)."""
