@@ -17,7 +17,7 @@ the policy for the bf16 rounding and GEMM kernels), and the fp32 recipe (no numb
 control; the ratio is to the policy's time in the same run. ``--neighbour``: the ``limited``
 qmatmul at ``--size``^3 (incl. quantization, as in bench_gemm.py) over the fp32 ``a @ b`` timed
 in the same phase, best of ``--repeat``, alone and then beside a CPU-bound process at nice 19
-pinned to the last core, in a session of its own (as a job from another terminal: nice only
+pinned to the last core, in a process session of its own (`setsid`, as a job from another terminal: nice only
 weighs within a session's autogroup, so it takes half of that core); the neighbour stops when the
 measurement ends, and by itself after ``--neighbour-seconds`` whatever happens here.
 Report the machine's load (``uptime``) with the numbers.
@@ -162,7 +162,7 @@ while time.monotonic() < end:
 
 
 def _neighbour(seconds: float) -> subprocess.Popen:
-    """A CPU-bound nice-19 process on the last core, in its own session, ending by itself."""
+    """A CPU-bound nice-19 process on the last core, in its own process session, ending by itself."""
     cpu = max(os.sched_getaffinity(0))
     code = _NEIGHBOUR.format(cpu=cpu, seconds=seconds)
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)

@@ -201,7 +201,7 @@ def kernel_counts(reset: bool = False) -> dict[str, int]:
 # share of the iterations up front (the ``omp`` layer's ``#pragma omp for`` has no schedule clause,
 # so static; ``workqueue`` splits the same way; more, smaller chunks through
 # ``numba.set_parallel_chunksize`` are still dealt out statically). A core shared with another
-# process (a nice-19 job in another session gets an equal share of its core: nice only weighs
+# process (a nice-19 job in another process session, `setsid`, gets an equal share of its core: nice only weighs
 # within a session's autogroup) then holds every other thread at the region's end, and the
 # ``limited`` GEMM at 2048^3 took 2-2.5x its time beside one busy neighbour. The GEMM kernels'
 # parallel variants therefore run one ``prange`` iteration per thread, each taking the next job
