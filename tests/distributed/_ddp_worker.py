@@ -267,8 +267,8 @@ def _delayed_gather(model: torch.nn.Module, rank: int, world: int) -> dict[str, 
                     mine.load_state_dict(state)
                     ref.load_state_dict(state)
                 shard = shard_rows(w, rank, world)
-                got = fp8_all_gather(shard, spec.replace(scaling=mine), w.shape[0])
-                want = quantize(w, spec.replace(scaling=ref)).dequantize()
+                got = fp8_all_gather(shard, spec, w.shape[0], state=mine)
+                want = quantize(w, spec, state=ref).dequantize()
                 observed = mine.amax_history[0]
                 same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))
                             and bool(observed == shard.abs().amax()))  # fmt: skip
@@ -279,15 +279,17 @@ def _delayed_gather(model: torch.nn.Module, rank: int, world: int) -> dict[str, 
     same = []
     for preset in ("te-current", "te-delayed", "hif8-delayed"):
         spec = get_recipe(preset).spec("fprop", "weight")
-        if spec.is_delayed:
-            spec = spec.replace(scaling=DelayedScaling.bind(spec.scaling, spec.format))
-        got = fp8_all_gather(shard_rows(w, rank, world), spec, 6)
-        ref = spec.replace(scaling=DelayedScaling.bind(spec.scaling)) if spec.is_delayed else spec
-        want = quantize(w, ref).dequantize()
+        mine, ref = (
+            (DelayedScaling.bind(spec.scaling, spec.format) for _ in range(2))
+            if spec.is_delayed
+            else (None, None)
+        )
+        got = fp8_all_gather(shard_rows(w, rank, world), spec, 6, state=mine)
+        want = quantize(w, spec, state=ref).dequantize()
         same.append(bool(torch.equal(got.view(torch.int32), want.view(torch.int32))))
-        if spec.is_delayed:  # the observed amax: the shard's largest non-NaN magnitude
+        if mine is not None:  # the observed amax: the shard's largest non-NaN magnitude
             want_amax = shard_rows(w, rank, world).nan_to_num(0.0).abs().amax()
-            same.append(bool(spec.scaling.amax_history[0] == want_amax))
+            same.append(bool(mine.amax_history[0] == want_amax))
     result["nan_shard"] = torch.tensor(same)
     return result
 

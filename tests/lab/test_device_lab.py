@@ -45,6 +45,12 @@ def test_machine_record_names_the_device() -> None:
     assert m["torch_device"] == str(torch_device()) == "cpu"
     assert m["gpu"] is None and m["cuda"] is None
     assert m["kernels"] in ("auto", "numba", "torch")
+    # the Triton mode in effect, not the environment variable: set_triton changes it
+    from fp8lab.gemm.fused_triton import using_triton
+
+    with using_triton("interpret"):
+        assert machine_info()["triton"] == "interpret"
+    assert machine_info()["triton"] == m["triton"] in ("1", "0", "interpret")
 
 
 def test_resume_with_map_location_is_bit_identical(corpus, tmp_path) -> None:

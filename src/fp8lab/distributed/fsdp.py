@@ -162,16 +162,23 @@ def _scale_of(spec: QuantSpec, amax: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_all_gather(
-    shard: torch.Tensor, spec: QuantSpec, full_rows: int, group: Any = None
+    shard: torch.Tensor,
+    spec: QuantSpec,
+    full_rows: int,
+    group: Any = None,
+    state: DelayedScaling | None = None,
 ) -> torch.Tensor:
     """Quantize this rank's row shard under ``spec``, all-gather uint8 codes and float32 scales,
     and return the dequantized full weight ``[full_rows, ...]`` (float32, same on every rank).
 
     Collective over ``group`` (default world); shards follow `shard_rows`. See the module doc
-    for which granularities are exact and which are refused (`check_shardable`). A delayed
-    ``spec`` bound to a `DelayedScaling` quantizes with its scale and observes this shard's
-    amax (its ``update`` all-reduces MAX over the ranks, as every delayed state's does); every
-    rank's state must be the same (``--amax-group world``).
+    for which granularities are exact and which are refused (`check_shardable`). Delayed
+    scaling: ``state`` (a `DelayedScaling` of ``spec.scaling``'s configuration, as
+    ``quantize(x, spec, state=ds)`` takes it) gives the scale and observes this shard's amax
+    (its ``update`` all-reduces MAX over the ranks, as every delayed state's does); every
+    rank's state must be the same (``--amax-group world``). Without ``state`` a bare
+    configuration is step 0 of a throwaway state; a spec bound to a state (deprecated) uses
+    that state.
     """
     d = torch.distributed
     world = world_size(group)
@@ -181,9 +188,12 @@ def fp8_all_gather(
     if fmt.bits > 8:
         raise ValueError(f"FP8 all-gather moves 8-bit codes; {fmt.name} has {fmt.bits} bits")
     rows = -(-int(full_rows) // world)
-    local, q, codes, amax = _quantize_shard(shard, spec, rows, group)
-    if amax is not None and isinstance(spec.scaling, DelayedScaling):
-        spec.scaling.observe(amax)  # this shard's amax; the update's all-reduce makes it global
+    if state is not None and not spec.is_delayed:
+        raise ValueError(f"state= is for delayed scaling; {spec} is not delayed")
+    local, q, codes, amax = _quantize_shard(shard, spec, rows, group, state=state)
+    owner = state if state is not None else spec.scaling
+    if amax is not None and isinstance(owner, DelayedScaling):
+        owner.observe(amax)  # this shard's amax; the update's all-reduce makes it global
     parts = [torch.empty_like(codes) for _ in range(world)]
     d.all_gather(parts, codes, group=group)
     values = decode(torch.cat(parts)[: int(full_rows)], fmt)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from fp8lab.distributed.runtime import resolve_torch_device
+from fp8lab.gemm.fused_triton import get_triton
 from fp8lab.kernels import get_kernels
 
 #: environment variables that change the kernels torch or numba run, recorded when set
@@ -165,8 +166,10 @@ def device_info(device: torch.device | None = None) -> dict[str, Any]:
     """The torch device of the lab (``device``, default `torch_device`) as plain data:
     ``torch_device`` (``"cpu"``, ``"cuda:0"``), ``gpu`` (its name; None on the CPU), ``cuda``
     (the CUDA version torch was built with; None on the CPU), ``kernels`` (the kernel
-    choice, `fp8lab.kernels.get_kernels`) and ``deterministic`` (whether the lab's runs there
-    use deterministic kernels: `deterministic_for`)."""
+    choice, `fp8lab.kernels.get_kernels`), ``triton`` (the fused accumulator's Triton mode in
+    effect, `fp8lab.gemm.get_triton`: ``FP8LAB_TRITON`` as read once, or `set_triton`'s) and
+    ``deterministic`` (whether the lab's runs there use deterministic kernels:
+    `deterministic_for`)."""
     dev = torch_device() if device is None else torch.device(device)
     cuda = dev.type == "cuda"
     return {
@@ -174,6 +177,7 @@ def device_info(device: torch.device | None = None) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(dev) if cuda else None,
         "cuda": torch.version.cuda if cuda else None,
         "kernels": get_kernels(),
+        "triton": get_triton(),
         "deterministic": deterministic_for(dev),
     }
 
