@@ -24,6 +24,7 @@ from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, get_batch, val_batches
 from fp8lab.lab.inject import InjectionHook, Injector
+from fp8lab.lab.parts import RunParts
 from fp8lab.stats import json_safe
 from fp8lab.step import TrainStep, WatchHook
 
@@ -272,17 +273,13 @@ def train_step(
 # ----------------------------------------------------------------------------- the run
 @dataclass
 class Run:
-    """One run's objects and files (what `run_loop` works on)."""
+    """One run's objects (``parts``, `fp8lab.lab.parts.build_run_parts`) and files (what
+    `run_loop` works on)."""
 
     cfg: Any
     recipe: Any
     corpus: Corpus
-    model: torch.nn.Module
-    opt: Any
-    scaler: Any
-    injector: Injector
-    dp: Any
-    grun: Any
+    parts: RunParts
     run_path: Path | None
     ckpt_cfg: dict[str, Any]
     emit: Callback
@@ -290,6 +287,14 @@ class Run:
     st: LoopState = field(default_factory=LoopState)
     records: list[dict[str, Any]] = field(default_factory=list)
     files: dict[str, Any] = field(default_factory=dict)  # open metrics / stats (rank 0)
+
+    # the parts by name, as the loop reads them
+    model = property(lambda self: self.parts.model)
+    opt = property(lambda self: self.parts.opt)
+    scaler = property(lambda self: self.parts.scaler)
+    injector = property(lambda self: self.parts.injector)
+    dp = property(lambda self: self.parts.dp)
+    grun = property(lambda self: self.parts.grun)
 
     @property
     def writer(self) -> bool:

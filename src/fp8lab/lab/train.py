@@ -347,8 +347,7 @@ def train_run(
     with machines.deterministic_kernels(machines.torch_device()):
         p = build_run_parts(cfg, recipe, guard, amax_group, grad_comm, fsdp, fp8_allgather)
         run = Run(
-            cfg=cfg, recipe=recipe, corpus=corpus, model=p.model, opt=p.opt, scaler=p.scaler,
-            injector=p.injector, dp=p.dp, grun=p.grun,
+            cfg=cfg, recipe=recipe, corpus=corpus, parts=p,
             run_path=None if run_dir is None else Path(run_dir),
             ckpt_cfg=checkpoint_config(cfg, recipe, corpus), emit=callback or (lambda event: None),
             name=recipe_name(recipe),
