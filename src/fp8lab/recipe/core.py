@@ -19,6 +19,8 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   per backward GEMM where each operand comes from (``operand_source``; ``"auto"``: the source
   system's choice, docs/recipes.md);
 * whether attention's two matmuls are quantized (``attention``, off by default like TE's fp8_dpa);
+* the token dispatch format of mixture-of-experts blocks (``moe``, a `MoEConfig`: the ``[moe]``
+  table; `fp8lab.nn.moe`);
 * the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
 
 Granularity convention: a role's block shape is written for the tensor in its natural layout
@@ -63,6 +65,7 @@ from fp8lab.recipe.config import (
     check_operand_source,
 )
 from fp8lab.recipe.layers import LayerRule
+from fp8lab.recipe.moe import MoEConfig
 from fp8lab.recipe.plain import recipe_from_plain
 from fp8lab.recipe.toml_writer import dump_toml
 
@@ -104,6 +107,7 @@ class Recipe:
     wgrad: GemmConfig = field(default_factory=GemmConfig)
     save_for_backward: str = "high_precision"
     attention: bool = False
+    moe: MoEConfig = field(default_factory=MoEConfig)
     optimizer_state: str = "fp32"
     master_weights: str = "fp32"
     loss_scaling: str = "none"
@@ -136,6 +140,10 @@ class Recipe:
             )
         if not isinstance(self.attention, bool):
             raise TypeError(f"attention must be a bool, got {type(self.attention).__name__}")
+        if isinstance(self.moe, Mapping):
+            object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
+        elif not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"moe must be a MoEConfig or dict, got {type(self.moe).__name__}")
         rules = tuple(
             r if isinstance(r, LayerRule) else LayerRule.from_dict(r) for r in self.layers
         )
@@ -261,6 +269,8 @@ class Recipe:
                 d[role] = s.to_dict()
         for g in GEMMS:
             d[g] = self.gemm(g).to_dict()
+        if not self.moe.is_default:  # absent otherwise: fingerprints stay as they were
+            d["moe"] = self.moe.to_dict()
         if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
             d["layer"] = [r.to_dict() for r in self.layers]
         return d
@@ -360,5 +370,7 @@ class Recipe:
             + (f"({self.loss_scale:g})" if self.loss_scaling != "none" else "")
             + ")"
         )
+        if not self.moe.is_default:
+            lines.append(f"  moe: {self.moe.describe()}")
         lines += [f"  layer {i}: {r.describe()}" for i, r in enumerate(self.layers, 1)]
         return "\n".join(lines)

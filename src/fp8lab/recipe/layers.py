@@ -40,7 +40,7 @@ __all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "remove_key", "set
 #: roles, its GEMMs, what it saves for the backward and its attention matmuls
 LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention")
 #: whole-model keys, set at the file's top level only
-_GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale")
+_GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale", "moe")
 
 # the preset table lives above this module (presets build Recipes); it registers itself here
 _lookup: list[Callable[[str], Any]] = []

@@ -23,6 +23,7 @@ from fp8lab.recipe.config import (
     check_operand_source,
 )
 from fp8lab.recipe.layers import LayerRule, deep_merge, preset
+from fp8lab.recipe.moe import MoEConfig
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = ["recipe_from_plain"]
@@ -164,6 +165,7 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
             **{g: (Mapping, GemmConfig) for g in GEMMS},
             "loss_scale": _NUMBER,
             "layer": (list, tuple),
+            "moe": (Mapping, MoEConfig),
         },
     )
     fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("layers", "path")]
@@ -176,6 +178,11 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
     for g in GEMMS:
         if g in kw:
             kw[g] = _gemm_from_plain(kw[g], where, g)
+    if "moe" in kw and not isinstance(kw["moe"], MoEConfig):
+        types = _plain_types(MoEConfig, {})
+        known = [f.name for f in dataclasses.fields(MoEConfig)]
+        _check_table(kw["moe"], types, known, "moe", where, "moe")
+        kw["moe"] = _build(where, "moe", MoEConfig.from_dict, kw["moe"])
     if "layer" in kw:
         kw["layers"] = tuple(
             _build(where, f"[layer] {i}", LayerRule.from_dict, t)
