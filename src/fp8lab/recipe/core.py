@@ -18,7 +18,8 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   quantized values where only the blocks differ, as DeepSeek-V3 does for its activations), and
   per backward GEMM where each operand comes from (``operand_source``; ``"auto"``: the source
   system's choice, docs/recipes.md);
-* whether attention's two matmuls are quantized (``attention``, off by default like TE's fp8_dpa);
+* whether attention runs in FP8 (``attention``, off by default like TE's ``fp8_dpa``) and how
+  (``dpa``, a `DPAConfig`: the ``[dpa]`` table; `fp8lab.nn.DotProductAttention`);
 * the token dispatch format of mixture-of-experts blocks (``moe``, a `MoEConfig`: the ``[moe]``
   table; `fp8lab.nn.moe`);
 * the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
@@ -64,6 +65,7 @@ from fp8lab.recipe.config import (
     _spec,
     check_operand_source,
 )
+from fp8lab.recipe.dpa import DPAConfig
 from fp8lab.recipe.layers import LayerRule
 from fp8lab.recipe.moe import MoEConfig
 from fp8lab.recipe.plain import recipe_from_plain
@@ -108,6 +110,7 @@ class Recipe:
     save_for_backward: str = "high_precision"
     attention: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)
+    dpa: DPAConfig = field(default_factory=DPAConfig)
     optimizer_state: str = "fp32"
     master_weights: str = "fp32"
     loss_scaling: str = "none"
@@ -144,6 +147,15 @@ class Recipe:
             object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
         elif not isinstance(self.moe, MoEConfig):
             raise TypeError(f"moe must be a MoEConfig or dict, got {type(self.moe).__name__}")
+        if isinstance(self.dpa, Mapping):
+            object.__setattr__(self, "dpa", DPAConfig.from_dict(self.dpa))
+        elif not isinstance(self.dpa, DPAConfig):
+            raise TypeError(f"dpa must be a DPAConfig or dict, got {type(self.dpa).__name__}")
+        if not self.attention and not self.dpa.is_default:
+            raise ValueError(
+                f"[dpa] ({self.dpa.describe()}) sets FP8 attention options but attention = "
+                "false; set attention = true or drop the [dpa] table"
+            )
         rules = tuple(
             r if isinstance(r, LayerRule) else LayerRule.from_dict(r) for r in self.layers
         )
@@ -152,7 +164,8 @@ class Recipe:
             # keys and types now, on the Recipe defaults (a rule may only make sense after an
             # earlier one: its combination is checked when a layer resolves, in `for_layer`)
             where = f"[[layer]] {i} (match {', '.join(rule.match)})"
-            recipe_from_plain(type(self), rule.apply({}), where)
+            # attention on: a rule's [dpa] may rely on an earlier rule (or the top level) for it
+            recipe_from_plain(type(self), rule.apply({"attention": True}), where)
 
     # ------------------------------------------------------------------ queries
     def gemm(self, gemm: str) -> GemmConfig:
@@ -271,6 +284,8 @@ class Recipe:
             d[g] = self.gemm(g).to_dict()
         if not self.moe.is_default:  # absent otherwise: fingerprints stay as they were
             d["moe"] = self.moe.to_dict()
+        if not self.dpa.is_default:  # absent otherwise: fingerprints stay as they were
+            d["dpa"] = self.dpa.to_dict()
         if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
             d["layer"] = [r.to_dict() for r in self.layers]
         return d
@@ -372,5 +387,7 @@ class Recipe:
         )
         if not self.moe.is_default:
             lines.append(f"  moe: {self.moe.describe()}")
+        if not self.dpa.is_default:
+            lines.append(f"  dpa: {self.dpa.describe()}")
         lines += [f"  layer {i}: {r.describe()}" for i, r in enumerate(self.layers, 1)]
         return "\n".join(lines)

@@ -14,7 +14,7 @@ A recipe may carry rules, applied to each converted layer in order (last match w
     base = "bf16"                        # these layers restart from the bf16 preset
 
 A rule's ``base`` resets the layer's Linear settings (roles, GEMMs, ``save_for_backward``,
-``attention``) to that preset's; its ``reset`` (a list of dotted keys, e.g.
+``attention``, ``dpa``) to that preset's; its ``reset`` (a list of dotted keys, e.g.
 ``["fprop.accumulator.promote_every"]``) then removes those keys, so they take their defaults (a
 merge cannot remove a key, and TOML has no null); its other keys are deep-merged on top: a table
 merges key by key (``[layer.grad_output] scaling = "current"`` changes only the scaling), any
@@ -37,8 +37,8 @@ from fp8lab.recipe.config import GEMMS, ROLES
 __all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "remove_key", "set_preset_lookup"]
 
 #: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs): its operand
-#: roles, its GEMMs, what it saves for the backward and its attention matmuls
-LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention")
+#: roles, its GEMMs, what it saves for the backward, its attention and the attention's options
+LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention", "dpa")
 #: whole-model keys, set at the file's top level only
 _GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale", "moe")
 

@@ -22,6 +22,7 @@ from fp8lab.recipe.config import (
     _spec,
     check_operand_source,
 )
+from fp8lab.recipe.dpa import DPAConfig
 from fp8lab.recipe.layers import LayerRule, deep_merge, preset
 from fp8lab.recipe.moe import MoEConfig
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
@@ -166,6 +167,7 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
             "loss_scale": _NUMBER,
             "layer": (list, tuple),
             "moe": (Mapping, MoEConfig),
+            "dpa": (Mapping, DPAConfig),
         },
     )
     fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("layers", "path")]
@@ -183,6 +185,11 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
         known = [f.name for f in dataclasses.fields(MoEConfig)]
         _check_table(kw["moe"], types, known, "moe", where, "moe")
         kw["moe"] = _build(where, "moe", MoEConfig.from_dict, kw["moe"])
+    if "dpa" in kw and not isinstance(kw["dpa"], DPAConfig):
+        types = _plain_types(DPAConfig, {})
+        known = [f.name for f in dataclasses.fields(DPAConfig)]
+        _check_table(kw["dpa"], types, known, "dpa", where, "dpa")
+        kw["dpa"] = _build(where, "dpa", DPAConfig.from_dict, kw["dpa"])
     if "layer" in kw:
         kw["layers"] = tuple(
             _build(where, f"[layer] {i}", LayerRule.from_dict, t)
