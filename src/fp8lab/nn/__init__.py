@@ -23,6 +23,10 @@ Two lines, as with Transformer Engine or torchao::
   :func:`active_recipe` is the recipe in force.
 * :func:`attention_matmul` — ``q @ kᵀ`` and ``p @ v`` for a model's attention: quantized when the
   recipe sets ``attention=True`` (off by default, like TE's fp8_dpa), plain matmul otherwise.
+* :class:`DotProductAttention` — attention with Transformer Engine's FP8 quantization points (Q,
+  K, V, S, O, dO, dP, dQKV) when the recipe sets ``attention=True``, its options in the recipe's
+  ``[dpa]`` table (delayed, current or MXFP8 scaling; the forward-only FlashAttention-3 style
+  path with its 2^8 offset of P); plain fp32 attention otherwise (docs/attention.md).
 * :func:`collect_operands` — per-layer, per-GEMM, per-role operands on the steps you sample.
 
 * :func:`on_operand` — ``handle = on_operand(fn)``: ``fn(layer, gemm, role, source, used)`` for
@@ -39,7 +43,7 @@ Layout: ``linear.py`` (the module, its autograd Function with the three GEMMs, t
 plumbing) -> `fp8lab.qtensor.Quantizer` (one per operand) -> `fp8lab.gemm.matmul`. Beside it:
 ``plan.py`` (the recipe resolved once into quantizers and reuse decisions), ``state.py`` (a
 module's delayed-scaling states), ``context.py`` (autocast), ``attention.py``, ``collect.py``,
-``convert.py``.
+``convert.py``, ``dpa.py`` (`DotProductAttention`).
 """
 
 from fp8lab.nn.attention import attention_matmul
@@ -53,6 +57,7 @@ from fp8lab.nn.convert import (
     select_linears,
     unconvert,
 )
+from fp8lab.nn.dpa import DotProductAttention
 from fp8lab.nn.debug_checkpoint import read_debug_checkpoint, save_debug_checkpoint
 from fp8lab.nn.fp8_state import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
@@ -60,6 +65,7 @@ from fp8lab.nn.state import delayed_states
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "DotProductAttention",
     "FP8_STATE_FILE",
     "GatheredWeight",
     "Linear",
