@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8lab.nn import context as _context
