@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8lab.nn import context as _context
+import fp8lab.nn.context as _context
 from fp8lab.nn.linear import _OBSERVERS
 from fp8lab.qtensor import QTensor, QuantSpec, quantize
 from fp8lab.recipe import Recipe, get_recipe
