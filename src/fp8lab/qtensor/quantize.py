@@ -30,6 +30,11 @@ def quantize(
     pad: bool | None = None,
     margin: int | None = None,
     epsilon: float | None = None,
+    rht: bool | None = None,
+    four_over_six: str | None = None,
+    four_over_six_use_256: bool | None = None,
+    row_scaled: bool | None = None,
+    hadamard: int | None = None,
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
     dequantized_out: torch.Tensor | None = None,
@@ -48,7 +53,11 @@ def quantize(
     `DelayedScaling` passed as ``scaling`` or held by the spec is deprecated (a
     DeprecationWarning) and acts as ``state=``. ``generator`` feeds stochastic rounding.
     float16/bfloat16/float64 inputs are first converted to float32 (float64 rounds once there; TE
-    multiplies in FP32 as well). Any device: the kernels follow ``x``'s (numba on the CPU by
+    multiplies in FP32 as well).
+    ``rht``, ``four_over_six``, ``four_over_six_use_256``, ``row_scaled``, ``hadamard``: the
+    `QuantSpec` fields of the same names (NVFP4's random Hadamard transform, "4 over 6",
+    per-row second-level scales; a Hadamard transform over blocks; docs/nvfp4.md), e.g.
+    ``quantize(x, "e2m1", "nvfp4", "nvfp4", rht=True)``. Any device: the kernels follow ``x``'s (numba on the CPU by
     default, the device-generic torch kernels elsewhere: `fp8lab.kernels`), with the same bits;
     the QTensor's tensors are on ``x``'s device.
 
@@ -67,8 +76,11 @@ def quantize(
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    extra = {"rht": rht, "four_over_six": four_over_six,
+             "four_over_six_use_256": four_over_six_use_256, "row_scaled": row_scaled,
+             "hadamard": hadamard}  # fmt: skip
     spec, state = _with_state(fmt, granularity, scaling, rounding, saturate, pad, margin,
-                              epsilon, state)  # fmt: skip
+                              epsilon, state, **extra)  # fmt: skip
     # straight-through gradient (QTensor.dequantize): keep the source only when it can carry one
     source = x if (x.requires_grad and torch.is_grad_enabled()) else None
     x = x.detach()
@@ -103,6 +115,7 @@ def _with_state(
     margin: int | None,
     epsilon: float | None,
     state: DelayedScaling | None,
+    **fields: Any,
 ) -> tuple[QuantSpec, DelayedScaling | None]:
     """`quantize`'s spec (configuration only) and delayed-scaling state: ``state=``, or the
     deprecated `DelayedScaling` given as ``scaling`` or held by a `QuantSpec`; two different
@@ -131,7 +144,15 @@ def _with_state(
     if state is not None and scaling is None and not isinstance(fmt, QuantSpec):
         scaling = state.cfg
     spec = _spec_from_args(
-        fmt, granularity, scaling, rounding, saturate, pad, margin=margin, epsilon=epsilon
+        fmt,
+        granularity,
+        scaling,
+        rounding,
+        saturate,
+        pad,
+        margin=margin,
+        epsilon=epsilon,
+        **fields,
     )
     if state is not None and spec.scaling != state.cfg:
         raise ValueError(

@@ -75,6 +75,14 @@ class Quantizer:
         delayed = delayed if delayed is not None else bound
         self.spec = spec
         self.block = spec.block
+        if (
+            spec.rht
+            or spec.four_over_six
+            or spec.row_scaled
+            or spec.hadamard
+            or spec.scaling == "quest"
+        ):
+            raise NotImplementedError(f"{spec.describe()}: not implemented yet")
         sc = spec.scaling
         self.throwaway = delayed is None and spec.is_delayed
         if delayed is not None:

@@ -34,6 +34,17 @@ def _default_scaling(block: tuple[int, int]) -> str:
     return "max"
 
 
+# fields added after the dict form was pinned: written only when they differ from these defaults,
+# so every spec (and recipe fingerprint) written before they existed keeps its exact dict
+_LATER_FIELDS = (
+    ("rht", False),
+    ("four_over_six", None),
+    ("four_over_six_use_256", None),
+    ("row_scaled", False),
+    ("hadamard", None),
+)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How to quantize one tensor. Frozen, hashable, serialisable with `to_dict`/`from_dict`.
@@ -44,7 +55,7 @@ class QuantSpec:
             ``"nvfp4_col"`` or a block ``(m, k)`` (-1 = full extent); stored canonically (a name
             if the block has one, else a tuple).
         scaling: a rule name (``max``, ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``,
-            ``mx_even``, ``mx_rceil``, ``nvfp4``), a fixed float quantization multiplier
+            ``mx_even``, ``mx_rceil``, ``nvfp4``, ``quest``: `fp8lab.scaling.rules`), a fixed float quantization multiplier
             (``values = cast(x * scaling)``), or delayed scaling (per-tensor only): a frozen
             `DelayedScalingConfig` (what recipes hold; each quantize then uses a throwaway
             state, i.e. step 0, unless a state is given: ``quantize(x, spec, state=ds)``).
@@ -63,6 +74,21 @@ class QuantSpec:
         tensor_scale: NVFP4 only: a user-chosen static FP32 tensor-level dequantization scale
             (torchao's ``per_tensor_scale``, e.g. ``calibrated_amax / (448 * 6)``) instead of
             one computed from this tensor's amax; see `fp8lab.scaling.rules.nvfp4_scales`.
+        rht: NVFP4 only: Transformer Engine's random Hadamard transform (`fp8lab.rht16`) along
+            the block axis before quantizing (the global amax is taken after it); the QTensor
+            then dequantizes in the transformed domain. 1x16 blocks only (``nvfp4`` /
+            ``nvfp4_col``); the transformed axis must be a multiple of 16. See docs/nvfp4.md.
+        four_over_six: NVFP4 only: ``"mae"`` or ``"mse"``: per block (1x16) or tile (16x16) the
+            better of the map-to-6 and map-to-4 block scale by that error of the dequantized
+            block, ties to map-to-6 (TE ``nvfp4_4over6``, arXiv 2512.02010). Not with ``rht``.
+        four_over_six_use_256: with ``four_over_six``: the global E4M3 bound 256 (True) or 448
+            (False); None = 256, TE's default. Refused without ``four_over_six``.
+        row_scaled: NVFP4 only, 1x16 / 16x1 blocks: one FP32 amax per row (per column for
+            ``nvfp4_col``) for the second level instead of one per tensor (TE
+            ``row_scaled_activation``).
+        hadamard: a Hadamard transform over blocks of this many elements (a power of two, e.g.
+            32 for Quartet, arXiv 2505.14669) along the block axis before quantizing
+            (`fp8lab.hadamard_transform`); the QTensor dequantizes in the transformed domain.
     """
 
     format: str = "e4m3"
@@ -76,6 +102,11 @@ class QuantSpec:
     scale_format: str = "e4m3"
     two_level: bool = True
     tensor_scale: float | None = None
+    rht: bool = False
+    four_over_six: str | None = None
+    four_over_six_use_256: bool | None = None
+    row_scaled: bool = False
+    hadamard: int | None = None
 
     def __post_init__(self) -> None:
         fmt = self.format.name if isinstance(self.format, FloatFormat) else self.format
@@ -142,6 +173,96 @@ class QuantSpec:
         object.__setattr__(self, "epsilon", float(self.epsilon))
         if self.epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        self._check_transforms(block, sc)
+
+    def _check_transforms(self, block: tuple[int, int], sc: Any) -> None:
+        """Validate ``rht``, ``four_over_six(_use_256)``, ``row_scaled`` and ``hadamard``."""
+        for name in ("rht", "row_scaled"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
+        nvfp4 = sc == "nvfp4" and self.format == "e2m1" and self.two_level
+        where = f"format={self.format!r}, granularity={self.granularity!r}, scaling={sc!r}"
+
+        def need_nvfp4(field: str, value: Any) -> None:
+            if not nvfp4:
+                raise ValueError(
+                    f"{field}={value!r} needs an NVFP4 spec (format='e2m1', scaling='nvfp4', "
+                    f"two_level=True), got {where}, two_level={self.two_level}"
+                )
+
+        fos = self.four_over_six
+        if fos is not None:
+            if not isinstance(fos, str) or fos.strip().lower() not in ("mae", "mse"):
+                raise ValueError(f"four_over_six must be 'mae' or 'mse' (or None), got {fos!r}")
+            fos = fos.strip().lower()
+            object.__setattr__(self, "four_over_six", fos)
+            need_nvfp4("four_over_six", fos)
+            if block not in ((1, 16), (16, 1), (16, 16)):
+                raise ValueError(
+                    f"four_over_six={fos!r} needs 1x16, 16x1 or 16x16 blocks, got {where}"
+                )
+            if self.tensor_scale is not None:
+                raise ValueError(
+                    f"four_over_six={fos!r} computes its own global scale: not with "
+                    f"tensor_scale={self.tensor_scale!r}"
+                )
+        u256 = self.four_over_six_use_256
+        if u256 is not None:
+            if not isinstance(u256, bool):
+                raise TypeError(f"four_over_six_use_256 must be a bool or None, got {u256!r}")
+            if fos is None:
+                raise ValueError(
+                    f"four_over_six_use_256={u256} means nothing without four_over_six "
+                    "('mae' or 'mse')"
+                )
+        if self.rht:
+            need_nvfp4("rht", True)
+            if block not in ((1, 16), (16, 1)):
+                raise ValueError(
+                    f"rht=True transforms 16-element blocks along one axis: it needs 1x16 "
+                    f"('nvfp4') or 16x1 ('nvfp4_col') blocks, got {where}"
+                )
+            if fos is not None:
+                raise ValueError(
+                    f"rht=True with four_over_six={fos!r} on one spec: Transformer Engine does "
+                    "not combine them; pick one"
+                )
+        if self.row_scaled:
+            need_nvfp4("row_scaled", True)
+            if block not in ((1, 16), (16, 1)):
+                raise ValueError(
+                    f"row_scaled=True needs 1x16 ('nvfp4') or 16x1 ('nvfp4_col') blocks, "
+                    f"got {where}"
+                )
+            if self.tensor_scale is not None:
+                raise ValueError("row_scaled=True computes per-row amaxes: not with tensor_scale")
+        h = self.hadamard
+        if h is not None:
+            if isinstance(h, bool) or not isinstance(h, int) or h < 2 or h & (h - 1):
+                raise ValueError(f"hadamard must be a power of two >= 2 (e.g. 32), got {h!r}")
+            if block[0] != 1 and block[1] != 1:
+                raise ValueError(
+                    f"hadamard={h} transforms along one axis: it needs blocks of one row or "
+                    f"one column (e.g. 'mx', 'mx_col'), got {where}"
+                )
+            if self.rht:
+                raise ValueError(f"rht=True and hadamard={h} on one spec: pick one transform")
+
+    @property
+    def four_over_six_bound(self) -> float | None:
+        """The 4over6 global E4M3 bound in force: 256.0 or 448.0 (None without 4over6)."""
+        if self.four_over_six is None:
+            return None
+        return 448.0 if self.four_over_six_use_256 is False else 256.0
+
+    @property
+    def transform_axis(self) -> int | None:
+        """The axis of the ``[R, C]`` view that ``rht``/``hadamard`` transform along (1: the
+        block runs along a row; 0: down a column), None without a transform."""
+        if not (self.rht or self.hadamard):
+            return None
+        return 0 if self.block[1] == 1 and self.block[0] != 1 else 1
 
     # ------------------------------------------------------------------ derived
     @property
@@ -209,6 +330,8 @@ class QuantSpec:
         for name, default in (
             ("saturate", True), ("pad", True), ("margin", 0), ("epsilon", 0.0),
             ("scale_format", "e4m3"), ("two_level", True), ("tensor_scale", None),
+            ("rht", False), ("four_over_six", None), ("four_over_six_use_256", None),
+            ("row_scaled", False), ("hadamard", None),
         ):  # fmt: skip
             v = getattr(self, name)
             if v != default:
@@ -237,6 +360,7 @@ class QuantSpec:
             "two_level": self.two_level,
             # only when set: specs written before it existed keep their exact dict
             **({} if self.tensor_scale is None else {"tensor_scale": self.tensor_scale}),
+            **{k: getattr(self, k) for k, d in _LATER_FIELDS if getattr(self, k) != d},
         }
 
     @classmethod

@@ -105,6 +105,9 @@ def _spec_from_plain(v: Any, where: str, table: str) -> Any:
             "granularity": (str, list, tuple),
             "scaling": (str, *_NUMBER, Mapping, DelayedScalingConfig, DelayedScaling),
             "rounding": (str,),
+            "four_over_six": (str,),
+            "four_over_six_use_256": (bool,),
+            "hadamard": (int,),
         },
     )
     known = [f.name for f in dataclasses.fields(QuantSpec)]

@@ -29,7 +29,11 @@ Rules
 ``mx_rceil``   cuBLAS / TE MXFP8 / DeepGEMM ``ceil_to_ue8m0``: ``X = 2**ceil(log2(amax/fmt_max))``,
                never clips. The quotient is formed as TE does, ``fl32(amax * fl32(1/fmt_max))``
                (``divide=True`` uses a correctly rounded division, as DeepGEMM's reference does).
-``nvfp4``      two-level NVFP4 (TE ``reference_nvfp4.py``): see `nvfp4_scales`.
+``nvfp4``      two-level NVFP4 (TE ``reference_nvfp4.py``): see `nvfp4_scales`; its "4 over 6"
+               block-scale choice: `nvfp4_4over6_candidates`.
+``quest``      QuEST's forward rule as Quartet uses it (arXiv 2505.14669 §3): an E8M0 scale
+               ``X = 2**floor(log2(c * std + 1e-8))`` from the block's standard deviation, not
+               its amax (`quest_scale`; ``c = 2.92247856 / fmt_max``).
 
 Every MX rule gives code 255 (NaN) for a NaN amax only, plus ``inf`` for all but ``mx_rceil``
 (TE: inf -> 254); a finite amax always gets a finite code.
@@ -66,6 +70,8 @@ __all__ = [
     "nvfp4_scales",
     "pow2_down",
     "pow2_up",
+    "quest_code",
+    "quest_scale",
     "scale_inv_of",
 ]
 
@@ -344,6 +350,38 @@ def nvfp4_scales(
     return s_blk, s_dec, enc
 
 
+# --------------------------------------------------------------------------- QuEST (Quartet)
+# QuEST's Gaussian-optimal clipping point for the 4-bit grid, in units of the standard deviation
+# (Quartet's QuestMXFP4 quantizer: gaussian_scale = 2.92247856 / 6, IST-DASLab/Quartet)
+QUEST_CLIP = 2.92247856
+QUEST_EPS = 1e-8
+
+
+def quest_code(block_std: torch.Tensor, fmt: str | FloatFormat = "e2m1") -> torch.Tensor:
+    """Biased E8M0 code (int32) of QuEST's forward scale from per-block standard deviations.
+
+    ``s = fl32(fl32(c * std) + fl32(1e-8))`` with ``c = fl32(QUEST_CLIP / fmt_max)``
+    (``2.92247856 / 6`` for E2M1: the Gaussian-optimal clip over the grid's largest value), and
+    ``X = 2**floor(log2 s)``: the code is ``s``'s FP32 exponent field (``s >= 1e-8`` is normal).
+    A NaN or infinite std gives 255 (NaN), as the MX rules do. The block's elements are then
+    ``cast(x / X)`` (saturating: values past ``fmt_max * X`` clip, QuEST's trust region)."""
+    f = get_format(fmt)
+    std = _f32(block_std)
+    dev = std.device
+    c = torch.tensor(QUEST_CLIP / f.max, dtype=torch.float32, device=dev)
+    s = c * std + torch.tensor(QUEST_EPS, dtype=torch.float32, device=dev)
+    code = _exp_field(s)
+    return torch.where(torch.isfinite(s), code, torch.full_like(code, 255))
+
+
+def quest_scale(
+    block_std: torch.Tensor, fmt: str | FloatFormat = "e2m1", **_: object
+) -> torch.Tensor:
+    """QuEST's quantization multiplier ``2**(127 - quest_code)`` (float32): see `quest_code`.
+    Takes per-block standard deviations, not amaxes (`fp8lab.quantize` computes them)."""
+    return e8m0_to_scale(quest_code(block_std, fmt))
+
+
 # --------------------------------------------------------------------------- registry
 SCALE_RULES: dict[str, Callable[..., torch.Tensor]] = {
     "max": max_scale,
@@ -355,14 +393,17 @@ SCALE_RULES: dict[str, Callable[..., torch.Tensor]] = {
     "mx_even": mx_even,
     "mx_rceil": mx_rceil,
 }
-RULE_NAMES = (*SCALE_RULES, "nvfp4")
+RULE_NAMES = (*SCALE_RULES, "nvfp4", "quest")
 
 
 def get_rule(name: str) -> Callable[..., torch.Tensor]:
-    """The per-block rule function ``(amax, fmt, **knobs) -> scale`` (``nvfp4``: `nvfp4_scales`)."""
+    """The per-block rule function ``(amax, fmt, **knobs) -> scale`` (``nvfp4``: `nvfp4_scales`;
+    ``quest``: `quest_scale`, which takes block standard deviations)."""
     key = name.strip().lower()
     if key == "nvfp4":
         return nvfp4_scales
+    if key == "quest":
+        return quest_scale
     if key not in SCALE_RULES:
         raise ValueError(
             f"unknown scaling rule {name!r}; valid: {', '.join(RULE_NAMES)}, a fixed float "
