@@ -53,11 +53,16 @@ class GPTConfig:
     )
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm" (weight and bias)
+    mlp: str = "swiglu"  # "swiglu" | "smooth_swiglu" (fp8lab.nn.SmoothSwiGLU)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before q kᵀ
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("norm_eps", "init_std"):
+            if f.name in OPTIONS:
+                _check_option(f.name, value)
+            elif f.name in ("norm_eps", "init_std"):
                 if not (isinstance(value, int | float) and value > 0):
                     raise ValueError(f"GPTConfig.{f.name} must be > 0, got {value!r}")
             elif not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
@@ -68,7 +73,40 @@ class GPTConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return without_default_options(asdict(self))
+
+
+#: the model options and their defaults; absent from ``to_dict`` at the default, so the
+#: configuration (and every run directory written before them) stays what it was
+OPTIONS: dict[str, tuple[object, tuple[object, ...]]] = {
+    "norm": ("rmsnorm", ("rmsnorm", "layernorm")),
+    "mlp": ("swiglu", ("swiglu", "smooth_swiglu")),
+    "qk_norm": (False, (False, True)),
+}
+
+
+def _check_option(name: str, value: object) -> None:
+    default, valid = OPTIONS[name]
+    if type(value) is not type(default) or value not in valid:
+        shown = ", ".join(str(v).lower() if isinstance(v, bool) else repr(v) for v in valid)
+        raise ValueError(f"GPTConfig.{name} must be one of {shown}, got {value!r}")
+
+
+def without_default_options(d: dict) -> dict:
+    """``d`` (a model config's plain data) without the options (:data:`OPTIONS`) at default."""
+    return {k: v for k, v in d.items() if k not in OPTIONS or v != OPTIONS[k][0]}
+
+
+def norm_affine(p: torch.Tensor | None, recipe: Recipe | None) -> torch.Tensor | None:
+    """A norm's affine parameter as the layer it feeds uses it: quantized with that layer's
+    ``weight`` spec (a ``[1, dim]`` row, straight-through gradient) when its recipe sets
+    ``norm_weights = "quantized"`` (Su et al., arXiv 2506.20752: MX-quantized LayerNorm
+    affine parameters), else as it is."""
+    if p is None or recipe is None or recipe.norm_weights != "quantized" or recipe.weight is None:
+        return p
+    from fp8lab.qtensor import fake_quant
+
+    return fake_quant(p.reshape(1, -1), recipe.weight).reshape(p.shape)
 
 
 class RMSNorm(nn.Module):
@@ -79,8 +117,38 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
+        w = norm_affine(self.weight, recipe)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (``--set model.norm=layernorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
+        w, b = norm_affine(self.weight, recipe), norm_affine(self.bias, recipe)
+        return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
+
+
+def make_norm(cfg: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The configured norm over ``dim`` features (default ``d_model``)."""
+    cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return cls(cfg.d_model if dim is None else dim, cfg.norm_eps)
+
+
+def recipe_of(layer: nn.Module) -> Recipe | None:
+    """The recipe a (converted) projection runs under: the one ``convert`` gave it, or an
+    ``fp8lab.nn.autocast`` override, with its ``[[layer]]`` rules resolved (None: a plain
+    torch layer)."""
+    own = layer.recipe if isinstance(layer, Linear) else None
+    r = active_recipe(own)
+    return r if r is None or not r.layers else r.for_layer(getattr(layer, "name", "") or "")
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,12 +157,17 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        if cfg.qk_norm:  # Dehghani et al. 2023 (arXiv 2302.05442): bounds the logits q kᵀ
+            self.q_norm = RMSNorm(cfg.d_model // cfg.n_head, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.d_model // cfg.n_head, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         recipe = self._recipe()
         if recipe is not None and recipe.attention:
             y = _quantized_attention(q, k, v, recipe)
@@ -105,10 +178,8 @@ class CausalSelfAttention(nn.Module):
 
     def _recipe(self) -> Recipe | None:
         """The recipe the block's projections run under (None: plain torch layers)."""
-        own = self.qkv.recipe if isinstance(self.qkv, Linear) else None
-        r = active_recipe(own)
         # an autocast recipe with [[layer]] rules: the rules of this block's qkv projection
-        return r if r is None or not r.layers else r.for_layer(self.qkv.name or "")
+        return recipe_of(self.qkv)
 
 
 def _quantized_attention(
@@ -139,14 +210,23 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = _mlp(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        # a norm's affine parameters as the projection after it runs (recipe.norm_weights)
+        x = x + self.attn(self.attn_norm(x, recipe_of(self.attn.qkv)))
+        return x + self.mlp(self.mlp_norm(x, recipe_of(self.mlp.gate)))
+
+
+def _mlp(cfg: GPTConfig) -> nn.Module:
+    if cfg.mlp == "smooth_swiglu":
+        from fp8lab.nn import SmoothSwiGLU
+
+        return SmoothSwiGLU(cfg.d_model, cfg.d_ff)
+    return SwiGLU(cfg)
 
 
 class GPT(nn.Module):
@@ -156,7 +236,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)  # lm_head stays high precision: so do these parameters
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -168,6 +248,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
             elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer))
             else:

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8lab.lab import weights
-from fp8lab.lab.gpt import GPT, GPTConfig
+from fp8lab.lab.gpt import GPT, OPTIONS, GPTConfig, without_default_options
 
 BUILTIN = "gpt"
 HF_PREFIX = "hf:"
@@ -94,7 +94,7 @@ class ModelConfig(GPTConfig):
         return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = without_default_options(asdict(self))  # norm, mlp, qk_norm: only when set
         if self.factory == BUILTIN:  # the built-in GPT's configuration stays what it always was
             del d["factory"]
         if not self.init_from:
@@ -321,9 +321,18 @@ def check_factory_keys(model_cfg: GPTConfig, keys: list[str], where: str) -> Non
     factory's or its config's), and the data's ids are checked against that one, so the value
     would be silently ignored. The GPT's other sizes are documented as not read with a factory
     (only ``block_size`` is) and stay accepted."""
-    if is_builtin(model_cfg) or "vocab_size" not in keys:
+    if is_builtin(model_cfg):
         return
     spec = factory_of(model_cfg)
+    options = [k for k in keys if k in OPTIONS]
+    if options:
+        raise ValueError(
+            f"{where} model.{options[0]}: a built-in GPT option (norm, mlp, qk_norm); --model "
+            f"{spec!r} is built by its factory, which the lab cannot change (its attention, "
+            "norms and MLP are its own); drop the key or set it in the model"
+        )
+    if "vocab_size" not in keys:
+        return
     whose = "its config file's" if spec.startswith(HF_PREFIX) else "the one its factory builds"
     raise ValueError(
         f"{where} model.vocab_size: --model {spec!r} has its own vocabulary ({whose}), which the "

@@ -27,6 +27,8 @@ Two lines, as with Transformer Engine or torchao::
   K, V, S, O, dO, dP, dQKV) when the recipe sets ``attention=True``, its options in the recipe's
   ``[dpa]`` table (delayed, current or MXFP8 scaling; the forward-only FlashAttention-3 style
   path with its 2^8 offset of P); plain fp32 attention otherwise (docs/attention.md).
+* :class:`SmoothSwiGLU` — SwiGLU with per-channel smoothing before the quantized down
+  projection (Fishman et al., arXiv 2409.12517; the lab's ``--set model.mlp=smooth_swiglu``).
 * :func:`collect_operands` — per-layer, per-GEMM, per-role operands on the steps you sample.
 
 * :func:`on_operand` — ``handle = on_operand(fn)``: ``fn(layer, gemm, role, source, used)`` for
@@ -61,6 +63,7 @@ from fp8lab.nn.dpa import DotProductAttention
 from fp8lab.nn.debug_checkpoint import read_debug_checkpoint, save_debug_checkpoint
 from fp8lab.nn.fp8_state import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
+from fp8lab.nn.smooth_swiglu import SmoothSwiGLU
 from fp8lab.nn.state import delayed_states
 
 __all__ = [
@@ -71,6 +74,7 @@ __all__ = [
     "Linear",
     "OperandHandle",
     "OperandRecord",
+    "SmoothSwiGLU",
     "active_recipe",
     "attention_matmul",
     "autocast",

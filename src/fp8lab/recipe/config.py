@@ -49,6 +49,9 @@ BACKWARD_OPERANDS: dict[str, dict[str, str]] = {
 }
 SAVE_MODES = ("quantized", "high_precision")
 LOSS_SCALINGS = ("none", "static", "dynamic")
+#: norm affine parameters (RMSNorm/LayerNorm weight and bias): kept as they are, or quantized
+#: with the weight role's spec before use (Su et al. arXiv 2506.20752, MX LayerNorm affine)
+NORM_WEIGHTS = ("high_precision", "quantized")
 #: storage of the AdamW moments (fp8lab.optim.AdamW's state_precision; "fp8" = block-scaled E4M3)
 OPTIMIZER_STATES = ("fp32", "bf16", "fp16", "fp8", "e4m3", "e5m2")
 

@@ -22,7 +22,9 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   (``dpa``, a `DPAConfig`: the ``[dpa]`` table; `fp8lab.nn.DotProductAttention`);
 * the token dispatch format of mixture-of-experts blocks (``moe``, a `MoEConfig`: the ``[moe]``
   table; `fp8lab.nn.moe`);
-* the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab).
+* the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab);
+* whether norm affine parameters are quantized with the weight role's spec
+  (``norm_weights``: ``"high_precision"``, the default, or ``"quantized"``; the lab's GPT).
 
 Granularity convention: a role's block shape is written for the tensor in its natural layout
 (``input`` ``[tokens, in]``, ``weight`` ``[out, in]``, ``grad_output`` ``[tokens, out]``) as used by
@@ -57,6 +59,7 @@ from fp8lab.recipe.config import (
     GEMM_OPERANDS,
     GEMMS,
     LOSS_SCALINGS,
+    NORM_WEIGHTS,
     OPTIMIZER_STATES,
     ROLES,
     SAVE_MODES,
@@ -113,6 +116,7 @@ class Recipe:
     dpa: DPAConfig = field(default_factory=DPAConfig)
     optimizer_state: str = "fp32"
     master_weights: str = "fp32"
+    norm_weights: str = "high_precision"
     loss_scaling: str = "none"
     loss_scale: float = 2.0**16
     description: str = ""
@@ -137,6 +141,7 @@ class Recipe:
             raise ValueError(f"loss_scale must be finite and > 0, got {self.loss_scale}")
         object.__setattr__(self, "loss_scale", float(self.loss_scale))
         check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
+        check_choice(self.norm_weights, NORM_WEIGHTS, "norm_weights")
         if self.master_weights not in ("fp32", "bf16", "fp16"):
             raise ValueError(
                 f"master_weights must be fp32, bf16 or fp16, got {self.master_weights!r}"
@@ -286,6 +291,8 @@ class Recipe:
             d["moe"] = self.moe.to_dict()
         if not self.dpa.is_default:  # absent otherwise: fingerprints stay as they were
             d["dpa"] = self.dpa.to_dict()
+        if self.norm_weights != "high_precision":  # absent at the default: fingerprints stay
+            d["norm_weights"] = self.norm_weights
         if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
             d["layer"] = [r.to_dict() for r in self.layers]
         return d
@@ -389,5 +396,7 @@ class Recipe:
             lines.append(f"  moe: {self.moe.describe()}")
         if not self.dpa.is_default:
             lines.append(f"  dpa: {self.dpa.describe()}")
+        if self.norm_weights != "high_precision":
+            lines.append(f"  norm_weights={self.norm_weights}")
         lines += [f"  layer {i}: {r.describe()}" for i, r in enumerate(self.layers, 1)]
         return "\n".join(lines)
