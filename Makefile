@@ -29,17 +29,22 @@ demo-debug: $(STAMP)
 	$(FP8LAB) debug --scenario gradient-spike --jobs 2 --threads 1 --out runs/demo-debug
 	$(PY) scripts/check_report.py runs/demo-debug/report.html
 
+# pytest on JOBS worker processes (pytest-xdist; JOBS=2: the CI machine's two cores; JOBS=1 is
+# one worker), an idle worker taking tests queued for a busy one; the slowest 15 listed at the end
+JOBS ?= 2
+PYTEST := $(PY) -m pytest -n $(JOBS) --dist worksteal --durations=15
+
 # The fast suite (every test not marked slow) on the default kernels (numba on the CPU), then the
 # numeric subset again on the device-generic torch kernels (test-torch-kernels, below): the oracle
 # suite on both backends. <= 10 min on a quiet 2-core machine.
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow"
-	FP8LAB_KERNELS=torch $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
+	$(PYTEST) -m "not slow"
+	FP8LAB_KERNELS=torch $(PYTEST) $(REPEAT) $(NUMERIC_TESTS)
 
 # The tests marked slow: end-to-end debugger runs, multi-process torch.distributed runs, the
 # studies' smallest stages, the gpu_check smoke run. CI runs it after make test.
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PYTEST) -m slow
 
 # The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
 # stats; the bit-for-bit tests of fp8lab's own arithmetic) again under AVX2 kernels, as on a CPU
@@ -62,13 +67,13 @@ AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU
 test-avx2: $(STAMP)
 	$(AVX2_ENV) $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 		print('torch CPU capability:', c); assert c in ('AVX2', 'DEFAULT'), c"
-	$(AVX2_ENV) $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
+	$(AVX2_ENV) $(PYTEST) $(REPEAT) $(NUMERIC_TESTS)
 
 # The numeric subset again on the device-generic torch kernels (FP8LAB_KERNELS=torch): the same
 # bits as numba. tests/conftest.py makes every numba kernel raise in this run, so a result that
 # still came from numba fails; tests of numba kernels themselves are marked numba_only and skipped.
 test-torch-kernels: $(STAMP)
-	FP8LAB_KERNELS=torch $(PY) -m pytest $(REPEAT) $(NUMERIC_TESTS)
+	FP8LAB_KERNELS=torch $(PYTEST) $(REPEAT) $(NUMERIC_TESTS)
 
 # The README's (and docs') result tables from runs/demo and runs/demo-long (make demo /
 # make demo-long first), each with the machine and date it came from

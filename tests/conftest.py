@@ -4,6 +4,7 @@ the helpers kept here (``from tiny_lab import tiny_lab_toml``)."""
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
 import pytest
@@ -18,6 +19,10 @@ def _torch_kernels_run() -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The CLI's tables take their width from COLUMNS (a pipe without it: 120 columns). pytest-xdist's
+    # workers inherit COLUMNS=80 and LINES=24 from its launcher: a test that wants a width says so.
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
     config.addinivalue_line(
         "markers",
         "numba_only: tests numba kernels themselves; skipped under FP8LAB_KERNELS=torch",

@@ -32,8 +32,12 @@ def _variable(name: str) -> str:
 
 def test_fast_and_slow_passes_run_every_test_between_them() -> None:
     # no -k or path: the fast pass takes every test not marked slow, test-slow the rest
-    assert _recipe("test")[0] == '$(PY) -m pytest -m "not slow"', _recipe("test")
-    assert _recipe("test-slow") == ["$(PY) -m pytest -m slow"], _recipe("test-slow")
+    pytest = _variable("PYTEST")
+    assert pytest.startswith("$(PY) -m pytest -n $(JOBS) "), pytest
+    options = pytest.removeprefix("$(PY) -m pytest")
+    assert " -m " not in options and " -k " not in options, pytest  # no selection of its own
+    assert _recipe("test")[0] == '$(PYTEST) -m "not slow"', _recipe("test")
+    assert _recipe("test-slow") == ["$(PYTEST) -m slow"], _recipe("test-slow")
 
 
 def test_ci_runs_the_fast_slow_and_avx2_passes() -> None:
@@ -46,7 +50,7 @@ def test_repeats_leave_out_only_the_no_arithmetic_and_slow_tests() -> None:
     assert _variable("REPEAT") == '-m "not no_arithmetic and not slow"'
     repeats = [_recipe("test")[1], _recipe("test-torch-kernels")[0], _recipe("test-avx2")[-1]]
     for line in repeats:
-        assert line.endswith("-m pytest $(REPEAT) $(NUMERIC_TESTS)"), line
+        assert line.endswith("$(PYTEST) $(REPEAT) $(NUMERIC_TESTS)"), line
     assert repeats[0].startswith("FP8LAB_KERNELS=torch ") and repeats[2].startswith("$(AVX2_ENV) ")
 
 
