@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "quantize": "fp8lab.qtensor",
     "fake_quant": "fp8lab.qtensor",
     "retile": "fp8lab.qtensor",
+    "rht16": "fp8lab.qtensor",
+    "hadamard_transform": "fp8lab.qtensor",
     "DelayedScaling": "fp8lab.scaling",
     "DelayedScalingConfig": "fp8lab.scaling",
     # L2 GEMM and recipes

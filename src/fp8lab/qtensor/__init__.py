@@ -12,7 +12,9 @@ NaN, and `fp8lab.scaling.granularity` for block shapes and ragged edges.
 
 Modules: `spec` (QuantSpec), `tensor` (QTensor), `quantizer` (Quantizer: one operand's
 quantization and its state; the output-buffer pool), `quantize` (quantize, fake_quant),
-`retile` (retile, retile_counts), `kernels` (numba amax and cast kernels). The fused scale-rule
+`retile` (retile, retile_counts), `kernels` (numba amax and cast kernels), `transforms`
+(`rht16`, `hadamard_transform`: block Hadamard transforms before quantizing), `nvfp4` (NVFP4's
+per-row second level and "4 over 6"). The fused scale-rule
 kernels live beside the rules in `fp8lab.scaling.rule_kernels`.
 """
 
@@ -26,13 +28,16 @@ from fp8lab.qtensor.quantizer import Quantizer
 from fp8lab.qtensor.retile import retile, retile_counts
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
+from fp8lab.qtensor.transforms import hadamard_transform, rht16
 
 __all__ = [
     "QTensor",
     "QuantSpec",
     "Quantizer",
     "fake_quant",
+    "hadamard_transform",
     "quantize",
     "retile",
     "retile_counts",
+    "rht16",
 ]

@@ -29,8 +29,10 @@ import torch
 
 from fp8lab._counters import read_counts
 from fp8lab.qtensor.kernels import _fast_params, block_amax, scale_cast
+from fp8lab.qtensor.nvfp4 import four_over_six_scales, second_level_amax
 from fp8lab.qtensor.spec import QuantSpec, split_state
 from fp8lab.qtensor.tensor import QTensor
+from fp8lab.qtensor.transforms import transform_along
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import check_fit, num_blocks, resolve_block
@@ -75,14 +77,6 @@ class Quantizer:
         delayed = delayed if delayed is not None else bound
         self.spec = spec
         self.block = spec.block
-        if (
-            spec.rht
-            or spec.four_over_six
-            or spec.row_scaled
-            or spec.hadamard
-            or spec.scaling == "quest"
-        ):
-            raise NotImplementedError(f"{spec.describe()}: not implemented yet")
         sc = spec.scaling
         self.throwaway = delayed is None and spec.is_delayed
         if delayed is not None:
@@ -140,7 +134,17 @@ class Quantizer:
         pass; it becomes the QTensor's memoised `QTensor.dequantize`). ``source``: the tensor
         a straight-through gradient flows to. Inputs are not validated here (`fp8lab.quantize`
         does that). Any device: the kernels follow ``x2``'s (`fp8lab.kernels.use_torch`), and a
-        delayed-scaling state moves there (`DelayedScaling.to`)."""
+        delayed-scaling state moves there (`DelayedScaling.to`).
+
+        A spec with ``rht`` or ``hadamard`` first transforms ``x2`` along its block axis
+        (`fp8lab.qtensor.transforms`; ValueError when that axis is not a multiple of the
+        transform's size) and quantizes the transformed tensor: the QTensor holds (and
+        dequantizes to) the transformed domain."""
+        spec = self.spec
+        axis = spec.transform_axis
+        if axis is not None:
+            n, what = (16, "rht=True") if spec.rht else (spec.hadamard, f"hadamard={spec.hadamard}")
+            x2 = transform_along(x2, axis, n, spec.rht, what)  # type: ignore[arg-type]
         m, k, nr, nc = self.geometry(x2.shape)
         s, inv, g = self._scales(x2, m, k, nr, nc, value_for_inf)
         values = scale_cast(x2, s, m, k, self._grid, self.spec, generator, out,
@@ -179,6 +183,9 @@ class Quantizer:
             fixed = float(spec.scaling)  # type: ignore[arg-type]
             s = torch.full((nr, nc), fixed, dtype=torch.float32, device=x2.device)
             return s, torch.reciprocal(s), None
+        if rule == "quest":
+            s = _rules.quest_scale(_block_std(x2, m, k, nr, nc), spec.fmt)
+            return s, torch.reciprocal(s), None
         amax = block_amax(x2, m, k, nr, nc)
         if rule == "max" or rule in MX_RULES:
             # the rule and its reciprocal in one numba pass over the block amaxes (a handful of
@@ -190,9 +197,15 @@ class Quantizer:
             s, inv = run_rule(kernel, args, amax)
             return s, inv, None
         if rule == "nvfp4":
-            tensor_amax = amax.amax() if (spec.two_level and amax.numel()) else None
-            if spec.two_level and tensor_amax is None:
-                tensor_amax = torch.zeros((), device=x2.device)
+            if spec.four_over_six is not None:
+                enc, s_blk, s_dec = four_over_six_scales(
+                    x2, amax, (m, k), spec.four_over_six, spec.four_over_six_bound,  # type: ignore[arg-type]
+                    spec.row_scaled,
+                )  # fmt: skip
+                return enc, s_blk, s_dec
+            tensor_amax = None
+            if spec.two_level:
+                tensor_amax = second_level_amax(amax, (m, k), spec.row_scaled)
             s_blk, s_dec, enc = _rules.nvfp4_scales(
                 amax, tensor_amax, spec.fmt, scale_format=spec.scale_format,
                 tensor_scale=spec.tensor_scale,
@@ -224,6 +237,20 @@ class Quantizer:
     def __repr__(self) -> str:
         own = "" if self.delayed is None else f", step={self.delayed.step}"
         return f"Quantizer({self.spec.describe()}{own})"
+
+
+def _block_std(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tensor:
+    """Per-block population standard deviation ``sqrt(mean(x**2) - mean(x)**2)`` (float32
+    ``[nr, nc]``), computed in float64 and rounded once to float32 (a negative variance from
+    rounding counts as 0). Ragged blocks count their zero padding as elements."""
+    xp = x2.to(torch.float64)
+    if (nr * m, nc * k) != tuple(x2.shape):
+        xp = xp.new_zeros((nr * m, nc * k))
+        xp[: x2.shape[0], : x2.shape[1]] = x2
+    b = xp.reshape(nr, m, nc, k)
+    mean = b.mean(dim=(1, 3))
+    var = (b * b).mean(dim=(1, 3)) - mean * mean
+    return var.clamp(min=0).sqrt().to(torch.float32)
 
 
 def _rule_args(spec: QuantSpec) -> tuple[Any, tuple[Any, ...]] | None:

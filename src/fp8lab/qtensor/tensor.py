@@ -28,7 +28,8 @@ class QTensor:
             for MX exact powers of two, for NVFP4 the E4M3 block scales). Blocks tile the 2-D
             view ``[R, C]`` of the tensor (`fp8lab.scaling.granularity`).
         spec: the `QuantSpec` used.
-        global_scale: NVFP4's FP32 tensor-level dequantization scale (``None`` otherwise).
+        global_scale: NVFP4's FP32 tensor-level dequantization scale (``None`` otherwise): 0-d,
+            or ``[R, 1]`` / ``[1, C]`` for a row-scaled spec (one per row / per column).
         retiled: how many re-tilings led to this tensor (0 for a direct quantization).
         meta: free-form notes (re-tiling source and added error).
         scale_multipliers: the per-block *quantization* multipliers actually used
@@ -207,7 +208,10 @@ class QTensor:
             scales=self.scales.t(),
             spec=self.spec.transposed() if spec is None else spec,
             block_shape=None if bs is None else (bs[1], bs[0]),
-            global_scale=self.global_scale,
+            # a row-scaled NVFP4 tensor's per-row [R, 1] scale becomes per-column
+            global_scale=self.global_scale.t()
+            if self.global_scale is not None and self.global_scale.dim() == 2
+            else self.global_scale,
             retiled=self.retiled,
             meta=dict(self.meta),
             scale_multipliers=None
