@@ -13,6 +13,12 @@ vocabulary is the 256 byte values. Every projection is a bias-free ``torch.nn.Li
     blocks.{i}.mlp.down    [d_model, d_ff]        SwiGLU down projection
     lm_head                [vocab_size, d_model]  output head (kept high precision by convert())
 
+With ``n_experts > 1`` each block's MLP is a mixture of experts (`fp8lab.nn.MoE`, docs/moe.md):
+an fp32 router ``blocks.{i}.mlp.router.weight [n_experts, d_model]`` sends each token to its
+``top_k`` experts, each a SwiGLU of the sizes above (``blocks.{i}.mlp.gate.experts.{e}``, ``up``
+and ``down`` alike, `fp8lab.nn.GroupedLinear`), tokens dispatched in the recipe's ``[moe]
+dispatch`` format. ``n_experts = 1`` (the default) is the dense MLP, no router.
+
 Attention runs in ``F.scaled_dot_product_attention``, except when the recipe the block's ``qkv``
 projection runs under (the one ``convert`` gave it, or an ``fp8lab.nn.autocast`` override) sets
 ``attention=True``: then its two matmuls (``q kᵀ`` and ``p v``) go through
@@ -35,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8lab.nn import Linear, active_recipe, attention_matmul
+from fp8lab.nn import GroupedLinear, Linear, MoE, active_recipe, attention_matmul
+from fp8lab.nn.moe import check_experts
 from fp8lab.recipe import Recipe
 
 
@@ -56,6 +63,8 @@ class GPTConfig:
     norm: str = "rmsnorm"  # "rmsnorm" | "layernorm" (weight and bias)
     mlp: str = "swiglu"  # "swiglu" | "smooth_swiglu" (fp8lab.nn.SmoothSwiGLU)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before q kᵀ
+    n_experts: int = 1  # > 1: a mixture-of-experts MLP (fp8lab.nn.MoE)
+    top_k: int = 1  # experts per token (<= n_experts)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,6 +79,12 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(
                 f"GPTConfig: d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+        check_experts(self.n_experts, self.top_k)
+        if self.n_experts > 1 and self.mlp != "swiglu":
+            raise ValueError(
+                f"GPTConfig: n_experts = {self.n_experts} builds SwiGLU experts; mlp = "
+                f"{self.mlp!r} is a dense MLP option (use mlp = 'swiglu' with experts)"
             )
 
     def to_dict(self) -> dict:
@@ -92,9 +107,16 @@ def _check_option(name: str, value: object) -> None:
         raise ValueError(f"GPTConfig.{name} must be one of {shown}, got {value!r}")
 
 
+#: the mixture-of-experts sizes and their defaults (``n_experts = 1``: the dense MLP, no
+#: router); absent from ``to_dict`` at the default too
+MOE_DEFAULTS = {"n_experts": 1, "top_k": 1}
+
+
 def without_default_options(d: dict) -> dict:
-    """``d`` (a model config's plain data) without the options (:data:`OPTIONS`) at default."""
-    return {k: v for k, v in d.items() if k not in OPTIONS or v != OPTIONS[k][0]}
+    """``d`` (a model config's plain data) without the options (:data:`OPTIONS`) and the
+    mixture-of-experts sizes (:data:`MOE_DEFAULTS`) at their defaults."""
+    defaults = {**{k: v[0] for k, v in OPTIONS.items()}, **MOE_DEFAULTS}
+    return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
 
 
 def norm_affine(p: torch.Tensor | None, recipe: Recipe | None) -> torch.Tensor | None:
@@ -146,6 +168,8 @@ def recipe_of(layer: nn.Module) -> Recipe | None:
     """The recipe a (converted) projection runs under: the one ``convert`` gave it, or an
     ``fp8lab.nn.autocast`` override, with its ``[[layer]]`` rules resolved (None: a plain
     torch layer)."""
+    if isinstance(layer, GroupedLinear):  # a mixture of experts: its experts' recipe
+        return layer.recipe()
     own = layer.recipe if isinstance(layer, Linear) else None
     r = active_recipe(own)
     return r if r is None or not r.layers else r.for_layer(getattr(layer, "name", "") or "")
@@ -222,6 +246,8 @@ class Block(nn.Module):
 
 
 def _mlp(cfg: GPTConfig) -> nn.Module:
+    if cfg.n_experts > 1:
+        return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k)
     if cfg.mlp == "smooth_swiglu":
         from fp8lab.nn import SmoothSwiGLU
 
@@ -250,7 +276,7 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             elif name.endswith("norm.bias"):
                 p.zero_()
-            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight")) or ".mlp.down." in name:
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer))
             else:
                 p.normal_(0.0, std)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8lab.lab import weights
-from fp8lab.lab.gpt import GPT, OPTIONS, GPTConfig, without_default_options
+from fp8lab.lab.gpt import GPT, MOE_DEFAULTS, OPTIONS, GPTConfig, without_default_options
 
 BUILTIN = "gpt"
 HF_PREFIX = "hf:"
@@ -94,7 +94,7 @@ class ModelConfig(GPTConfig):
         return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})
 
     def to_dict(self) -> dict:
-        d = without_default_options(asdict(self))  # norm, mlp, qk_norm: only when set
+        d = without_default_options(asdict(self))  # norm, mlp, qk_norm, n_experts, top_k: when set
         if self.factory == BUILTIN:  # the built-in GPT's configuration stays what it always was
             del d["factory"]
         if not self.init_from:
@@ -324,10 +324,11 @@ def check_factory_keys(model_cfg: GPTConfig, keys: list[str], where: str) -> Non
     if is_builtin(model_cfg):
         return
     spec = factory_of(model_cfg)
-    options = [k for k in keys if k in OPTIONS]
+    options = [k for k in keys if k in OPTIONS or k in MOE_DEFAULTS]
     if options:
         raise ValueError(
-            f"{where} model.{options[0]}: a built-in GPT option (norm, mlp, qk_norm); --model "
+            f"{where} model.{options[0]}: a built-in GPT option (norm, mlp, qk_norm, n_experts, "
+            f"top_k); --model "
             f"{spec!r} is built by its factory, which the lab cannot change (its attention, "
             "norms and MLP are its own); drop the key or set it in the model"
         )

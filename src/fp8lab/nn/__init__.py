@@ -29,6 +29,10 @@ Two lines, as with Transformer Engine or torchao::
   path with its 2^8 offset of P); plain fp32 attention otherwise (docs/attention.md).
 * :class:`SmoothSwiGLU` — SwiGLU with per-channel smoothing before the quantized down
   projection (Fishman et al., arXiv 2409.12517; the lab's ``--set model.mlp=smooth_swiglu``).
+* :class:`GroupedLinear` — the expert weights of a mixture-of-experts layer: one `Linear` per
+  expert over jagged token groups, each group padded to the recipe's alignment as the grouped
+  GEMM kernels pad it; :class:`MoE` — an fp32 top-k router, token dispatch in the recipe's
+  ``[moe] dispatch`` wire format and SwiGLU experts (docs/moe.md).
 * :func:`collect_operands` — per-layer, per-GEMM, per-role operands on the steps you sample.
 
 * :func:`on_operand` — ``handle = on_operand(fn)``: ``fn(layer, gemm, role, source, used)`` for
@@ -45,7 +49,8 @@ Layout: ``linear.py`` (the module, its autograd Function with the three GEMMs, t
 plumbing) -> `fp8lab.qtensor.Quantizer` (one per operand) -> `fp8lab.gemm.matmul`. Beside it:
 ``plan.py`` (the recipe resolved once into quantizers and reuse decisions), ``state.py`` (a
 module's delayed-scaling states), ``context.py`` (autocast), ``attention.py``, ``collect.py``,
-``convert.py``, ``dpa.py`` (`DotProductAttention`).
+``convert.py``, ``dpa.py`` (`DotProductAttention`), ``grouped.py`` and ``moe.py`` (mixture
+of experts, on top of `Linear`).
 """
 
 from fp8lab.nn.attention import attention_matmul
@@ -59,19 +64,23 @@ from fp8lab.nn.convert import (
     select_linears,
     unconvert,
 )
-from fp8lab.nn.dpa import DotProductAttention
 from fp8lab.nn.debug_checkpoint import read_debug_checkpoint, save_debug_checkpoint
+from fp8lab.nn.dpa import DotProductAttention
 from fp8lab.nn.fp8_state import FP8_STATE_FILE, load_fp8_state, save_fp8_state
+from fp8lab.nn.grouped import GroupedLinear
 from fp8lab.nn.linear import GatheredWeight, Linear, OperandHandle, on_operand
+from fp8lab.nn.moe import MoE
 from fp8lab.nn.smooth_swiglu import SmoothSwiGLU
 from fp8lab.nn.state import delayed_states
 
 __all__ = [
     "DEFAULT_EXCLUDE",
-    "DotProductAttention",
     "FP8_STATE_FILE",
+    "DotProductAttention",
     "GatheredWeight",
+    "GroupedLinear",
     "Linear",
+    "MoE",
     "OperandHandle",
     "OperandRecord",
     "SmoothSwiGLU",

@@ -1,0 +1,192 @@
+"""A mixture-of-experts SwiGLU block: an fp32 top-k router, token dispatch in the recipe's wire
+format, three `fp8lab.nn.GroupedLinear` expert GEMMs, and the weighted combine.
+
+::
+
+    x [T, C] --router (fp32)--> top-k experts and gates per token
+      --permute (tokens sorted by expert) --dispatch wire--> xs [T*k, C]
+      --gate, up: GroupedLinear --silu(gate) * up--> h --down: GroupedLinear--> ys [T*k, C]
+      --combine wire--> y[t] = sum over the token's k experts of gate * ys   [T, C]
+
+**Router.** ``logits = x W_rᵀ`` in fp32 (the router weight is a plain Parameter, never
+converted, and runs outside ``torch.autocast``; Megatron's ``--moe-router-dtype fp32``), the
+top-k logits per token and their softmax as gates: Mixtral's gating ``G(x) = Softmax(TopK(x
+W_g))`` (arXiv 2401.04088, eq. 1). DeepSeek-V3 gates with sigmoid affinities normalised over the
+selected experts and balances load with a bias instead of a loss (arXiv 2412.19437, section
+2.1.2); neither is modelled here, nor an auxiliary load-balancing loss.
+
+**Wire format** (the recipe's ``[moe] dispatch``, `fp8lab.recipe.MoEConfig`): the dispatch
+all-to-all sends the routed tokens in that format (forward) and the combine's backward sends the
+gradients of the expert outputs in it; the combine's forward and the dispatch's backward stay
+BF16 (DeepSeek-V3 section 3.3.2; torchao ``moe_training/ep``). Simulated as quantize-dequantize
+of the sent tensor (`wire`); the bytes it would put on the wire are counted (`wire_bytes`,
+`MoE.last_wire_bytes`). Without a recipe (plain torch experts) nothing is rounded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8lab.nn.grouped import GroupedLinear
+from fp8lab.nn.linear import round_high_precision
+from fp8lab.qtensor import QuantSpec, quantize
+from fp8lab.recipe import Recipe
+
+__all__ = ["WIRE_SPECS", "MoE", "Router", "check_experts", "wire", "wire_bytes"]
+
+#: the quantization of each ``[moe] dispatch`` format (None: BF16 rounding)
+WIRE_SPECS: dict[str, QuantSpec | None] = {
+    "bf16": None,
+    # DeepSeek-V3: FP8 E4M3 with one FP32 scale per 1x128 tile (amax/448)
+    "fp8": QuantSpec("e4m3", granularity=(1, 128), scaling="max"),
+    # torchao a2a_dispatch: triton_to_mxfp8_dim0, 1x32 blocks, RCEIL E8M0 scales
+    "mxfp8": QuantSpec("e4m3", granularity="mx", scaling="mx_rceil"),
+}
+
+#: bytes of one scale of each wire format's blocks (FP32 tiles, E8M0 MX scales)
+_SCALE_BYTES = {"fp8": 4, "mxfp8": 1}
+
+
+def _send(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` as the receiving rank gets it in wire format ``fmt`` (float32)."""
+    spec = WIRE_SPECS[fmt]
+    x = x.float().contiguous()
+    if spec is None:
+        return round_high_precision(x, "bf16")
+    return quantize(x, spec).dequantize()
+
+
+class _Wire(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):  # type: ignore[override]
+        ctx.bwd = bwd
+        return _send(x, fwd)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return _send(g, ctx.bwd), None, None
+
+
+def wire(x: torch.Tensor, forward: str, backward: str) -> torch.Tensor:
+    """``x`` sent in format ``forward`` (``bf16``/``fp8``/``mxfp8``, `WIRE_SPECS`), its gradient
+    sent back in ``backward``; ``x [rows, hidden]`` float, returned float32."""
+    for f in (forward, backward):
+        if f not in WIRE_SPECS:
+            raise ValueError(f"wire format must be one of {tuple(WIRE_SPECS)}, got {f!r}")
+    return _Wire.apply(x, forward, backward)
+
+
+def wire_bytes(rows: int, hidden: int, fmt: str) -> int:
+    """Bytes of ``rows`` tokens of width ``hidden`` in wire format ``fmt``: 2 per element in BF16;
+    1 per element plus the scales (one per 1x128 tile in FP32 for ``fp8``, one per 1x32 block
+    in E8M0 for ``mxfp8``; a ragged last block has its own scale)."""
+    if fmt == "bf16":
+        return 2 * rows * hidden
+    spec = WIRE_SPECS[fmt]
+    if spec is None or fmt not in _SCALE_BYTES:
+        raise ValueError(f"wire format must be one of {tuple(WIRE_SPECS)}, got {fmt!r}")
+    blocks = math.ceil(hidden / spec.block[1])
+    return rows * hidden + rows * blocks * _SCALE_BYTES[fmt]
+
+
+class Router(nn.Module):
+    """Top-k softmax gating in fp32 (see the module docstring). ``forward(x [T, C])`` ->
+    ``(gates [T, k] float32, experts [T, k] int64)``."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        check_experts(n_experts, top_k)
+        self.n_experts, self.top_k = n_experts, top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+
+
+def check_experts(n_experts: Any, top_k: Any, where: str = "model") -> None:
+    """``ValueError`` naming ``where`` unless 1 <= top_k <= n_experts (integers)."""
+    for key, v in (("n_experts", n_experts), ("top_k", top_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{where}.{key} must be an integer >= 1, got {v!r}")
+    if top_k > n_experts:
+        raise ValueError(
+            f"{where}.top_k ({top_k}) must be <= {where}.n_experts ({n_experts}): each token "
+            "picks top_k distinct experts"
+        )
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts: ``down(silu(gate(x)) * up(x))`` per expert (see the module
+    docstring). ``gate``, ``up`` ``[d_ff, d_model]`` and ``down`` ``[d_model, d_ff]`` are
+    `GroupedLinear` of ``n_experts`` experts (``recipe=None``: plain torch experts, converted
+    later by `fp8lab.nn.convert`). ``forward(x [..., d_model])`` -> same shape.
+
+    After each forward: ``last_tokens`` (tokens routed to each expert), ``last_wire_bytes``
+    (``{"dispatch": .., "combine": ..}``, the forward sends) and the experts' padded rows
+    (``gate.last_padded_rows``)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        recipe: Recipe | str | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.router = Router(d_model, n_experts, top_k)
+        pre = "" if name is None else f"{name}."
+        kw: dict[str, Any] = {"recipe": recipe}
+        self.gate = GroupedLinear(n_experts, d_model, d_ff, name=name and pre + "gate", **kw)
+        self.up = GroupedLinear(n_experts, d_model, d_ff, name=name and pre + "up", **kw)
+        self.down = GroupedLinear(n_experts, d_ff, d_model, name=name and pre + "down", **kw)
+        self.last_tokens: list[int] = [0] * n_experts
+        self.last_wire_bytes: dict[str, int] = {"dispatch": 0, "combine": 0}
+
+    def dispatch_format(self) -> str | None:
+        """The recipe's ``[moe] dispatch`` (None: plain torch experts, nothing rounded)."""
+        r = self.gate.recipe()
+        return None if r is None else r.moe.dispatch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        gates, experts = self.router(x2)
+        k = self.router.top_k
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        token = order // k
+        sizes = torch.bincount(flat, minlength=self.router.n_experts).tolist()
+        self.last_tokens = sizes
+        xs = x2[token]
+        fmt = self.dispatch_format()
+        if fmt is not None:
+            xs = wire(xs, fmt, "bf16")
+        h = F.silu(self.gate(xs, sizes)) * self.up(xs, sizes)
+        ys = self.down(h, sizes)
+        if fmt is not None:
+            ys = wire(ys, "bf16", fmt)
+        rows, hidden = xs.shape
+        self.last_wire_bytes = (
+            {"dispatch": 0, "combine": 0}
+            if fmt is None
+            else {
+                "dispatch": wire_bytes(rows, hidden, fmt),
+                "combine": wire_bytes(rows, hidden, "bf16"),
+            }
+        )
+        weighted = ys * gates.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        out = torch.zeros(x2.shape[0], ys.shape[1], dtype=ys.dtype, device=ys.device)
+        out = out.index_add(0, token, weighted)
+        return out.reshape(*shape[:-1], ys.shape[1]).to(x.dtype)
