@@ -85,11 +85,11 @@ def wire_bytes(rows: int, hidden: int, fmt: str) -> int:
     """Bytes of ``rows`` tokens of width ``hidden`` in wire format ``fmt``: 2 per element in BF16;
     1 per element plus the scales (one per 1x128 tile in FP32 for ``fp8``, one per 1x32 block
     in E8M0 for ``mxfp8``; a ragged last block has its own scale)."""
-    if fmt == "bf16":
-        return 2 * rows * hidden
-    spec = WIRE_SPECS[fmt]
-    if spec is None or fmt not in _SCALE_BYTES:
+    if fmt not in WIRE_SPECS:
         raise ValueError(f"wire format must be one of {tuple(WIRE_SPECS)}, got {fmt!r}")
+    spec = WIRE_SPECS[fmt]
+    if spec is None:
+        return 2 * rows * hidden
     blocks = math.ceil(hidden / spec.block[1])
     return rows * hidden + rows * blocks * _SCALE_BYTES[fmt]
 
