@@ -24,6 +24,12 @@ quantization share of current scaling on H200, and the recipe ordering.
 
 (The first calibration fitted the autocast fprop sums alone; on B300 that could not tell GEMM
 time from quantization time and predicted the raw kernels 11-47 % too fast: docs/cost.md.)
+
+**Blackwell from B200 figures** (`blackwell_calibration`, the ``b200`` entry): no TE timing and no
+B300 number; each GEMM class's efficiency is a named public B200 GEMM throughput over the b200
+table's dense peak, the bandwidth efficiency a named B200 cast kernel's GB/s over its bandwidth
+(``data/b200_gemm_figures.toml``). `b300_speedup_check` prices TE's B300 benchmark with it (held
+out entirely); `nvfp4_blog_check` sets it against NVIDIA's end-to-end Llama 3 8B NVFP4 figure.
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ from fp8lab.cost.model import TransformerShape, price_layer
 __all__ = [
     "SPLIT",
     "Residual",
+    "b200_figures",
+    "b300_speedup_check",
+    "blackwell_calibration",
     "calibrate",
     "calibration_toml",
     "cross_architecture_check",
     "external_check",
+    "nvfp4_blog_check",
     "ordering_check",
     "published",
     "quantization_share",
@@ -131,11 +141,38 @@ def _fit_device(name: str) -> dict[str, Any]:
     return cal
 
 
+@cache
+def b200_figures() -> dict[str, Any]:
+    """The named B200 figures (``data/b200_gemm_figures.toml``)."""
+    return tomllib.loads((DATA / "b200_gemm_figures.toml").read_text())
+
+
+def blackwell_calibration() -> dict[str, Any]:
+    """Blackwell efficiencies from named B200 figures only (module docstring): GEMM class ->
+    published TFLOPS / the b200 table's dense peak (a class marked ``same_as`` borrows another's),
+    bandwidth efficiency = the cast kernel's GB/s / the b200 bandwidth. Uses no B300 number."""
+    fig = b200_figures()
+    dev = get_device("b200", calibration={})
+    eff: dict[str, float] = {}
+    for cls, row in fig["gemm"].items():
+        if "tflops" in row:
+            eff[cls] = row["tflops"] * 1e12 / dev.peak(cls)
+    for cls, row in fig["gemm"].items():
+        if "same_as" in row:
+            eff[cls] = eff[row["same_as"]]
+    fitted = [f"b200 {cls} GEMM" for cls, row in fig["gemm"].items() if "tflops" in row]
+    return {
+        "efficiency": eff,
+        "bandwidth_efficiency": fig["quantize"]["gbs"] * 1e9 / dev.bandwidth,
+        "fitted_on": [*fitted, "b200 mxfp8 cast kernel"],
+    }
+
+
 def calibrate() -> dict[str, Any]:
     """Fit every calibrated architecture on the `SPLIT` passes (module docstring): ``{device:
     {"efficiency": {class: e}, "bandwidth_efficiency": b, "fitted_on": ["RECIPE fprop", "RECIPE
-    fprop (pre-quantized)", ...]}}``."""
-    return {name: _fit_device(name) for name in _FIT}
+    fprop (pre-quantized)", ...]}}``, plus ``b200``: `blackwell_calibration`."""
+    return {**{name: _fit_device(name) for name in _FIT}, "b200": blackwell_calibration()}
 
 
 def calibration_toml(cal: dict[str, Any]) -> str:
@@ -143,7 +180,8 @@ def calibration_toml(cal: dict[str, Any]) -> str:
     lines = [
         "# Written by fp8lab.cost.calibration.calibrate() (benchmarks/bench_cost.py --write):",
         "# fitted on fprop sums of TE's published GEMM timings only (pre-quantized where published,",
-        "# then te-current's autocast fprop for the quantization kernels); see docs/cost.md.",
+        "# then te-current's autocast fprop for the quantization kernels); b200: named B200 GEMM and",
+        "# cast-kernel figures only (data/b200_gemm_figures.toml); see docs/cost.md.",
     ]
     for name, c in cal.items():
         lines += ["", f"[{name}]", f"bandwidth_efficiency = {c['bandwidth_efficiency']:.6f}"]
@@ -278,6 +316,56 @@ def external_check(cal: dict[str, Any] | None = None) -> dict[str, Any]:
         "reported_order": order_pub,
         "predicted_order": order_pred,
         "agree": order_pub == order_pred,
+    }
+
+
+#: TE's four B300 layer speedups checked against the B200-only calibration
+B300_CHECK = ("te-current", "te-delayed", "mxfp8", "nvfp4")
+
+
+def b300_speedup_check(cal: dict[str, Any] | None = None) -> list[Residual]:
+    """TE's B300 autocast layer speedups over bf16 (``te-benchmark``) priced on B300's peaks and
+    bandwidth with the ``b200`` calibration (`blackwell_calibration`, no B300 number): one
+    ``speedup`` residual per recipe of `B300_CHECK`, all held out."""
+    from fp8lab.cost.devices import load_calibration
+
+    full = load_calibration() if cal is None else cal
+    dev = get_device("b300", calibration={"b300": full["b200"]})
+    pub = published()["b300"]
+    t = {r: price_layer(r, dev, te_shape(), "te-benchmark").layer_ms for r in ("bf16", *B300_CHECK)}
+    return [
+        Residual("b300", r, "speedup", pub["bf16"]["layer"] / pub[r]["layer"],
+                 t["bf16"] / t[r], True)
+        for r in B300_CHECK
+    ]  # fmt: skip
+
+
+def nvfp4_blog_check(cal: dict[str, Any] | None = None) -> dict[str, Any]:
+    """NVIDIA's end-to-end Llama 3 8B NVFP4 speedup on GB200 (priced as ``b200``) against the
+    model's GEMM-only one (the last ``bf16_last_layers`` layers in bf16, as trained), and the
+    non-GEMM share of the bf16 step that the two together imply: with GEMM-only speedup S and
+    end-to-end E, a share f of the bf16 step that NVFP4 leaves unchanged gives 1/E = f + (1-f)/S,
+    so f = (1/E - 1/S) / (1 - 1/S). Reported, not fitted."""
+    chk = b200_figures()["check"]["nvfp4-blog-llama3-8b"]
+    m = chk["model"]
+    shape = TransformerShape(
+        hidden=m["hidden"], ffn=m["ffn"], layers=m["layers"], tokens=m["tokens"],
+        qkv_out=m["qkv_out"], up_out=m["up_out"],
+    )  # fmt: skip
+    dev = get_device(chk["device"], cal)
+    bf16 = price_layer("bf16", dev, shape).layer_ms
+    fp4 = price_layer("nvfp4", dev, shape).layer_ms
+    n, hp = shape.layers, chk["bf16_last_layers"]
+    gemm_speedup = n * bf16 / ((n - hp) * fp4 + hp * bf16)
+    e2e = chk["speedup"]["nvfp4"]
+    share = (1 / e2e - 1 / gemm_speedup) / (1 - 1 / gemm_speedup)
+    return {
+        "source": chk["source"],
+        "status": chk["status"],
+        "device": chk["device"],
+        "reported": e2e,
+        "predicted_gemm_only": gemm_speedup,
+        "implied_non_gemm_share": share,
     }
 
 
