@@ -5,6 +5,19 @@ moments in block-scaled FP8. Here every state is a float32 tensor whose values l
 storage grid (see :mod:`fp8lab.optim._storage`): the update math runs in float32 with the same
 operation order as ``torch.optim.AdamW(foreach=False)``, so ``state_precision="fp32"`` reproduces
 it bit for bit, and each step's new moments are rounded when written back.
+
+Master weights and parameter storage (``param_format``, ``param_specs``, ``master_init``):
+
+* ``param_format`` ``"bf16"``/``"fp16"``: an fp32 master in the state, the parameter holds it
+  rounded; ``"fp16-scaled"``: the master itself is stored in FP16 under one power-of-two scale
+  per tensor (MS-AMP O2), the parameter holds its value; ``"none"``: no master copy, the update is
+  applied to the parameter's (dequantized) value and stored back.
+* ``param_specs`` maps parameters to the `QuantSpec` their FP8 storage uses (TE's
+  ``fp8_model_init`` / Megatron's ``--fp8-param-gather``): after every step the parameter is the
+  dequantized FP8 quantization of its master (``fp8lab.nn.fp8_params``). ``master_init``: the
+  master of such a parameter starts from its high-precision initial value
+  (``"high_precision"``, TE PR 1121's ``preserve_high_precision_init_val``, kept on the
+  parameter as ``_fp8lab_hp_init``) or from the FP8 value (``"from_fp8"``, TE's default path).
 """
 
 from __future__ import annotations
@@ -14,10 +27,36 @@ from typing import Any
 
 import torch
 
-from fp8lab.optim._storage import canonical_storage, round_to, store_
+from fp8lab.optim._storage import (
+    _BLOCK_SCALED,
+    canonical_storage,
+    round_to,
+    store_,
+    store_expanded_,
+)
 from fp8lab.optim.clip import clip_grad_norm_
 
 StatePrecision = str | tuple[str, str]
+
+#: values of ``param_format`` besides the storage names: MS-AMP O2's scaled FP16 master
+#: weights, and no master at all
+MASTER_ONLY = ("fp16-scaled", "none")
+MASTER_INITS = ("high_precision", "from_fp8")
+#: the attribute `fp8lab.nn.fp8_params` keeps a parameter's high-precision initial value in
+HP_INIT_ATTR = "_fp8lab_hp_init"
+
+
+def _parse_param_format(fmt: str | None) -> str | None:
+    if fmt is None or fmt in MASTER_ONLY:
+        return fmt
+    return canonical_storage(fmt)
+
+
+def requantize(w: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``w`` (float32) as FP8 storage under ``spec`` holds it: quantized, then dequantized."""
+    from fp8lab.qtensor import quantize
+
+    return quantize(w.detach().to(torch.float32), spec).dequantize().reshape(w.shape)
 
 
 def _parse_state_precision(sp: StatePrecision) -> tuple[str, str]:
@@ -45,6 +84,13 @@ class AdamW(torch.optim.Optimizer):
         param_format: if given (``"bf16"``, ``"fp16"``, ...), the model parameters hold the master
             weights rounded to that format after every step while an fp32 master copy lives in the
             optimizer state. Parameters whose dtype is not float32 always get an fp32 master copy.
+            ``"fp16-scaled"``: the master is stored as scaled FP16 (MS-AMP O2); ``"none"``: no
+            master copy (module doc).
+        moment_expansion: COAT's dynamic range expansion for the moments stored in FP8
+            (`fp8lab.optim._storage.store_expanded_`); ValueError when neither moment is FP8.
+        param_specs: parameter -> `QuantSpec` of its FP8 storage (module doc).
+        master_init: ``"high_precision"`` or ``"from_fp8"``: where the master of an FP8-stored
+            parameter starts (module doc).
         max_grad_norm: if given, gradients are clipped to this total L2 norm before the update.
         skip_nonfinite: if True (default) a step whose gradients contain NaN/inf is skipped
             entirely and counted in :attr:`skipped_steps`; weights are never touched by it.
@@ -66,6 +112,9 @@ class AdamW(torch.optim.Optimizer):
         param_format: str | None = None,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
+        moment_expansion: bool = False,
+        param_specs: Any = None,
+        master_init: str = "high_precision",
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -80,7 +129,17 @@ class AdamW(torch.optim.Optimizer):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.state_formats = _parse_state_precision(state_precision)
-        self.param_format = None if param_format is None else canonical_storage(param_format)
+        self.param_format = _parse_param_format(param_format)
+        if moment_expansion and not any(f in _BLOCK_SCALED for f in self.state_formats):
+            raise ValueError(
+                f"moment_expansion expands FP8 moments; the moments are stored in "
+                f"{self.state_formats} (give an FP8 state_precision)"
+            )
+        if master_init not in MASTER_INITS:
+            raise ValueError(f"master_init must be one of {MASTER_INITS}, got {master_init!r}")
+        self.moment_expansion = bool(moment_expansion)
+        self.param_specs = dict(param_specs or {})
+        self.master_init = master_init
         self.state_block = state_block
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
@@ -98,14 +157,36 @@ class AdamW(torch.optim.Optimizer):
         from fp8lab.recipe import get_recipe
 
         rec = get_recipe(recipe)
-        kwargs.setdefault("state_precision", rec.optimizer_state)
+        kwargs.setdefault("state_precision", rec.moment_dtypes)
         if rec.master_weights != "fp32":
             kwargs.setdefault("param_format", rec.master_weights)
+        kwargs.setdefault("moment_expansion", rec.moment_expansion)
+        kwargs.setdefault("master_init", rec.param_master_init)
         return cls(params, **kwargs)
 
     # ------------------------------------------------------------------ helpers
     def _needs_master(self, p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32 or self.param_format not in (None, "fp32")
+        if p.dtype != torch.float32:
+            return True
+        if self.param_format == "none":
+            return False
+        return p in self.param_specs or self.param_format not in (None, "fp32")
+
+    def _initial_master(self, p: torch.Tensor) -> torch.Tensor:
+        hp = getattr(p, HP_INIT_ATTR, None)
+        if p in self.param_specs and self.master_init == "high_precision" and hp is not None:
+            w = hp.detach().to(device=p.device, dtype=torch.float32).clone()
+        else:
+            w = p.detach().to(torch.float32).clone()
+        if self.param_format == "fp16-scaled":
+            store_(w, w, "fp16", scaled=True)
+        return w
+
+    def _store_moment(self, st: torch.Tensor, value: torch.Tensor, fmt: str) -> None:
+        if self.moment_expansion and fmt in _BLOCK_SCALED:
+            store_expanded_(st, value, fmt, self.state_block)
+        else:
+            store_(st, value, fmt, self.state_block)
 
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -146,7 +227,7 @@ class AdamW(torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     if self._needs_master(p):
-                        st["master"] = p.detach().to(torch.float32).clone()
+                        st["master"] = self._initial_master(p)
                 w = st.get("master", p)
                 grad = p.grad.to(torch.float32)
                 exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
@@ -161,10 +242,15 @@ class AdamW(torch.optim.Optimizer):
                 step_size = lr / bias_correction1
                 denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
                 w.addcdiv_(m, denom, value=-step_size)
-                store_(exp_avg, m, fm, self.state_block)
-                store_(exp_avg_sq, v, fv, self.state_block)
-                if w is not p:
-                    if self.param_format not in (None, "fp32"):
+                self._store_moment(exp_avg, m, fm)
+                self._store_moment(exp_avg_sq, v, fv)
+                if self.param_format == "fp16-scaled" and w is not p:
+                    store_(w, w, "fp16", scaled=True)
+                spec = self.param_specs.get(p)
+                if spec is not None:  # FP8 storage: re-quantized after every step
+                    p.copy_(requantize(w, spec))
+                elif w is not p:
+                    if self.param_format not in (None, "fp32", *MASTER_ONLY):
                         p.copy_(round_to(w, self.param_format))
                     else:
                         p.copy_(w)
@@ -179,6 +265,8 @@ class AdamW(torch.optim.Optimizer):
             "param_format": self.param_format,
             "state_block": self.state_block,
         }
+        if self.moment_expansion:  # absent otherwise: older checkpoints stay loadable
+            sd["fp8lab"]["moment_expansion"] = True
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -189,12 +277,15 @@ class AdamW(torch.optim.Optimizer):
                 tuple(extra["state_formats"]) != self.state_formats
                 or extra["param_format"] != self.param_format
                 or extra["state_block"] != self.state_block
+                or bool(extra.get("moment_expansion", False)) != self.moment_expansion
             ):
                 raise ValueError(
                     "optimizer state was saved with state formats "
                     f"{tuple(extra['state_formats'])}, param_format {extra['param_format']!r}, "
-                    f"block {extra['state_block']}; this optimizer uses {self.state_formats}, "
-                    f"{self.param_format!r}, block {self.state_block}"
+                    f"block {extra['state_block']}, moment_expansion "
+                    f"{bool(extra.get('moment_expansion', False))}; this optimizer uses "
+                    f"{self.state_formats}, {self.param_format!r}, block {self.state_block}, "
+                    f"moment_expansion {self.moment_expansion}"
                 )
             self.skipped_steps = int(extra["skipped_steps"])
         super().load_state_dict(state_dict)

@@ -18,9 +18,13 @@ __all__ = [
     "GEMM_OPERANDS",
     "HIGH_PRECISIONS",
     "LOSS_SCALINGS",
+    "MASTER_WEIGHTS",
     "OPERAND_SOURCES",
     "OPTIMIZER_STATES",
+    "PARAM_MASTER_INITS",
+    "PARAM_STORAGES",
     "ROLES",
+    "SAVE_ACTIVATIONS",
     "SAVE_MODES",
     "GemmConfig",
     "RecipeFileError",
@@ -54,6 +58,15 @@ LOSS_SCALINGS = ("none", "static", "dynamic")
 NORM_WEIGHTS = ("high_precision", "quantized")
 #: storage of the AdamW moments (fp8lab.optim.AdamW's state_precision; "fp8" = block-scaled E4M3)
 OPTIMIZER_STATES = ("fp32", "bf16", "fp16", "fp8", "e4m3", "e5m2")
+#: the master copy of the weights: "bf16"/"fp16" parameters rounded from an fp32 master,
+#: "fp16-scaled" MS-AMP O2's per-tensor scaled FP16 master, "none" no master (FP8 parameters)
+MASTER_WEIGHTS = ("fp32", "bf16", "fp16", "fp16-scaled", "none")
+#: how quantized Linear weights are stored: as the fp32 parameter, or as FP8 codes plus scales
+PARAM_STORAGES = ("high_precision", "fp8")
+#: where the master of an FP8-stored weight starts (TE PR 1121's two paths)
+PARAM_MASTER_INITS = ("high_precision", "from_fp8")
+#: the inputs of nonlinearities (activation, norms) saved for backward as they are or in FP8
+SAVE_ACTIVATIONS = ("high_precision", "quantized")
 
 
 class RecipeFileError(ValueError):

@@ -22,7 +22,13 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   (``dpa``, a `DPAConfig`: the ``[dpa]`` table; `fp8lab.nn.DotProductAttention`);
 * the token dispatch format of mixture-of-experts blocks (``moe``, a `MoEConfig`: the ``[moe]``
   table; `fp8lab.nn.moe`);
-* the optimizer-state precision and loss scaling (consumed by `fp8lab.optim` and the lab);
+* the optimizer-state precision (``optimizer_state`` for both moments, or per moment
+  ``exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's names; ``moment_expansion``: COAT's
+  dynamic range expansion of FP8 moments), the master weights (``master_weights``), how
+  quantized Linear weights are stored (``param_storage``: ``"fp8"`` = FP8 codes plus scales, with
+  ``param_master_init``) and loss scaling (consumed by `fp8lab.optim` and the lab);
+* whether the inputs of nonlinearities (activation function, norms) are saved for backward in
+  FP8 (``save_activations``; the lab's GPT, `fp8lab.nn.saved_activations`);
 * whether norm affine parameters are quantized with the weight role's spec
   (``norm_weights``: ``"high_precision"``, the default, or ``"quantized"``; the lab's GPT).
 
@@ -59,9 +65,13 @@ from fp8lab.recipe.config import (
     GEMM_OPERANDS,
     GEMMS,
     LOSS_SCALINGS,
+    MASTER_WEIGHTS,
     NORM_WEIGHTS,
     OPTIMIZER_STATES,
+    PARAM_MASTER_INITS,
+    PARAM_STORAGES,
     ROLES,
+    SAVE_ACTIVATIONS,
     SAVE_MODES,
     GemmConfig,
     RecipeFileError,
@@ -75,6 +85,10 @@ from fp8lab.recipe.plain import recipe_from_plain
 from fp8lab.recipe.toml_writer import dump_toml
 
 __all__ = ["Recipe"]
+
+#: the optimizer / storage keys `Recipe.__repr__` shows when set (absent from to_dict otherwise)
+_STORAGE_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "moment_expansion", "param_storage",
+                 "param_master_init", "save_activations")  # fmt: skip
 
 
 def _load_text(
@@ -117,6 +131,12 @@ class Recipe:
     optimizer_state: str = "fp32"
     master_weights: str = "fp32"
     norm_weights: str = "high_precision"
+    exp_avg_dtype: str | None = None
+    exp_avg_sq_dtype: str | None = None
+    moment_expansion: bool = False
+    param_storage: str = "high_precision"
+    param_master_init: str = "high_precision"
+    save_activations: str = "high_precision"
     loss_scaling: str = "none"
     loss_scale: float = 2.0**16
     description: str = ""
@@ -142,10 +162,8 @@ class Recipe:
         object.__setattr__(self, "loss_scale", float(self.loss_scale))
         check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         check_choice(self.norm_weights, NORM_WEIGHTS, "norm_weights")
-        if self.master_weights not in ("fp32", "bf16", "fp16"):
-            raise ValueError(
-                f"master_weights must be fp32, bf16 or fp16, got {self.master_weights!r}"
-            )
+        check_choice(self.master_weights, MASTER_WEIGHTS, "master_weights")
+        self._check_optimizer_and_params()
         if not isinstance(self.attention, bool):
             raise TypeError(f"attention must be a bool, got {type(self.attention).__name__}")
         if isinstance(self.moe, Mapping):
@@ -172,7 +190,62 @@ class Recipe:
             # attention on: a rule's [dpa] may rely on an earlier rule (or the top level) for it
             recipe_from_plain(type(self), rule.apply({"attention": True}), where)
 
+    def _check_optimizer_and_params(self) -> None:
+        """The per-moment, expansion and parameter-storage keys, alone and together."""
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            v = getattr(self, key)
+            if v is not None:
+                check_choice(v, OPTIMIZER_STATES, key)
+        per_moment = self.exp_avg_dtype is not None or self.exp_avg_sq_dtype is not None
+        if per_moment and self.optimizer_state != "fp32":
+            raise ValueError(
+                f"optimizer_state = {self.optimizer_state!r} sets both moments; give either it "
+                "or exp_avg_dtype / exp_avg_sq_dtype, not both"
+            )
+        if not isinstance(self.moment_expansion, bool):
+            raise TypeError(
+                f"moment_expansion must be a bool, got {type(self.moment_expansion).__name__}"
+            )
+        fp8 = ("fp8", "e4m3", "e5m2")
+        if self.moment_expansion and not any(m in fp8 for m in self.moment_dtypes):
+            raise ValueError(
+                f"moment_expansion expands FP8 moments, but the moments are stored in "
+                f"{'/'.join(self.moment_dtypes)}; store one in fp8, e4m3 or e5m2"
+            )
+        check_choice(self.param_storage, PARAM_STORAGES, "param_storage")
+        check_choice(self.param_master_init, PARAM_MASTER_INITS, "param_master_init")
+        check_choice(self.save_activations, SAVE_ACTIVATIONS, "save_activations")
+        if self.param_storage == "fp8":
+            from fp8lab.formats import get_format
+
+            spec = self.spec("fprop", "weight")
+            if spec is None or get_format(spec.format).bits > 8:
+                what = "no weight spec (fp32)" if spec is None else f"weight format {spec.format}"
+                raise ValueError(
+                    f"param_storage = 'fp8' stores weights as 8-bit codes plus scales; this "
+                    f"recipe has {what}, which has no such codes"
+                )
+        else:
+            if self.master_weights == "none":
+                raise ValueError(
+                    "master_weights = 'none' (no master copy) needs param_storage = 'fp8'"
+                )
+            if self.param_master_init != "high_precision":
+                raise ValueError(
+                    f"param_master_init = {self.param_master_init!r} is for FP8-stored weights; "
+                    "set param_storage = 'fp8'"
+                )
+
     # ------------------------------------------------------------------ queries
+    @property
+    def moment_dtypes(self) -> tuple[str, str]:
+        """Storage of AdamW's (first, second) moment: ``exp_avg_dtype`` / ``exp_avg_sq_dtype``
+        when either is given (the other then fp32, Megatron's default), else
+        ``optimizer_state`` for both (`fp8lab.optim.AdamW`'s ``state_precision`` pair)."""
+        if self.exp_avg_dtype is None and self.exp_avg_sq_dtype is None:
+            return self.optimizer_state, self.optimizer_state
+        return self.exp_avg_dtype or "fp32", self.exp_avg_sq_dtype or "fp32"
+
     def gemm(self, gemm: str) -> GemmConfig:
         if gemm not in GEMMS:
             raise ValueError(f"unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
@@ -293,6 +366,15 @@ class Recipe:
             d["dpa"] = self.dpa.to_dict()
         if self.norm_weights != "high_precision":  # absent at the default: fingerprints stay
             d["norm_weights"] = self.norm_weights
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):  # the per-moment form replaces
+            if getattr(self, key) is not None:  # optimizer_state (giving both is an error)
+                d.pop("optimizer_state", None)
+                d[key] = getattr(self, key)
+        if self.moment_expansion:
+            d["moment_expansion"] = True
+        for key in ("param_storage", "param_master_init", "save_activations"):
+            if getattr(self, key) != "high_precision":  # absent at the default: fingerprints stay
+                d[key] = getattr(self, key)
         if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
             d["layer"] = [r.to_dict() for r in self.layers]
         return d
@@ -398,5 +480,8 @@ class Recipe:
             lines.append(f"  dpa: {self.dpa.describe()}")
         if self.norm_weights != "high_precision":
             lines.append(f"  norm_weights={self.norm_weights}")
+        extras = {k: v for k, v in self.to_dict().items() if k in _STORAGE_KEYS}
+        if extras:
+            lines.append("  " + ", ".join(f"{k}={v}" for k, v in extras.items()))
         lines += [f"  layer {i}: {r.describe()}" for i, r in enumerate(self.layers, 1)]
         return "\n".join(lines)

@@ -40,7 +40,9 @@ __all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "remove_key", "set
 #: roles, its GEMMs, what it saves for the backward, its attention and the attention's options
 LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention", "dpa")
 #: whole-model keys, set at the file's top level only
-_GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale", "moe")
+_GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale", "moe",
+                "exp_avg_dtype", "exp_avg_sq_dtype", "moment_expansion", "param_storage",
+                "param_master_init", "save_activations")  # fmt: skip
 
 # the preset table lives above this module (presets build Recipes); it registers itself here
 _lookup: list[Callable[[str], Any]] = []

@@ -29,6 +29,9 @@ from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = ["recipe_from_plain"]
 
+#: the per-moment optimizer-state keys (Megatron's names), exclusive with optimizer_state
+_PER_MOMENT = ("exp_avg_dtype", "exp_avg_sq_dtype")
+
 # expected plain-data types per key: TOML/JSON values (objects built in Python pass too)
 _NUMBER = (int, float)
 _TYPE_NAMES = {str: "a string", bool: "a bool (true/false)", int: "an integer", float: "a number"}
@@ -160,6 +163,13 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
     where/table/key. ``base = "PRESET"`` starts from that preset's plain data (the file's keys
     are merged over it: `fp8lab.recipe.layers.deep_merge`); ``layer`` is the list of
     ``[[layer]]`` tables (`fp8lab.recipe.layers.LayerRule`)."""
+    if isinstance(d, Mapping):
+        both = [k for k in _PER_MOMENT if k in d]
+        if both and "optimizer_state" in d:
+            raise RecipeFileError(
+                f"{where}: [top level] keys 'optimizer_state' and {', '.join(map(repr, both))}: "
+                "give either optimizer_state (both moments) or the per-moment dtypes, not both"
+            )
     if isinstance(d, Mapping) and "base" in d:
         d = _inherit(d, where)
     types = _plain_types(
@@ -171,6 +181,8 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
             "layer": (list, tuple),
             "moe": (Mapping, MoEConfig),
             "dpa": (Mapping, DPAConfig),
+            "exp_avg_dtype": (str,),
+            "exp_avg_sq_dtype": (str,),
         },
     )
     fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("layers", "path")]
@@ -212,4 +224,6 @@ def _inherit(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     b = _build(where, "top level key 'base':", preset, base).to_dict()
     b["name"] = f"{base}-custom"
     b["description"] = f"the {base} preset with this file's changes"
+    if any(k in d for k in _PER_MOMENT):  # the file's per-moment dtypes replace the base's
+        b.pop("optimizer_state", None)
     return deep_merge(b, {k: v for k, v in d.items() if k != "base"})
