@@ -31,12 +31,17 @@ def build_model(model_cfg: Any, recipe: Any, seed: int) -> torch.nn.Module:
     model is the built-in GPT or a user's (``model_cfg.factory``, see ``fp8lab.lab.models``),
     which maps ``(idx, targets)`` to ``(logits, loss)`` either way. Built and initialised on
     the CPU (the same weights on every device), then moved with its scaling state to the lab's
-    torch device (`fp8lab.lab.machine.torch_device`)."""
+    torch device (`fp8lab.lab.machine.torch_device`). ``param_storage = "fp8"``: the converted
+    weights then hold their FP8 values (`fp8lab.nn.fp8_params.store_fp8_params_`)."""
     model = models.build(model_cfg, seed)
     if recipe is not None:
         from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
 
         convert(model, recipe)
+        if recipe.param_storage == "fp8":
+            from fp8lab.nn.fp8_params import store_fp8_params_
+
+            store_fp8_params_(model)
     return model.to(machines.torch_device())
 
 
@@ -53,8 +58,14 @@ def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: Any) -> Any:
         },
         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    kw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
-    return AdamW(groups, **kw) if recipe is None else AdamW.from_recipe(groups, recipe, **kw)
+    kw: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    if recipe is None:
+        return AdamW(groups, **kw)
+    if recipe.param_storage == "fp8":  # re-quantized after every step
+        from fp8lab.nn.fp8_params import fp8_param_specs
+
+        kw["param_specs"] = fp8_param_specs(model)
+    return AdamW.from_recipe(groups, recipe, **kw)
 
 
 def make_scaler(recipe: Any) -> Any:
@@ -89,6 +100,11 @@ def build_run_parts(
     parameters), the optimizer (`make_optimizer`), the loss scaler (`make_scaler`), the fault
     injector and the anomaly guard's hook (``guard``: an `fp8lab.AnomalyGuard` or its plain
     dict; None: none)."""
+    if fsdp and recipe is not None and recipe.param_storage == "fp8":
+        raise ValueError(
+            f"recipe {recipe.name!r}: param_storage = 'fp8' is simulated on unsharded weights; "
+            "--fsdp (which all-gathers shards) does not combine with it"
+        )
     model = build_model(cfg.model, recipe, cfg.train.seed)
     dp = data_parallel(model, amax_group, grad_comm, fsdp, fp8_allgather)
     opt = make_optimizer(model, recipe, cfg.train)
