@@ -92,20 +92,20 @@ def test_bad_config(kw):
 
 
 def _attention_calls(monkeypatch):
-    import fp8lab.lab.gpt as gpt_mod
+    from fp8lab.nn import DotProductAttention
 
     calls = []
-    real = gpt_mod.attention_matmul
+    real = DotProductAttention.forward
 
-    def spy(a, b, recipe=None):
+    def spy(self, q, k, v, *, is_causal=False, recipe=None):
         calls.append(recipe.name if recipe is not None else None)
-        return real(a, b, recipe)
+        return real(self, q, k, v, is_causal=is_causal, recipe=recipe)
 
-    monkeypatch.setattr(gpt_mod, "attention_matmul", spy)
+    monkeypatch.setattr(DotProductAttention, "forward", spy)
     return calls
 
 
-def test_recipe_attention_quantizes_both_attention_matmuls(monkeypatch):
+def test_recipe_attention_runs_the_blocks_dot_product_attention(monkeypatch):
     import fp8lab
 
     calls = _attention_calls(monkeypatch)
@@ -122,10 +122,10 @@ def test_recipe_attention_quantizes_both_attention_matmuls(monkeypatch):
         calls.clear()
         logits[name] = model(idx)[0].detach()
         n = len(calls)
-        assert n == (0 if name == "off" else 2 * TINY.n_layer), name
-    # the written-out attention equals SDPA up to float rounding (fp32 operands) ...
+        assert n == (0 if name == "off" else TINY.n_layer), name
+    # a recipe without quantized roles runs plain attention: SDPA up to float rounding ...
     torch.testing.assert_close(logits["fp32-on"], _plain_logits(idx), rtol=0, atol=1e-5)
-    # ... and with attention on, the quantized matmuls change the logits beyond that
+    # ... and with attention on, FP8 attention changes the logits beyond that
     assert float((logits["on"] - logits["off"]).abs().max()) > 1e-3
 
 
@@ -145,5 +145,44 @@ def test_attention_under_nn_autocast_override(monkeypatch):
     with fp8lab.nn.autocast(fp8lab.get_recipe("te-current").replace(attention=True)):
         _, loss = model(idx, idx)
     loss.backward()
-    assert len(calls) == 2 * TINY.n_layer
+    assert len(calls) == TINY.n_layer
     assert model.blocks[0].attn.qkv.weight.grad is not None
+
+
+def test_fp8_attention_records_and_resumes_bit_for_bit(threads):
+    """te-delayed with attention: the watch records TE's DPA roles of each block, and the
+    attention's delayed state resumes from the model's state_dict bit for bit."""
+    import fp8lab
+
+    torch.set_num_threads(1)  # small GEMMs: one thread is much faster on a busy machine
+    rec = fp8lab.get_recipe("te-delayed").replace(attention=True)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 256, (1, 8), generator=gen) for _ in range(3)]
+
+    def build():
+        torch.manual_seed(0)
+        m = GPT(TINY)
+        fp8lab.nn.convert(m, rec)
+        return m
+
+    def step(m, idx):
+        m.zero_grad()
+        _, loss = m(idx, idx)
+        loss.backward()
+        return loss.detach(), m.blocks[0].attn.qkv.weight.grad.clone()
+
+    a = build()
+    from fp8lab.observe import sample
+
+    with sample(a, 0) as rows:
+        step(a, batches[0])
+    dpa = {(r["layer"], r["role"]) for r in rows if r["gemm"] == "dpa"}
+    roles = ("Q", "K", "V", "S", "O", "dO", "dP", "dQKV")
+    assert dpa == {(f"blocks.{i}.attn.dpa", r) for i in range(TINY.n_layer) for r in roles}
+    step(a, batches[1])
+    saved = {k: v.clone() for k, v in a.state_dict().items()}
+    assert "blocks.0.attn.dpa.fp8_dpa_S_amax_history" in saved
+    b = build()
+    b.load_state_dict(saved)
+    for x, y in zip(step(a, batches[2]), step(b, batches[2]), strict=True):
+        assert torch.equal(x, y)

@@ -21,9 +21,9 @@ dispatch`` format. ``n_experts = 1`` (the default) is the dense MLP, no router.
 
 Attention runs in ``F.scaled_dot_product_attention``, except when the recipe the block's ``qkv``
 projection runs under (the one ``convert`` gave it, or an ``fp8lab.nn.autocast`` override) sets
-``attention=True``: then its two matmuls (``q kᵀ`` and ``p v``) go through
-``fp8lab.nn.attention_matmul`` (quantized under the recipe), with the same scale, causal mask
-and softmax written out.
+``attention=True``: then it runs in the block's ``fp8lab.nn.DotProductAttention``
+(``blocks.{i}.attn.dpa``: TE's FP8 quantization points Q, K, V, S, O, dO, dP, dQKV under the
+recipe's ``[dpa]`` options, its delayed-scaling state in the model's ``state_dict``).
 
 Default sizes (2 layers, d_model 256, d_ff 768, 4 heads, context 128; 1.9 M parameters) are
 what ``make demo`` trains. Every GEMM dimension is a multiple of 128 and larger than 128, so
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8lab.nn import GroupedLinear, Linear, MoE, active_recipe, attention_matmul
+from fp8lab.nn import DotProductAttention, GroupedLinear, Linear, MoE, active_recipe
 from fp8lab.nn.moe import check_experts
 from fp8lab.recipe import Recipe
 
@@ -184,6 +184,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_norm:  # Dehghani et al. 2023 (arXiv 2302.05442): bounds the logits q kᵀ
             self.q_norm = RMSNorm(cfg.d_model // cfg.n_head, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.d_model // cfg.n_head, cfg.norm_eps)
+        self.dpa = DotProductAttention()  # FP8 attention when the block's recipe asks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -194,7 +195,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         recipe = self._recipe()
         if recipe is not None and recipe.attention:
-            y = _quantized_attention(q, k, v, recipe)
+            y = self.dpa(q, k, v, is_causal=True, recipe=recipe)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -204,18 +205,6 @@ class CausalSelfAttention(nn.Module):
         """The recipe the block's projections run under (None: plain torch layers)."""
         # an autocast recipe with [[layer]] rules: the rules of this block's qkv projection
         return recipe_of(self.qkv)
-
-
-def _quantized_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe
-) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(head_dim) + causal mask) v with both matmuls under ``recipe``;
-    q, k, v: [B, n_head, T, head_dim]."""
-    T = q.shape[-2]
-    att = attention_matmul(q, k.transpose(-2, -1), recipe) * (1.0 / math.sqrt(q.shape[-1]))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    att = F.softmax(att.masked_fill(future, float("-inf")), dim=-1)
-    return attention_matmul(att, v, recipe)
 
 
 class SwiGLU(nn.Module):
@@ -264,6 +253,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = make_norm(cfg)  # lm_head stays high precision: so do these parameters
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        for name, m in self.named_modules():  # the attention's layer name in watch records
+            if isinstance(m, DotProductAttention):
+                m.name = name
         self.reset_parameters()
 
     @torch.no_grad()

@@ -2,7 +2,8 @@
 
 ``softmax(q kᵀ * softmax_scale + mask) v`` for ``q [B, H, Sq, D]``, ``k, v [B, Hkv, Skv, D]``
 (grouped-query attention: ``H`` a multiple of ``Hkv``), in fp32 when the recipe in force does not
-set ``attention`` (TE's ``fp8_dpa`` off), else with the recipe's ``[dpa]`` options
+set ``attention`` (TE's ``fp8_dpa`` off) or quantizes no role (``fp32``, ``bf16``), else with
+the recipe's ``[dpa]`` options
 (`fp8lab.recipe.DPAConfig`, docs/attention.md).
 
 TE's path (``path = "te"``, TE ``FusedAttnFunc`` over cuDNN's FP8 SDPA graphs; the quantizer
@@ -466,7 +467,8 @@ class DotProductAttention(nn.Module):
         scale = self.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
         mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if is_causal else None
         q32, k32, v32 = (t.float() for t in (q, k, v))
-        if rec is None or not rec.attention:
+        if rec is None or not rec.attention or rec.input is None:
+            # no FP8 attention asked, or a recipe without quantized roles (fp32, bf16)
             return _plain(q32, k32, v32, scale, mask)
         where = self.name or "DotProductAttention"
         check_head_dim(rec, q.shape[-1], where)

@@ -7,7 +7,9 @@ tensor. The statistics are those of `fp8lab.stats.error_stats` on ``hp`` and the
 copy; scale and saturation read the QTensor's own scaled values and scales, so nothing is
 quantized again (and a stochastic rounding's draw is the one the GEMM used). A quantized operand
 handed over as a plain tensor has no scaled values: ``scale``/``saturation_pct`` None and
-``exact`` false rather than a guess.
+``exact`` false rather than a guess. FP8 attention (`fp8lab.nn.DotProductAttention`) hands over
+its quantization points the same way, as ``gemm = "dpa"`` with TE's roles Q, K, V, S, O, dO, dP
+and dQKV.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn import Linear, active_recipe
+from fp8lab.nn import DotProductAttention, Linear, active_recipe
 from fp8lab.nn.plan import OperandPlan
 from fp8lab.qtensor import QTensor
 from fp8lab.stats import error_stats
@@ -56,17 +58,27 @@ class OperandStats:
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         self.modules: dict[str, Linear] = {}
+        #: the model's attention modules by name: their records (``gemm = "dpa"``, roles Q, K, V,
+        #: S, O, dO, dP, dQKV) carry their QTensors' own specs
+        self.attention: set[str] = set()
         if model is not None:
             for n, m in model.named_modules():
-                if isinstance(m, Linear):
+                if isinstance(m, Linear | DotProductAttention):
                     if m.name is None:
                         m.name = n
-                    self.modules[m.name] = m
+                    if isinstance(m, Linear):
+                        self.modules[m.name] = m
+                    else:
+                        self.attention.add(m.name)
         self.plans: dict[str, Any] = {}
         # this step's measured (QTensor, source) pairs: a backward GEMM reusing the forward's
         # QTensor as is hands over the same two objects, measured once (held until new_step,
         # so an id is not reused by another tensor meanwhile)
         self.seen: dict[tuple[int, int], tuple[QTensor, torch.Tensor, dict[str, Any]]] = {}
+
+    def knows(self, layer: str) -> bool:
+        """Whether ``layer`` is one of this model's converted Linear or attention modules."""
+        return layer in self.modules or layer in self.attention
 
     def new_step(self) -> None:
         self.seen.clear()

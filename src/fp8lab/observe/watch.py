@@ -41,7 +41,7 @@ class _Sampler:
         stats.new_step()
 
     def __call__(self, layer: str, gemm: str, role: str, hp: torch.Tensor, used: Any) -> None:
-        if self.stats.modules and layer not in self.stats.modules:
+        if self.stats.modules and not self.stats.knows(layer):
             return  # a converted layer of another model
         with torch.no_grad():
             r = self.stats.row(layer, gemm, role, hp, used)
