@@ -474,6 +474,7 @@ def _plan(
 
         for n in dict.fromkeys([base, *names]):
             check_fp8_allgather_recipe(resolve_recipe(n), amax_group)
+    _check_attention(cfg, [base, *names])
     layers = _layer_settings(cfg, names)  # also: a [[layer]] glob matching nothing fails
     from fp8lab.lab.machine import torch_device
 
@@ -530,6 +531,17 @@ def _render(summary: dict[str, Any], plan: _Plan, out: Path, json_out: bool, t0:
 def register(app: typer.Typer) -> None:
     """Register ``fp8lab compare`` on ``app``."""
     app.command("compare", help=HELP)(compare_cmd)
+
+
+def _check_attention(cfg: Any, names: list[str]) -> None:
+    """FP8 attention whose head size does not tile its blocks (MXFP8) fails before training."""
+    from fp8lab.lab.gpt import check_attention_recipe
+    from fp8lab.lab.models import is_builtin
+    from fp8lab.lab.recipes import resolve_recipe
+
+    if is_builtin(cfg.model):
+        for name in dict.fromkeys(names):
+            check_attention_recipe(cfg.model, resolve_recipe(name))
 
 
 def _layer_settings(cfg: Any, names: list[str]) -> dict[str, dict[str, Any]]:

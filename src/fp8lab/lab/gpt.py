@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8lab.nn import DotProductAttention, GroupedLinear, Linear, MoE, active_recipe
+from fp8lab.nn.dpa import check_head_dim
 from fp8lab.nn.moe import check_experts
 from fp8lab.recipe import Recipe
 
@@ -129,6 +130,18 @@ def norm_affine(p: torch.Tensor | None, recipe: Recipe | None) -> torch.Tensor |
     from fp8lab.qtensor import fake_quant
 
     return fake_quant(p.reshape(1, -1), recipe.weight).reshape(p.shape)
+
+
+def check_attention_recipe(cfg: GPTConfig, recipe: Recipe | None) -> None:
+    """ValueError, before any training, when a block's recipe (its ``qkv`` projection's, with
+    ``[[layer]]`` rules applied) runs FP8 attention in blocks that its head size does not tile
+    (MXFP8: ``d_model / n_head`` a multiple of 32)."""
+    if recipe is None:
+        return
+    head = cfg.d_model // cfg.n_head
+    for i in range(cfg.n_layer):
+        where = f"model (d_model {cfg.d_model} / n_head {cfg.n_head}), blocks.{i}.attn"
+        check_head_dim(recipe.for_layer(f"blocks.{i}.attn.qkv"), head, where)
 
 
 class RMSNorm(nn.Module):

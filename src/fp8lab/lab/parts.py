@@ -13,6 +13,7 @@ import torch
 
 from fp8lab.lab import machine as machines
 from fp8lab.lab import models
+from fp8lab.lab.gpt import check_attention_recipe
 from fp8lab.lab.inject import Injector
 
 __all__ = [
@@ -38,6 +39,8 @@ def build_model(model_cfg: Any, recipe: Any, seed: int) -> torch.nn.Module:
         from fp8lab.nn import convert  # L3, imported lazily so the fp32 path needs no recipes
 
         convert(model, recipe)
+        if models.is_builtin(model_cfg):  # FP8 attention's head size against its blocks
+            check_attention_recipe(model_cfg, recipe)
         if recipe.param_storage == "fp8":
             from fp8lab.nn.fp8_params import store_fp8_params_
 
