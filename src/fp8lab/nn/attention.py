@@ -1,4 +1,6 @@
-"""`attention_matmul`: attention's two matmuls (``q kᵀ`` and ``p v``) under a recipe."""
+"""`attention_matmul`: attention's two matmuls (``q kᵀ`` and ``p v``) under a recipe, each
+operand quantized statelessly; `route_hf_attention`: a converted ``transformers`` model's
+attention through `fp8lab.nn.DotProductAttention` (TE's FP8 attention) when the recipe asks."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from fp8lab.nn.context import active_recipe
 from fp8lab.qtensor import QuantSpec, quantize
 from fp8lab.recipe import Recipe
 
-__all__ = ["attention_matmul"]
+__all__ = ["HF_ATTENTION", "attention_matmul", "route_hf_attention"]
 
 
 def _stateless(spec: QuantSpec | None) -> QuantSpec | None:
@@ -60,3 +62,69 @@ def attention_matmul(
         _stateless(recipe.input),
         _stateless(recipe.grad_output),
     )
+
+
+# =========================================================================== transformers models
+#: the attention implementation name `route_hf_attention` registers with transformers
+HF_ATTENTION = "fp8lab_dpa"
+
+
+def _wants_attention(recipe: Recipe) -> bool:
+    """Whether ``recipe`` or one of its ``[[layer]]`` rules turns FP8 attention on."""
+    return recipe.attention or any("attention" in r.changes for r in recipe.layers)
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, **kwargs):  # type: ignore[no-untyped-def]  # fmt: skip
+    """transformers' attention interface: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]``,
+    a bool mask from transformers' ``sdpa_mask`` (True = attend) or None (causal) -> ``([B, T,
+    H, D], None)``. The layer's FP8 attention when its recipe asks, else transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fp8lab.nn.dpa import DotProductAttention
+    from fp8lab.nn.linear import Linear
+
+    own = next((m.recipe for m in module.children() if isinstance(m, Linear)), None)
+    recipe = active_recipe(own)
+    name = module.__dict__.get("_fp8lab_name", "")
+    if recipe is not None and recipe.layers:
+        recipe = recipe.for_layer(f"{name}.q_proj")
+    if recipe is None or not recipe.attention or recipe.input is None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
+    dpa = module.__dict__.get("_fp8lab_dpa")
+    if dpa is None:  # kept outside the module tree: the HF state dict stays as it was
+        dpa = module.__dict__["_fp8lab_dpa"] = DotProductAttention(name=f"{name}.dpa")
+    dpa.softmax_scale = scaling
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    if is_causal is not None:
+        causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
+    mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else None
+    out = dpa(query, key, value, is_causal=causal, attn_mask=mask, recipe=recipe)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def route_hf_attention(model: torch.nn.Module, recipe: Recipe) -> bool:
+    """Make a converted ``transformers`` model's attention layers run
+    `fp8lab.nn.DotProductAttention` when ``recipe`` (or a ``[[layer]]`` rule) sets ``attention``:
+    registers :data:`HF_ATTENTION` (with transformers' SDPA mask) and selects it in the model's
+    config. Layers whose recipe does not ask run transformers' SDPA. Returns whether it routed
+    (False for models without a transformers config, or recipes without FP8 attention)."""
+    config = getattr(model, "config", None)
+    if (
+        config is None
+        or not hasattr(config, "_attn_implementation")
+        or not _wants_attention(recipe)
+    ):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith("Attention"):  # LlamaAttention, Qwen2Attention, ...
+            m.__dict__["_fp8lab_name"] = name
+    for sub in (config, *(getattr(config, k) for k in ("text_config",) if hasattr(config, k))):
+        sub._attn_implementation = HF_ATTENTION
+    return True

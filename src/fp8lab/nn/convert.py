@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.nn.attention import route_hf_attention
 from fp8lab.nn.fp8_state import (
     FP8_STATE_FILE,
     install_save_pretrained,
@@ -322,6 +323,7 @@ def convert(
             stacklevel=2,
         )
     _set_fast_paths(model)
+    route_hf_attention(model, rec)  # FP8 attention of a transformers model, when asked
     saved = pretrained_dir(model)
     if saved is not None and fresh and not retarget:
         _restore(model, saved, fresh)

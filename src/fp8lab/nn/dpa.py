@@ -246,7 +246,7 @@ class _TEAttention(torch.autograd.Function):
         qd, kd, vd, q_bwd, k_bwd, v_bwd = _quantize_qkv(q, k, v, c)
         logits = _logits(qd, kd, c)
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        p = torch.exp(logits - lse)
+        p = torch.exp(logits - _finite(lse))  # a fully masked row: P = 0
         sq = c.q("S", p)
         _emit(c.layer, "S", p, sq)
         sd = sq.dequantize()
@@ -307,13 +307,13 @@ def _fa_forward(q, k, v, c: _Ctx) -> torch.Tensor:  # type: ignore[no-untyped-de
     qd, kd, vd, *_ = _quantize_qkv(q, k, v, c)
     logits = _logits(qd, kd, c)
     m = logits.amax(dim=-1, keepdim=True)
-    e = torch.exp(logits - m)
+    e = torch.exp(logits - _finite(m))
     rowsum = e.sum(dim=-1, keepdim=True)
     offset = float(2.0**c.plan.p_prescale_log2)
     fmt = c.plan.specs["S"].format
     pq = quantize(e, QuantSpec(format=fmt, granularity="tensor", scaling=offset))
     _emit(c.layer, "S", e, pq)
-    return torch.matmul(pq.dequantize(), vd) / rowsum
+    return torch.matmul(pq.dequantize(), vd) / rowsum.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 class _FAAttention(torch.autograd.Function):
@@ -337,7 +337,13 @@ def _plain(q, k, v, scale: float, mask: torch.Tensor | None) -> torch.Tensor:  #
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(s - _finite(lse)), v)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with -inf (the row max or logsumexp of a fully masked row) replaced by 0."""
+    return torch.where(torch.isneginf(t), torch.zeros_like(t), t)
 
 
 # =========================================================================== the module
@@ -450,9 +456,12 @@ class DotProductAttention(nn.Module):
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                is_causal: bool = False, recipe: Recipe | None = None) -> torch.Tensor:  # fmt: skip
+                is_causal: bool = False, attn_mask: torch.Tensor | None = None,
+                recipe: Recipe | None = None) -> torch.Tensor:  # fmt: skip
         """``q [B, H, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` (float) -> ``[B, H, Sq, D]`` float32.
-        ``is_causal``: key j masked for query i when ``j > i`` (top-left, as torch's SDPA)."""
+        ``is_causal``: key j masked for query i when ``j > i`` (top-left, as torch's SDPA);
+        ``attn_mask``: a bool mask broadcastable to ``[B, H, Sq, Skv]``, True where a query may
+        attend (torch's SDPA convention); a query that may attend to nothing gets zeros."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise ValueError("DotProductAttention: q, k, v must be [batch, heads, seq, head_dim]")
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves a group
@@ -466,6 +475,10 @@ class DotProductAttention(nn.Module):
         rec = recipe if recipe is not None else _context.active_recipe(self.recipe)
         scale = self.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
         mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if is_causal else None
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise TypeError(f"attn_mask must be a bool tensor, got {attn_mask.dtype}")
+            mask = ~attn_mask if mask is None else mask | ~attn_mask
         q32, k32, v32 = (t.float() for t in (q, k, v))
         if rec is None or not rec.attention or rec.input is None:
             # no FP8 attention asked, or a recipe without quantized roles (fp32, bf16)
