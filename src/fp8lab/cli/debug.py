@@ -42,9 +42,12 @@ the share of the error of the AdamW update it removes; (5) confirmation probes p
 testing over layers (ordered by each operand's pair of GEMMs and the culprit GEMM); (6) remedies for the culprit (current scaling, finer blocks, E5M2 for
 gradients, high precision for the culprit cells), each trained, with its gap and relative_cost;
 (7) verdict: OUT/report.html, report.md and OUT/fix.toml (a per-layer recipe file that
-`fp8lab compare --recipes OUT/fix.toml` accepts). --scenario plants a known fault in the default
+`fp8lab compare --recipes OUT/fix.toml` accepts), with the same fix for Megatron-LM
+(OUT/fix.megatron.yaml, --te-precision-config-file) and Transformer Engine's debug tool
+(OUT/fix.te.yaml). --scenario plants a known fault in the default
 model (--list-scenarios). --json prints exactly {"schema_version": 1, "recipe", "baseline",
-"gap_pct", "noise_pct", "recovers", "culprit": {"role", "gemm", "layers"} or null,
+"gap_pct", "noise_pct", "recovers", "culprit": {"role", "gemm", "layers"} (plus "kind" for a culprit other than an operand:
+norm_weight, attention, loss_scale) or null,
 "attribution": [{"layer", "gemm", "role", "score"}], "remedies": [{"name", "gap_pct",
 "relative_cost"}], "fix", "probes": [{"name", "gap_pct"}]} (non-finite numbers null). Rerunning
 with the same --out resumes finished probes. --from-checkpoint PATH debugs a run fp8lab did
@@ -186,6 +189,10 @@ def debug_cmd(
             leave_group()  # the ranks' shared work is done
         if not main:
             return
+        if expect is not None:  # layers computed from R's run (emergent failures)
+            from fp8lab.lab.debug.scenarios import resolve_expect
+
+            expect = resolve_expect(expect, Path(out) / "probes" / "recipe")
         write_report(out, result, command=command_line(), expect=expect)
     _render(result, out, json_out, t0)
 

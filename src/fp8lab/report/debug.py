@@ -153,16 +153,41 @@ def _summary_rows(result: Any, expect: dict | None) -> list[list[str]]:
         ["recipe", result.recipe], ["baseline", result.baseline],
         ["gap %", _fmt(result.gap_pct)], ["noise %", _fmt(result.noise_pct, ".4f")],
         ["recovers", _fmt(result.recovers)],
-        ["culprit", "none" if c is None else
-         f"role {c['role']}, GEMM {c['gemm']}, layers {', '.join(c['layers'])}"],
+        ["culprit", _culprit_text(c)],
         ["best remedy", str(result.details.get("best_remedy") or "none")],
         ["fix", result.fix or "none"],
     ]  # fmt: skip
     if expect is not None:
-        rows.append(["planted (scenario)", json.dumps(expect)])
+        rows.append(["planted (scenario)", json.dumps(expect, default=str)])
     t = result.details.get("timings_s", {})
     rows.append(["time", ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items() if v is not None)])
     return rows
+
+
+def _culprit_text(c: dict | None) -> str:
+    """One line for a culprit of any kind (`fp8lab.lab.debug.kinds`)."""
+    if c is None:
+        return "none"
+    kind = c.get("kind", "operand")
+    if kind == "operand":
+        return f"role {c['role']}, GEMM {c['gemm']}, layers {', '.join(c['layers'])}"
+    extra = f", tensor {c['tensor']}" if c.get("tensor") else ""
+    return f"{kind}{extra}" + (f", layers {', '.join(c['layers'])}" if c.get("layers") else "")
+
+
+def _export_lines(result: Any) -> list[str]:
+    """The fix in Megatron-LM's and TE's formats: where, and what they could not express."""
+    ex = result.details.get("exports") or {}
+    if not ex:
+        return []
+    lines = ["## The fix in Megatron-LM and Transformer Engine", "",
+             f"- `{ex['megatron']}`: Megatron-LM `--te-precision-config-file`",
+             f"- `{ex['te']}`: Transformer Engine's precision debug tools (nvdlfw-inspect)", ""]  # fmt: skip
+    notes = result.details.get("export_notes") or []
+    if notes:
+        lines += ["What these formats cannot say as fp8lab does:", ""]
+        lines += [f"- {n}" for n in notes] + [""]
+    return lines
 
 
 def render_markdown(result: Any, figs: dict[str, str], command: str | None,
@@ -207,6 +232,7 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
         lines.append("")
     if fix_text:
         lines += ["## fix.toml", "", "```toml", fix_text.rstrip("\n"), "```", ""]
+    lines += _export_lines(result)
     lines += ["## Lab configuration", "", "```json",
               json.dumps(result.details.get("lab", {}), indent=2), "```", ""]  # fmt: skip
     return "\n".join(lines)
@@ -256,6 +282,11 @@ def render_html(result: Any, figs: dict[str, str], command: str | None,
                                    _fmt(r["explains"])] for r in rem]))  # fmt: skip
     if fix_text:
         parts.append(f"<h2>fix.toml</h2><pre>{e(fix_text)}</pre>")
+    ex = _export_lines(result)
+    if ex:  # the same lines as the Markdown, as a list
+        parts.append(f"<h2>{e(ex[0][3:])}</h2><ul>"
+                     + "".join(f"<li>{e(x[2:])}</li>" for x in ex[2:] if x.startswith("- "))
+                     + "</ul>")  # fmt: skip
     parts.append(
         f"<h2>Lab configuration</h2><pre>"
         f"{e(json.dumps(result.details.get('lab', {}), indent=2))}</pre>"

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import fp8lab.lab.debug.attribution as attribution
+import fp8lab.lab.debug.kinds as kinds
 import fp8lab.lab.debug.names as names
 import fp8lab.lab.debug.remedies as remedies
 import fp8lab.lab.debug.search as search
@@ -118,6 +119,7 @@ class _Ctx:
     prefix: str = ""  # the lab's prefix of the user's layer names (fp8lab.lab.debug.names)
     start: str | None = None  # the lab checkpoint every stage-1 probe starts from
     start_info: dict[str, Any] | None = None  # where it came from (fp8lab.lab.debug.start)
+    norms: list[str] = field(default_factory=list)  # norms whose affine params R may quantize
 
     # ------------------------------------------------------------------ probes
     def run(self, specs: Sequence[ProbeSpec], extra: Sequence[tuple] = ()) -> list[Any]:
@@ -245,7 +247,7 @@ def run_debug(
     on_rank0(_prepare_out, out, cfg, rec, base, chosen, begin and begin["start"])
     ctx = _Ctx(rec, base, cfg, out, jobs, threads, emit, chosen, all_layers,
                variants.layer_dims(model, all_layers), variants.hp_precision(base), close,
-               prefix=prefix)  # fmt: skip
+               prefix=prefix, norms=kinds.norm_layers(model, all_layers))  # fmt: skip
     if begin is not None:
         on_rank0(write_start, begin, out)
         ctx.start, ctx.start_info = str(out / START), begin["start"]
@@ -265,7 +267,9 @@ def _stages(ctx: _Ctx, steps: int, checkpoints: int, recovery_from: float, t_sta
     scores, pair_scores = _stage_screen(ctx, state)
     found = _stage_confirm(ctx, scores, pair_scores)
     remedy_rows: list[dict[str, Any]] = []
-    if found["role"] is not None:
+    if found.get("kind") in kinds.KIND_REMEDY:  # its probe is its remedy
+        remedy_rows = _kind_remedy_rows(ctx, found)
+    elif found["role"] is not None:
         _stage_layers(ctx, found, scores, pair_scores)
         remedy_rows = _stage_remedies(ctx, found)
     return rank0_writes(decide, ctx, state, scores, remedy_rows, t_start, found)
@@ -394,11 +398,15 @@ def _stage_confirm(ctx: _Ctx, scores: list, pair_scores: list) -> dict[str, Any]
     culprit = None
     tried_roles: list[str] = []
     gemm_probes: dict[str, Probe] = {}
+    # the other culprit kinds (norm weights, attention, loss scale) R can have: one probe each,
+    # beside the first batch of role probes (none for a recipe without them)
+    kind_specs = [ctx.spec(f"kind-{k}", v, "kind", _KIND_WORDS[k])
+                  for k, v in kinds.kind_probes(rec).items()]  # fmt: skip
     while role_rank and culprit is None:
         # every quantized role at once: the screening orders them, the probes decide
         batch = list(role_rank)
         role_rank = role_rank[len(batch) :]
-        specs = []
+        specs, kind_specs = list(kind_specs), []
         for r in batch:
             tried_roles.append(r)
             cells = {x: [(g, r) for g in variants.ROLE_GEMMS[r]] for x in chosen}
@@ -425,6 +433,13 @@ def _stage_confirm(ctx: _Ctx, scores: list, pair_scores: list) -> dict[str, Any]
         ok = [r for r in batch if ctx.probes[f"role-{r}"].explains]
         if ok:
             culprit = max(ok, key=lambda r: ctx.probes[f"role-{r}"].closure or 0.0)
+    if kind_specs:  # no quantized role to probe: the kind probes alone
+        ctx.run(kind_specs)
+    kind = _kind_culprit(ctx, culprit)
+    if kind is not None:
+        ctx.timings["confirm_s"] = time.perf_counter() - t0
+        return {"kind": kind, "role": None, "tried_roles": tried_roles,
+                "tried_kinds": _tried_kinds(ctx)}  # fmt: skip
     if culprit is not None:
         need = [g for g in variants.ROLE_GEMMS[culprit] if f"gemm-{g}-{culprit}" not in ctx.probes]
         if need:
@@ -436,8 +451,10 @@ def _stage_confirm(ctx: _Ctx, scores: list, pair_scores: list) -> dict[str, Any]
         gemm_probes = {g: ctx.probes[f"gemm-{g}-{culprit}"] for g in variants.ROLE_GEMMS[culprit]}
     ctx.timings["confirm_s"] = time.perf_counter() - t0
 
-    found: dict[str, Any] = {"role": culprit, "tried_roles": tried_roles}
+    found: dict[str, Any] = {"role": culprit, "tried_roles": tried_roles,
+                             "tried_kinds": _tried_kinds(ctx)}  # fmt: skip
     if culprit is not None:  # the GEMM where the operand matters most: the larger share closed
+        found["kind"] = "operand"
         found["gemm"] = max(gemm_probes, key=lambda g: gemm_probes[g].closure or -math.inf)
     return found
 
@@ -480,6 +497,45 @@ def _stage_layers(ctx: _Ctx, found: dict[str, Any], scores: list, pair_scores: l
     ctx.timings["layers_s"] = time.perf_counter() - t0
 
 
+_KIND_WORDS = {
+    "norm_weight": "the norms' affine parameters in high precision",
+    "attention": "attention in high precision",
+    "loss_scale": "dynamic loss scaling instead of the static loss scale",
+}
+
+
+def _tried_kinds(ctx: _Ctx) -> list[str]:
+    return [k for k in kinds.KIND_REMEDY if f"kind-{k}" in ctx.probes]
+
+
+def _kind_culprit(ctx: _Ctx, role: str | None) -> str | None:
+    """The non-operand kind whose probe explains the gap and closes at least as much of it as
+    the explaining role probe ``role`` (None: no role explains); None when no kind does."""
+    ok = [k for k in _tried_kinds(ctx) if ctx.probes[f"kind-{k}"].explains]
+    if not ok:
+        return None
+    best = max(ok, key=lambda k: ctx.probes[f"kind-{k}"].closure or 0.0)
+    closure = ctx.probes[f"kind-{best}"].closure or 0.0
+    if role is not None and (ctx.probes[f"role-{role}"].closure or 0.0) > closure:
+        return None
+    return best
+
+
+def _kind_remedy_rows(ctx: _Ctx, found: dict[str, Any]) -> list[dict[str, Any]]:
+    """The remedy rows of a non-operand culprit: its probe (the only remedy of its kind)."""
+    kind = found["kind"]
+    found["layers"] = list(ctx.norms) if kind == "norm_weight" else []
+    found["gemm"] = None
+    if kind == "attention":
+        found["tensor"] = None  # which of Q, K, V, S, dP: not measured by this probe
+    p = ctx.probes[f"kind-{kind}"]
+    tokens = ctx.cfg.train.batch_size * ctx.cfg.model.block_size
+    return [{"name": kinds.KIND_REMEDY[kind], "probe": p.name, "gap_pct": p.gap_pct,
+             "closure": p.closure, "explains": p.explains,
+             "relative_cost": remedies.relative_cost(p.recipe, ctx.recipe, ctx.dims, tokens),
+             "recipe": p.recipe, "label": _KIND_WORDS[kind]}]  # fmt: skip
+
+
 def _layer_probe_name(role: str, k: int, n_layers: int) -> str:
     """The probe of the culprit role in high precision on the first ``k`` of ``n_layers``
     ordered layers (all of them: the role probe)."""
@@ -494,7 +550,13 @@ def _stage_remedies(ctx: _Ctx, found: dict[str, Any]) -> list[dict[str, Any]]:
     # 6. remedies ------------------------------------------------------------------------
     t0 = time.perf_counter()
     emit({"event": "stage", "stage": "remedies", "text": "remedies"})
-    cand = remedies.remedy_variants(rec, culprit, gemm, layers_found, ctx.precision)
+    from fp8lab.lab.loop import read_stats
+
+    # the operand's amax fell gradually on these culprit layers: a shorter history may do
+    fell = kinds.amax_fell(read_stats(ctx.out / "probes" / "recipe"), culprit, layers_found)
+    found["amax_fell"] = fell
+    cand = remedies.remedy_variants(rec, culprit, gemm, layers_found, ctx.precision, fell=fell,
+                                    all_layers=ctx.all_layers)  # fmt: skip
     ctx.run([ctx.spec(f"remedy-{n}", v, "remedy", _remedy_words(n, culprit, gemm,
                                                                   layers_found))
              for n, v in cand.items()])  # fmt: skip
@@ -545,6 +607,8 @@ def _remedy_words(name: str, role: str, gemm: str | None, layers: Sequence[str])
         "e5m2-gradients": f"E5M2 for {role} on {where}",
         "high-precision-cells": f"{role} of {gemm} in high precision on {where}",
         "high-precision-role": f"{role} in high precision in every GEMM on {where}",
+        "shorter-history": f"amax history of {kinds.SHORT_HISTORY} steps for {role} on {where}",
+        "last-blocks-high-precision": "every GEMM of the last blocks in high precision",
     }[name]
 
 

@@ -8,7 +8,19 @@ A remedy changes the culprit role on the culprit layers only:
 - ``e5m2-gradients``: the gradient operand in E5M2 (for ``grad_output`` only);
 - ``high-precision-cells``: the culprit GEMM's operand in high precision;
 - ``high-precision-role``: the operand in high precision in every GEMM it feeds (the probe that
-  confirmed the culprit layers).
+  confirmed the culprit layers);
+- ``shorter-history``: the operand's delayed-scaling amax history cut to
+  `fp8lab.lab.debug.kinds.SHORT_HISTORY` steps (TE's default keeps 1024), tried only where the
+  run's records show the operand's amax fell gradually (`fp8lab.lab.debug.kinds.amax_fell`):
+  the history then holds an old maximum and the scale stays too small;
+- ``last-blocks-high-precision``: every GEMM of the blocks from the first culprit block to the
+  last in high precision (the NVFP4 recipe's last blocks in BF16, NVIDIA arXiv 2509.25149), tried
+  for a 4-bit operand whose culprit layers reach the last block.
+
+The culprit kinds other than an operand have one remedy each, their probe
+(`fp8lab.lab.debug.kinds`): ``dynamic-loss-scaling`` (``loss_scale``),
+``norm-weights-high-precision`` (``norm_weight``), ``attention-high-precision``
+(``attention``).
 
 ``relative_cost`` (no hardware cost model yet, so a proxy; docs/debug.md): the share of the
 model's converted GEMM FLOPs the remedy moves to high precision (a GEMM with one operand in
@@ -21,14 +33,16 @@ avoid it); an operand reused from an earlier GEMM costs nothing, a re-tiled one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fp8lab.recipe import GEMMS, Recipe
 
 #: remedy names, in the order they are tried
 REMEDIES = ("current-scaling", "finer-granularity", "e5m2-gradients", "high-precision-cells",
-            "high-precision-role")  # fmt: skip
+            "high-precision-role", "shorter-history", "last-blocks-high-precision",
+            "dynamic-loss-scaling", "norm-weights-high-precision",
+            "attention-high-precision")  # fmt: skip
 
 
 def _operand_elems(role: str, tokens: int, fin: int, fout: int) -> int:
@@ -97,15 +111,23 @@ def remedy_variants(
     gemm: str | None,
     layers: list[str],
     precision: str,
+    *,
+    fell: Sequence[str] = (),
+    all_layers: Sequence[str] = (),
 ) -> dict[str, Recipe]:
     """The applicable remedies (name -> variant recipe) for ``role`` on ``layers``; a remedy
     that changes nothing (the operand already uses it) is left out. ``high-precision-role`` is
-    not built here: the confirming probe is that variant."""
+    not built here: the confirming probe is that variant. ``fell``: the culprit layers whose
+    amax fell (`fp8lab.lab.debug.kinds.amax_fell`; ``shorter-history`` is tried on them);
+    ``all_layers``: the model's converted layers (``last-blocks-high-precision``)."""
+    from fp8lab.lab.debug.kinds import SHORT_HISTORY, last_blocks
     from fp8lab.lab.debug.variants import (
+        all_hp,
         current_scaling,
         e5m2_gradients,
         finer_granularity,
         per_layer,
+        shorter_history,
         with_cells_hp,
     )
 
@@ -123,4 +145,20 @@ def remedy_variants(
                for x in layers):  # fmt: skip
             continue
         out[name] = per_layer(recipe, layers, fn, f"{recipe.name}+{name}")
+    fallen = [x for x in layers if x in set(fell)]
+    if fallen:
+        v = per_layer(recipe, fallen, lambda r: shorter_history(r, (role,), SHORT_HISTORY),
+                      f"{recipe.name}+shorter-history")  # fmt: skip
+        if v.fingerprint() != recipe.fingerprint():
+            out["shorter-history"] = v
+    spec = [recipe.for_layer(x).spec(gemm or ROLE_GEMM[role], role) for x in layers]
+    tail = last_blocks(all_layers, layers)
+    if tail and any(s is not None and s.format == "e2m1" for s in spec):
+        out["last-blocks-high-precision"] = per_layer(
+            recipe, tail, lambda r: all_hp(r, precision), f"{recipe.name}+last-blocks-hp"
+        )
     return out
+
+
+#: a GEMM each role feeds (to read its spec when no culprit GEMM is known)
+ROLE_GEMM = {"input": "fprop", "weight": "fprop", "grad_output": "dgrad"}

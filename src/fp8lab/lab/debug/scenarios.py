@@ -23,6 +23,39 @@ model's converted layers, so it also works with other sizes (``--set model.n_lay
   delayed-scaling gradient history of te-delayed: for the rest of the run (history 1024) every
   layer's gradient scale is far too small and most gradients underflow. Expect: role
   ``grad_output`` on many layers, current scaling as the fix.
+
+Published failures, reproduced (the gallery; each names its source, what the paper measured and
+its published fix, the ``fixed`` counterpart a study runs; docs/debug.md, benchmarks/
+study_gallery.py):
+
+- ``swiglu-outliers``: Fishman et al., arXiv 2409.12517. With SwiGLU and weight decay the gate
+  and linear weight vectors of a channel align over long training, their product grows
+  quadratically and delayed scaling overflows late in a 2T-token run. Accelerated here by a
+  strong decoupled weight decay (1.0) and a higher learning rate (3e-3): weight decay drives
+  the weights to the aligned stationary point the paper analyses in far fewer steps. Fixed:
+  ``model.mlp = "smooth_swiglu"`` (`fp8lab.nn.SmoothSwiGLU`). Expect: role ``input``, fprop,
+  on the ``mlp.down`` layers whose input amax grew most (computed from R's operand records).
+- ``mx-layernorm-affine``: Su et al., arXiv 2506.20752: MX quantization of LayerNorm affine
+  parameters biases their gradient multiplicatively and gives loss spikes in their small proxy
+  models. The GPT with LayerNorm (``model.norm = "layernorm"``) under mxfp8 with
+  ``norm_weights = "quantized"``. Fixed: those parameters in high precision. Expect: kind
+  ``norm_weight``, the norms feeding converted layers.
+- ``stale-after-warmup``: TE's ``DelayedScaling`` defaults (``amax_history_len=1024``,
+  ``amax_compute_algo="max"``): when a tensor's amax falls gradually (after the warm-up, as the
+  loss falls) the history keeps the old maximum and the scale stays too small. A large initial
+  weight scale (``init_std`` 0.2) makes the early gradients large and lets the model shrink
+  them itself. Fixed: te-current. Expect: remedy ``shorter-history`` or ``current-scaling``
+  ranked first, on the tensors whose amax fell (computed from R's records).
+- ``fp16-loss-scale``: Micikevicius et al., arXiv 1710.03740: FP16 gradients below 2^-24 flush
+  to zero without loss scaling. fp16-amp with a static loss scale of 2^-8 (too small: the
+  gradients underflow). Fixed: the dynamic loss scaler. Expect: kind ``loss_scale``, remedy
+  ``dynamic-loss-scaling`` ranked first, no layer named.
+
+``expect`` keys: ``kind`` (`fp8lab.lab.debug.kinds.CULPRIT_KINDS`; ``operand`` when absent),
+``role``, ``gemm``, ``layers`` (a list, ``"many"``, or a function of R's run directory computing
+them from the run: :func:`resolve_expect`), ``remedy`` (a name or a tuple of names, one of which
+must rank first), ``fix`` (the old spelling of ``remedy``). :func:`check_verdict` scores a result
+against it.
 """
 
 from __future__ import annotations
@@ -97,6 +130,67 @@ def _spike(cfg: LabConfig, layers: Sequence[str]):
             {"role": "grad_output", "layers": "many", "fix": "current-scaling"})  # fmt: skip
 
 
+def _swiglu(cfg: LabConfig, layers: Sequence[str]):
+    from fp8lab.recipe import get_recipe
+
+    def grown(run_dir: Any) -> list[str]:
+        from fp8lab.lab.debug.kinds import grown_layers
+        from fp8lab.lab.loop import read_stats
+
+        return grown_layers(read_stats(run_dir), "input", "mlp.down")
+
+    return (get_recipe("te-delayed"), cfg,
+            {"kind": "operand", "role": "input", "gemm": "fprop", "layers": grown,
+             "fixed": {"model": {"mlp": "smooth_swiglu"}}})  # fmt: skip
+
+
+def _mx_affine(cfg: LabConfig, layers: Sequence[str]):
+    import torch
+
+    from fp8lab.lab.debug.kinds import norm_layers
+    from fp8lab.lab.parts import build_model
+    from fp8lab.recipe import get_recipe
+
+    cfg = replace(cfg, model=replace(cfg.model, norm="layernorm"))
+    recipe = get_recipe("mxfp8").replace(
+        name="mxfp8+quantized-norms", norm_weights="quantized",
+        description="mxfp8 with the LayerNorm affine parameters quantized as MX weights")  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(cfg.model, None, cfg.train.seed)
+    return recipe, cfg, {"kind": "norm_weight", "layers": norm_layers(model, layers),
+                         "remedy": "norm-weights-high-precision",
+                         "fixed": {"recipe": "mxfp8"}}  # fmt: skip
+
+
+def _stale(cfg: LabConfig, layers: Sequence[str]):
+    from fp8lab.recipe import get_recipe
+
+    def fell(run_dir: Any) -> list[str]:
+        from fp8lab.lab.debug.kinds import amax_fell
+        from fp8lab.lab.loop import read_stats
+
+        stats = read_stats(run_dir)
+        return sorted({x for r in ("input", "grad_output") for x in amax_fell(stats, r, layers)})
+
+    cfg = replace(cfg, model=replace(cfg.model, init_std=0.2))
+    return (get_recipe("te-delayed"), cfg,
+            {"kind": "operand", "layers": fell, "remedy": ("shorter-history", "current-scaling"),
+             "fixed": {"recipe": "te-current"}})  # fmt: skip
+
+
+def _fp16(cfg: LabConfig, layers: Sequence[str]):
+    from fp8lab.recipe import get_recipe
+
+    recipe = get_recipe("fp16-amp").replace(
+        name="fp16-amp+static-2^-8", loss_scaling="static", loss_scale=2.0**-8,
+        description="fp16-amp with a static loss scale of 2^-8 (too small: gradients underflow)")  # fmt: skip
+    return recipe, cfg, {"kind": "loss_scale", "layers": [], "remedy": "dynamic-loss-scaling",
+                         "fixed": {"recipe": "fp16-amp"}}  # fmt: skip
+
+
+#: the gallery's scenarios (module doc): published failures, in the README table's order
+GALLERY = ("swiglu-outliers", "mx-layernorm-affine", "stale-after-warmup", "fp16-loss-scale")
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -108,6 +202,18 @@ SCENARIOS: dict[str, Scenario] = {
                  {"steps": 200, "eval_every": 20}),
         Scenario("gradient-spike", "a one-step x2^40 gradient spike poisons te-delayed's "
                  "gradient amax histories", _spike, {"steps": 200, "eval_every": 20}),
+        Scenario("swiglu-outliers", "SwiGLU channels align under strong weight decay and their "
+                 "product outgrows te-delayed's scale (Fishman et al. arXiv 2409.12517)",
+                 _swiglu, {"steps": 300, "eval_every": 20, "stats_every": 10, "lr": 3e-3,
+                           "weight_decay": 1.0}),
+        Scenario("mx-layernorm-affine", "LayerNorm affine parameters MX-quantized under mxfp8 "
+                 "(Su et al. arXiv 2506.20752)", _mx_affine, {"steps": 200, "eval_every": 20}),
+        Scenario("stale-after-warmup", "amaxes fall after the warm-up while te-delayed's "
+                 "1024-step histories hold the old maximum", _stale,
+                 {"steps": 200, "eval_every": 20, "stats_every": 10}),
+        Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 2^-8: the gradients "
+                 "underflow (Micikevicius et al. arXiv 1710.03740)", _fp16,
+                 {"steps": 200, "eval_every": 20}),
     )
 }  # fmt: skip
 
@@ -135,3 +241,46 @@ def plant(name: str, cfg: LabConfig) -> tuple[Any, LabConfig, dict[str, Any]]:
     with torch.random.fork_rng(devices=[]):
         model = build_model(cfg.model, get_recipe("te-delayed"), cfg.train.seed)
     return get_scenario(name).build(cfg, converted_layers(model))
+
+
+def resolve_expect(expect: dict[str, Any], run_dir: Any) -> dict[str, Any]:
+    """``expect`` with a computed ``layers`` (a function of R's run directory) evaluated on
+    ``run_dir`` (the debugger's ``OUT/probes/recipe``) and ``fixed`` left out: plain data."""
+    out = {k: v for k, v in expect.items() if k != "fixed"}
+    if callable(out.get("layers")):
+        out["layers"] = list(out["layers"](run_dir))
+    return out
+
+
+def check_verdict(expect: dict[str, Any], result: dict[str, Any], slack: int = 1) -> dict[str, Any]:
+    """Whether a debug result (``debug_result.json``'s data) gives the ``expect``ed verdict
+    (``expect`` resolved: :func:`resolve_expect`): ``{"right": bool, "why": [...]}``. Layers
+    named must lie within the expected ones plus ``slack`` others and include the first
+    expected one (``"many"``: at least 3); a culprit of kind ``loss_scale`` names none."""
+    why: list[str] = []
+    c = result.get("culprit")
+    if c is None:
+        return {"right": False, "why": ["no culprit"]}
+    kind = expect.get("kind", "operand")
+    if c.get("kind", "operand") != kind:
+        why.append(f"kind {c.get('kind', 'operand')} (expected {kind})")
+    for key in ("role", "gemm"):
+        if key in expect and c.get(key) != expect[key]:
+            why.append(f"{key} {c.get(key)} (expected {expect[key]})")
+    want, got = expect.get("layers"), list(c.get("layers") or [])
+    if want == "many":
+        if len(got) < 3:
+            why.append(f"{len(got)} layers (expected many)")
+    elif want is not None:
+        extra = [x for x in got if x not in want]
+        if len(extra) > slack or (want and got and want[0] not in got and kind == "operand"):
+            why.append(f"layers {got} (expected within {want} plus {slack})")
+        if not want and got:
+            why.append(f"layers {got} (expected none)")
+    remedy = expect.get("remedy", expect.get("fix"))
+    if remedy is not None:
+        ok = (remedy,) if isinstance(remedy, str) else tuple(remedy)
+        best = (result.get("details") or {}).get("best_remedy")
+        if best not in ok:
+            why.append(f"best remedy {best} (expected {' or '.join(ok)})")
+    return {"right": not why, "why": why}

@@ -210,3 +210,56 @@ def layer_dims(model: torch.nn.Module, layers: Iterable[str]) -> dict[str, tuple
     """``{layer: (in_features, out_features)}`` of converted layers."""
     return {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
             for n in layers}  # fmt: skip
+
+
+def shorter_history(recipe: Recipe, roles: Iterable[str], length: int) -> Recipe:
+    """Delayed scaling of ``roles`` with an amax history of ``length`` steps (at most: a
+    shorter one is kept); other scalings unchanged."""
+    import dataclasses
+
+    from fp8lab.scaling.delayed import DelayedScalingConfig
+
+    def fn(role, s):
+        sc = s.scaling
+        if not isinstance(sc, DelayedScalingConfig) or sc.history_len <= length:
+            return s
+        return s.replace(scaling=dataclasses.replace(sc, history_len=length))
+
+    return _map_specs(recipe, roles, fn)
+
+
+#: where the dynamic loss scaler starts (torch.amp.GradScaler's and Megatron-LM's default 2^16
+#: would do too; a static scale below it is raised to it: the scaler grows only every 2000 steps)
+DYNAMIC_START = 2.0**16
+
+
+def dynamic_loss_scaling(recipe: Recipe) -> Recipe:
+    """The loss scaler made dynamic (grows after a run of finite steps, halves and skips on an
+    overflow; `fp8lab.optim.LossScaler`), starting from the larger of the recipe's
+    ``loss_scale`` and :data:`DYNAMIC_START`."""
+    if recipe.loss_scaling == "dynamic":
+        return recipe
+    return recipe.replace(loss_scaling="dynamic", loss_scale=max(recipe.loss_scale, DYNAMIC_START))
+
+
+def norm_weights_hp(recipe: Recipe) -> Recipe:
+    """The norms' affine parameters in high precision (``norm_weights = "high_precision"``)."""
+    return recipe.replace(norm_weights="high_precision")
+
+
+def attention_hp(recipe: Recipe) -> Recipe:
+    """Attention in high precision (``attention = false``; its ``[dpa]`` options dropped)."""
+    if not recipe.attention and not any(r.changes.get("attention") for r in recipe.layers):
+        return recipe
+    d = recipe.to_dict()
+    d.pop("dpa", None)
+    d["attention"] = False
+    for rule in d.get("layer", []):  # a rule's attention options go with it
+        rule.pop("dpa", None)
+        rule.pop("attention", None)
+    return Recipe.from_dict(d, where=f"{recipe.name} without FP8 attention")
+
+
+def all_hp(recipe: Recipe, precision: str) -> Recipe:
+    """Every operand of every GEMM in high precision (one layer's recipe)."""
+    return with_cells_hp(recipe, [(g, r) for r in ROLES for g in ROLE_GEMMS[r]], precision)

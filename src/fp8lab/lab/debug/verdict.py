@@ -8,7 +8,9 @@ and ``[[layer]]`` tables when R is a preset, else R's full settings plus the tab
 back and checked to give the remedy's numerics on every layer before it is kept. For a
 factory's model its rules name each layer as the user's model does and as the lab does
 (`fp8lab.lab.debug.names.with_user_names`): ``fp8lab.nn.convert(model, "fix.toml")`` and
-``fp8lab compare --recipes fix.toml`` both take it.
+``fp8lab compare --recipes fix.toml`` both take it. Beside it, the same fix for Megatron-LM
+(``fix.megatron.yaml``) and Transformer Engine's debug tool (``fix.te.yaml``):
+`fp8lab.lab.debug.export`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8lab.lab import noise as noise_rule
+from fp8lab.lab.debug.export import export_fix, write_exports
 from fp8lab.lab.debug.names import with_user_names
 from fp8lab.lab.debug.result import DebugResult
 from fp8lab.recipe import Recipe
@@ -182,6 +185,9 @@ def _diagnose(
                if fq.explains else "the grids (format or granularity) are part of it.")
         )  # fmt: skip
     verdict: dict[str, Any] = {"culprit": None, "fix": None, "best": None}
+    if found.get("kind") not in (None, "operand"):  # norm weights, attention, loss scale
+        words += _kind_words(ctx, found, remedy_rows, verdict)
+        return "culprit", words, verdict
     role = found.get("role")
     if role is None:
         tried = found.get("tried_roles", [])
@@ -202,7 +208,8 @@ def _culprit_words(
     ctx: Any, found: dict[str, Any], remedy_rows: list[dict[str, Any]], verdict: dict[str, Any]
 ) -> list[str]:
     """The culprit's sentences; fills ``verdict`` (culprit, best remedy, the fix file)."""
-    rec, base, role, layers = ctx.recipe, ctx.baseline, found["role"], found["layers"]
+    role, layers = found["role"], found["layers"]
+    # no "kind" key for an operand: the --json schema of an operand culprit stays as it was
     verdict["culprit"] = {"role": role, "gemm": found["gemm"], "layers": list(layers)}
     gp = {g: ctx.probes.get(f"gemm-{g}-{role}") for g in ("fprop", "dgrad", "wgrad")}
     gtxt = ", ".join(f"{g} only {_pct(p.gap_pct)}" for g, p in gp.items() if p)
@@ -212,6 +219,39 @@ def _culprit_words(
         f"Culprit: the {role} operand on {where}, mattering most in {found['gemm']} "
         f"(in high precision on every layer: {gtxt})."
     ]
+    return words + _remedy_words(ctx, remedy_rows, verdict)
+
+
+_KIND_TEXT = {
+    "norm_weight": "the norms' quantized affine parameters",
+    "attention": "FP8 attention",
+    "loss_scale": "the static loss scale (the gradients underflow or overflow under it)",
+}
+
+
+def _kind_words(
+    ctx: Any, found: dict[str, Any], remedy_rows: list[dict[str, Any]], verdict: dict[str, Any]
+) -> list[str]:
+    """A culprit of a kind other than an operand (`fp8lab.lab.debug.kinds`)."""
+    kind, layers = found["kind"], list(found.get("layers") or [])
+    verdict["culprit"] = {"kind": kind, "role": None, "gemm": None, "layers": layers}
+    if kind == "attention":
+        verdict["culprit"]["tensor"] = found.get("tensor")
+    p = ctx.probes.get(f"kind-{kind}")
+    where = f" ({', '.join(layers)})" if layers and len(layers) <= 4 else (
+        f" ({len(layers)} norms)" if layers else "")  # fmt: skip
+    words = [f"Culprit: {_KIND_TEXT[kind]}{where}: with "
+             f"{p.label if p else kind} R ends {_pct(p.gap_pct if p else None)}."]  # fmt: skip
+    return words + _remedy_words(ctx, remedy_rows, verdict)
+
+
+def _remedy_words(
+    ctx: Any, remedy_rows: list[dict[str, Any]], verdict: dict[str, Any]
+) -> list[str]:
+    """The best remedy's sentence; writes ``fix.toml`` (and the fix in the formats where users
+    apply it: `fp8lab.lab.debug.export`) when it explains the gap."""
+    rec, base = ctx.recipe, ctx.baseline
+    words = []
     best = verdict["best"] = best_remedy(remedy_rows)
     if best is not None:
         words.append(
@@ -227,6 +267,10 @@ def _culprit_words(
         # the layers as the user's model names them too (fp8lab.lab.debug.names)
         fix = with_user_names(best["recipe"].replace(name=f"{rec.name}-fix"), rec, ctx.prefix)
         verdict["fix"] = str(write_fix(fix, rec, ctx.out / FIX, note))
+        # the same fix for Megatron-LM and TE's debug tool (fp8lab.lab.debug.export)
+        exp = export_fix(best["name"], best["recipe"], rec, ctx.all_layers, ctx.prefix, note)
+        verdict["exports"] = write_exports(ctx.out, exp)
+        verdict["export_notes"] = exp.notes
     return words
 
 
@@ -258,6 +302,8 @@ def _result(
             "found": _plain(found or {}),
             "remedies": [{k: v for k, v in r.items() if k != "recipe"} for r in remedy_rows],
             "best_remedy": None if best is None else best["name"],
+            "exports": verdict.get("exports", {}),
+            "export_notes": verdict.get("export_notes", []),
             "layers": ctx.layers,
             "precision": ctx.precision,
             "lab": ctx.cfg.to_dict(),
