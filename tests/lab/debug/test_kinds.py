@@ -40,7 +40,7 @@ def test_amax_fell_is_a_gradual_fall_not_a_spike():
     recs = fall + spike + flat + [_rec(10, "a", "weight", 50.0)]
     assert kinds.amax_fell(recs, "input", ["a", "b", "c"]) == ["a"]
     # the largest over the GEMMs of a step counts
-    recs2 = fall + [_rec(40, "a", "input", 9.0, gemm="wgrad")]
+    recs2 = [*fall, _rec(40, "a", "input", 9.0, gemm="wgrad")]
     assert kinds.amax_fell(recs2, "input", ["a"]) == []
 
 
