@@ -61,7 +61,7 @@ def applicable_kinds(recipe: Recipe) -> list[str]:
 
 def kind_probes(recipe: Recipe) -> dict[str, Recipe]:
     """``{kind: variant}`` for each applicable kind: R with that part fixed (module doc)."""
-    from fp8lab.lab.debug import variants
+    import fp8lab.lab.debug.variants as variants
 
     fns = {"norm_weight": variants.norm_weights_hp, "attention": variants.attention_hp,
            "loss_scale": variants.dynamic_loss_scaling}  # fmt: skip
