@@ -236,6 +236,10 @@ def prepare(
         used = x
     elif gathered is not None and gathered.serves(q):
         used = gathered.qtensor
+    elif getattr(
+        q.spec, "rht", False
+    ):  # TE transforms the BF16 tensor: the operand is rounded to bf16 first
+        used = _quantize(round_bf16(x.contiguous()), q, held, _wants_dense(op, q, x.shape))
     else:
         used = _quantize(x, q, held, _wants_dense(op, q, x.shape))
     shadow = None
@@ -275,8 +279,9 @@ def from_forward(kept: Operand, op: OperandPlan, held: list[torch.Tensor] | None
         retile_from = None if quantizer.delayed is not None else q
         q2 = _quantize(kept.dense(), quantizer, held, want, retile_from=retile_from)
         operand = Operand(q2, kept.source)
-    elif op.reuse is Reuse.DEQUANTIZE:  # the saved copy's values, no second rounding
-        operand = Operand(kept.dense(), kept.source)
+    elif op.reuse is Reuse.DEQUANTIZE:  # the saved copy's values, rounded to the GEMM's
+        # precision when it runs in one (fp32: as they are)
+        operand = Operand(round_high_precision(kept.dense(), op.high_precision), kept.source)  # type: ignore[arg-type]
     if observed:
         _notify(op, kept.source if kept.source is not None else kept.dense(), operand.used)  # type: ignore[arg-type]
     return operand

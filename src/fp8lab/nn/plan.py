@@ -14,8 +14,9 @@ how the backward obtains the operand from the forward's (`Reuse`):
 * ``SOURCE``: quantize (or round) the high-precision tensor afresh (TE's quantizers make the
   column-wise copy from the high-precision tensor; dy is live in the backward);
 * ``DEQUANTIZE``: the earlier GEMM's saved quantized copy, dequantized, used as is: the GEMM
-  multiplies it in fp32 (`OperandPlan.high_precision` ``"fp32"``), TE's
-  ``backward_override="dequantized"``.
+  multiplies it in fp32 (`OperandPlan.high_precision` ``"fp32"``); in a GEMM run in high
+  precision, rounded to that precision (TE's ``backward_override="dequantized"``: the copy
+  dequantized to bf16).
 
 Which one is decided by construction from `fp8lab.recipe.GemmConfig.operand_source` of the later
 GEMM (`source_of`): ``auto`` is the source system's choice (docs/recipes.md): dy and W are live
@@ -178,6 +179,8 @@ def source_of(recipe: Recipe, later: str, role: str, saved: QuantSpec, target: Q
 def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role: str) -> Reuse:
     hp_src, hp_dst = recipe.precision(src, role), recipe.precision(dst, role)
     s_src, s_dst = specs[(src, role)], specs[(dst, role)]
+    if hp_dst is not None and s_src is not None and _dequantized_source(recipe, dst, role):
+        return Reuse.DEQUANTIZE  # TE's backward_override="dequantized": the saved copy, rounded
     if hp_dst is not None:  # the later GEMM rounds the high-precision tensor
         return Reuse.SAME if hp_src == hp_dst else Reuse.SOURCE
     if s_dst is None:  # fp32 as is
@@ -193,6 +196,10 @@ def _reuse(recipe: Recipe, specs: dict, nominal: dict, src: str, dst: str, role:
     if saved == s_dst:  # one quantization serves both GEMMs (same spec and delayed state)
         return Reuse.SAME
     return Reuse.RETILE if choice == "saved_quantized" else Reuse.SOURCE
+
+
+def _dequantized_source(recipe: Recipe, gemm: str, role: str) -> bool:
+    return recipe.gemm(gemm).source(role) == "saved_dequantized"
 
 
 def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> LinearPlan:
@@ -223,8 +230,8 @@ def build_plan(recipe: Recipe, state: ScalingState, name: str | None = None) -> 
         for role, first_axis in GEMM_OPERANDS[g]:
             cell = specs[(g, role)]
             hp = recipe.precision(g, role)
-            if reuse.get((g, role)) is Reuse.DEQUANTIZE:  # the saved copy's values, in fp32
-                cell, hp = None, "fp32"
+            if reuse.get((g, role)) is Reuse.DEQUANTIZE:  # the saved copy's values, rounded
+                cell, hp = None, hp or "fp32"  # to the GEMM's precision (fp32: as they are)
             ops.append(
                 OperandPlan(
                     gemm=g,

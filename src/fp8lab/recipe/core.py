@@ -20,6 +20,11 @@ A `Recipe` is frozen, printable data that round-trips through TOML and JSON. It 
   system's choice, docs/recipes.md);
 * whether attention runs in FP8 (``attention``, off by default like TE's ``fp8_dpa``) and how
   (``dpa``, a `DPAConfig`: the ``[dpa]`` table; `fp8lab.nn.DotProductAttention`);
+* shorthands for other keys (`fp8lab.recipe.shorthands`): ``backward_override`` (TE's: the
+  backward GEMMs in bf16 on the original or the dequantized operands), ``rht_gemms`` (TE's random
+  Hadamard transform on the wgrad operands) and the high-precision first/last blocks
+  ``hp_first_blocks``/``hp_last_blocks`` (resolved into ``[[layer]]`` rules by
+  `fp8lab.nn.convert`);
 * the token dispatch format of mixture-of-experts blocks (``moe``, a `MoEConfig`: the ``[moe]``
   table; `fp8lab.nn.moe`);
 * the optimizer-state precision (``optimizer_state`` for both moments, or per moment
@@ -82,6 +87,12 @@ from fp8lab.recipe.dpa import DPAConfig
 from fp8lab.recipe.layers import LayerRule
 from fp8lab.recipe.moe import MoEConfig
 from fp8lab.recipe.plain import recipe_from_plain
+from fp8lab.recipe.shorthands import (
+    check_hp_blocks,
+    check_rht_gemms,
+    expand_backward_override,
+    plain_hp_last,
+)
 from fp8lab.recipe.toml_writer import dump_toml
 
 __all__ = ["Recipe"]
@@ -142,6 +153,15 @@ class Recipe:
     description: str = ""
     source: str = ""
     layers: tuple[LayerRule, ...] = ()
+    #: TE's backward_override: "none", "high_precision" or "dequantized" (expanded into the
+    #: dgrad/wgrad GemmConfigs on construction: `fp8lab.recipe.shorthands`)
+    backward_override: str = "none"
+    #: the GEMMs whose operands get TE's random Hadamard transform: "none" or "wgrad"
+    rht_gemms: str = "none"
+    #: last blocks kept in bf16 (None: the NVFP4 paper's ~15 %); resolved by `fp8lab.nn.convert`
+    hp_last_blocks: int | None = 0
+    #: first blocks kept in bf16; resolved by `fp8lab.nn.convert`
+    hp_first_blocks: int = 0
     #: the file `load` read this recipe from ("" otherwise): named by errors, not compared or saved
     path: str = field(default="", compare=False, repr=False)
 
@@ -154,7 +174,11 @@ class Recipe:
                 v = GemmConfig.from_dict(v)
             elif not isinstance(v, GemmConfig):
                 raise TypeError(f"{g} must be a GemmConfig or dict, got {type(v).__name__}")
-            object.__setattr__(self, g, check_operand_source(g, v))
+            object.__setattr__(self, g, v)
+        for g, v in expand_backward_override(self).items():  # a shorthand: written out here
+            object.__setattr__(self, g, v)
+        for g in GEMMS:
+            object.__setattr__(self, g, check_operand_source(g, getattr(self, g)))
         check_choice(self.save_for_backward, SAVE_MODES, "save_for_backward")
         check_choice(self.loss_scaling, LOSS_SCALINGS, "loss_scaling")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
@@ -183,6 +207,8 @@ class Recipe:
             r if isinstance(r, LayerRule) else LayerRule.from_dict(r) for r in self.layers
         )
         object.__setattr__(self, "layers", rules)
+        check_rht_gemms(self)
+        check_hp_blocks(self.hp_last_blocks, self.hp_first_blocks)
         for i, rule in enumerate(rules, 1):
             # keys and types now, on the Recipe defaults (a rule may only make sense after an
             # earlier one: its combination is checked when a layer resolves, in `for_layer`)
@@ -253,7 +279,20 @@ class Recipe:
 
     def spec(self, gemm: str, role: str) -> QuantSpec | None:
         """The spec of ``role`` in ``gemm`` (the override if any, else the role's spec), in the
-        natural-layout convention; ``None`` when the operand stays unquantized."""
+        natural-layout convention; ``None`` when the operand stays unquantized. Under
+        ``rht_gemms = "wgrad"`` the quantized wgrad operands carry ``rht=True``."""
+        s = self.role_spec(gemm, role)
+        if (
+            self.rht_gemms == "wgrad"
+            and gemm == "wgrad"
+            and s is not None
+            and self.precision(gemm, role) is None
+        ):
+            return s.replace(rht=True)
+        return s
+
+    def role_spec(self, gemm: str, role: str) -> QuantSpec | None:
+        """`spec` without the ``rht_gemms`` transform: the override if any, else the role's."""
         cfg = self.gemm(gemm)
         if role not in (r for r, _ in GEMM_OPERANDS[gemm]):
             raise ValueError(f"{role!r} is not an operand of {gemm}")
@@ -375,6 +414,15 @@ class Recipe:
         for key in ("param_storage", "param_master_init", "save_activations"):
             if getattr(self, key) != "high_precision":  # absent at the default: fingerprints stay
                 d[key] = getattr(self, key)
+        # absent at their defaults: fingerprints stay as they were
+        if self.backward_override != "none":
+            d["backward_override"] = self.backward_override
+        if self.rht_gemms != "none":
+            d["rht_gemms"] = self.rht_gemms
+        if self.hp_last_blocks != 0:
+            d["hp_last_blocks"] = plain_hp_last(self.hp_last_blocks)
+        if self.hp_first_blocks != 0:
+            d["hp_first_blocks"] = self.hp_first_blocks
         if self.layers:  # absent otherwise: fingerprints of rule-free recipes stay as they were
             d["layer"] = [r.to_dict() for r in self.layers]
         return d
@@ -443,6 +491,7 @@ class Recipe:
             d = self.to_dict()
             for k in ("name", "description", "source"):
                 d.pop(k)
+            d.pop("backward_override", None)  # a shorthand: its expansion is in dgrad/wgrad
             cached = json.dumps(d, sort_keys=True, separators=(",", ":"))
             object.__setattr__(self, "_fingerprint", cached)
         return cached
@@ -474,6 +523,11 @@ class Recipe:
             + (f"({self.loss_scale:g})" if self.loss_scaling != "none" else "")
             + ")"
         )
+        extra = {"backward_override": "none", "rht_gemms": "none", "hp_last_blocks": 0,
+                 "hp_first_blocks": 0}  # fmt: skip
+        shown = [f"{k}={getattr(self, k)}" for k, v in extra.items() if getattr(self, k) != v]
+        if shown:
+            lines.append("  " + ", ".join(shown))
         if not self.moe.is_default:
             lines.append(f"  moe: {self.moe.describe()}")
         if not self.dpa.is_default:

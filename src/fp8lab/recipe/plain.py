@@ -25,6 +25,7 @@ from fp8lab.recipe.config import (
 from fp8lab.recipe.dpa import DPAConfig
 from fp8lab.recipe.layers import LayerRule, deep_merge, preset
 from fp8lab.recipe.moe import MoEConfig
+from fp8lab.recipe.shorthands import hp_last_from_plain
 from fp8lab.scaling.delayed import DelayedScaling, DelayedScalingConfig
 
 __all__ = ["recipe_from_plain"]
@@ -183,12 +184,15 @@ def recipe_from_plain(cls: type, d: Any, where: str) -> Any:
             "dpa": (Mapping, DPAConfig),
             "exp_avg_dtype": (str,),
             "exp_avg_sq_dtype": (str,),
+            "hp_last_blocks": (int, str, type(None)),  # "auto" (TOML) or null (JSON): None
         },
     )
     fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("layers", "path")]
     known = [*fields, "layer"]
     _check_table(d, types, known, "Recipe", where, "top level")
     kw = dict(d)
+    if "hp_last_blocks" in kw:
+        kw["hp_last_blocks"] = hp_last_from_plain(kw["hp_last_blocks"])
     for r in ROLES:
         if r in kw:
             kw[r] = _spec_from_plain(kw[r], where, r)
