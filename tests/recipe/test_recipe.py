@@ -26,6 +26,12 @@ EXPECTED = [
     "hif8-current",
     "hif8-delayed",
     "nvfp4",
+    "nvfp4-bare",
+    "torchao-tensorwise",
+    "torchao-rowwise",
+    "torchao-rowwise-gw-hp",
+    "mxfp8-2d",
+    "mxfp4",
 ]
 
 
@@ -206,7 +212,7 @@ PRESET_FINGERPRINTS = {
 def test_save_for_backward_defaults_to_high_precision_and_presets_keep_theirs():
     assert Recipe().save_for_backward == "high_precision"  # TE / torchao behaviour
     assert Recipe.from_dict({"name": "x"}).save_for_backward == "high_precision"
-    hp = {"mxfp8", "nvfp4"}
+    hp = {"mxfp8", "nvfp4", *EXPECTED[EXPECTED.index("nvfp4") :]}
     for name in EXPECTED:
         want = "high_precision" if name in hp else "quantized"
         assert get_recipe(name).save_for_backward == want, name

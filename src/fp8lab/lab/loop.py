@@ -24,7 +24,7 @@ from fp8lab.lab import machine as machines
 from fp8lab.lab import models
 from fp8lab.lab.data import Corpus, get_batch, val_batches
 from fp8lab.lab.inject import InjectionHook, Injector
-from fp8lab.lab.parts import RunParts
+from fp8lab.lab.parts import RunParts, write_resolved_recipe
 from fp8lab.stats import json_safe
 from fp8lab.step import TrainStep, WatchHook
 
@@ -327,6 +327,7 @@ class Run:
 
     def open_files(self) -> None:
         if self.run_path is not None and self.writer:
+            write_resolved_recipe(self.run_path, self.recipe, self.model)
             self.files = {f: open(self.run_path / f, "a") for f in (METRICS, STATS)}  # noqa: SIM115
 
     def close_files(self) -> None:

@@ -24,7 +24,11 @@ __all__ = [
     "guard_hook",
     "make_optimizer",
     "make_scaler",
+    "write_resolved_recipe",
 ]
+
+#: the run directory's copy of the recipe as resolved against the model (`write_resolved_recipe`)
+RESOLVED_RECIPE = "recipe.toml"
 
 
 def build_model(model_cfg: Any, recipe: Any, seed: int) -> torch.nn.Module:
@@ -46,6 +50,22 @@ def build_model(model_cfg: Any, recipe: Any, seed: int) -> torch.nn.Module:
 
             store_fp8_params_(model)
     return model.to(machines.torch_device())
+
+
+def write_resolved_recipe(run_path: Any, recipe: Any, model: torch.nn.Module) -> None:
+    """Write ``run_path/recipe.toml``: ``recipe`` with its high-precision blocks
+    (``hp_first_blocks`` / ``hp_last_blocks``) written out as the ``[[layer]]`` rule `convert`
+    resolved for ``model``, for the user to read and edit (a recipe file). Only for a recipe
+    with such blocks: nothing else is resolved against the model."""
+    from fp8lab.nn import converted, resolve_blocks
+    from fp8lab.recipe import Recipe
+
+    if not isinstance(recipe, Recipe) or (
+        recipe.hp_last_blocks == 0 and recipe.hp_first_blocks == 0
+    ):
+        return
+    resolved = resolve_blocks(model, recipe, converted(model))
+    (run_path / RESOLVED_RECIPE).write_text(resolved.to_toml(), encoding="utf-8")
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Any, cfg: Any) -> Any:

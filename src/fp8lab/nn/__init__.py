@@ -61,6 +61,7 @@ from fp8lab.nn.convert import (
     convert,
     converted,
     layer_settings,
+    resolve_blocks,
     select_linears,
     unconvert,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "load_fp8_state",
     "on_operand",
     "read_debug_checkpoint",
+    "resolve_blocks",
     "save_debug_checkpoint",
     "save_fp8_state",
     "select_linears",

@@ -41,6 +41,10 @@ Converting again keeps what a layer has learnt: a layer already converted to the
 `Recipe`, a preset name, or a recipe file (``.toml``/``.json``: fp8lab's recipe files, e.g.
 ``fp8lab debug``'s ``fix.toml``).
 
+A recipe's ``hp_first_blocks`` / ``hp_last_blocks`` (the NVFP4 paper's high-precision blocks)
+are resolved against the model first (`resolve_blocks`): one ``[[layer]]`` rule running those
+blocks of the largest numbered ``ModuleList`` of converted Linears in bf16.
+
 A ``transformers`` model keeps its FP8 state out of ``save_pretrained``'s weights and beside
 them, and gets it back on ``convert`` after ``from_pretrained`` (`fp8lab.nn.fp8_state`).
 """
@@ -65,14 +69,24 @@ from fp8lab.nn.fp8_state import (
     weights_mismatch,
 )
 from fp8lab.nn.linear import Linear
-from fp8lab.recipe import GEMM_OPERANDS, GEMMS, ROLES, Recipe, get_recipe
-from fp8lab.recipe.validate import check_layer_rules
+from fp8lab.recipe import (
+    GEMM_OPERANDS,
+    GEMMS,
+    ROLES,
+    LayerRule,
+    Recipe,
+    RecipeFileError,
+    get_recipe,
+)
+from fp8lab.recipe.shorthands import hp_block_count
+from fp8lab.recipe.validate import check_layer_rules, origin
 
 __all__ = [
     "DEFAULT_EXCLUDE",
     "convert",
     "converted",
     "layer_settings",
+    "resolve_blocks",
     "select_linears",
     "unconvert",
 ]
@@ -242,6 +256,53 @@ def _recipe_of(recipe: Recipe | str | os.PathLike) -> Recipe:
     return rec
 
 
+def _block_list(model: torch.nn.Module, names: Sequence[str]) -> tuple[str, int] | None:
+    """``(qualified name, length)`` of the numbered ``ModuleList`` whose children hold the most
+    of the Linear layers ``names`` (the lab's ``blocks``, HF's ``model.layers``); None when no
+    ModuleList holds one (the first listed wins a tie)."""
+    best: tuple[int, str, int] | None = None
+    for n, m in model.named_modules():
+        if not n or not isinstance(m, torch.nn.ModuleList):
+            continue
+        held = {x[len(n) + 1 :].split(".")[0] for x in names if x.startswith(n + ".")}
+        count = len(held & {str(i) for i in range(len(m))})
+        if count and (best is None or count > best[0]):
+            best = (count, n, len(m))
+    return None if best is None else (best[1], best[2])
+
+
+def resolve_blocks(model: torch.nn.Module, recipe: Recipe, names: Sequence[str]) -> Recipe:
+    """``recipe`` with its ``hp_first_blocks`` / ``hp_last_blocks`` written out for ``model``
+    (whose converted Linear layers are ``names``): one ``[[layer]]`` rule, appended last so it
+    wins, running those blocks of the largest numbered ``ModuleList`` of converted Linears
+    (``blocks.N``, ``model.layers.N``) from the ``bf16`` preset; both fields then 0. ``recipe``
+    itself when both are 0. `RecipeFileError` (naming the recipe's file) when the model has no
+    such list or the two counts add up to more blocks than it has."""
+    if recipe.hp_last_blocks == 0 and recipe.hp_first_blocks == 0:
+        return recipe
+    found = _block_list(model, names)
+    if found is None:
+        raise RecipeFileError(
+            f"{origin(recipe)}: hp_last_blocks/hp_first_blocks need a numbered ModuleList of "
+            f"converted Linear layers (blocks.N, model.layers.N); {type(model).__name__} has "
+            f"none holding {list(names)[:4]}"
+        )
+    prefix, n = found
+    last, first = hp_block_count(recipe.hp_last_blocks, n), recipe.hp_first_blocks
+    if last + first > n:
+        raise RecipeFileError(
+            f"{origin(recipe)}: hp_last_blocks ({recipe.hp_last_blocks} -> {last}) + "
+            f"hp_first_blocks ({first}) = {last + first} blocks in high precision, more than "
+            f"the {n} blocks of {prefix!r}"
+        )
+    kept = [*range(first), *range(n - last, n)]
+    out = recipe.replace(hp_last_blocks=0, hp_first_blocks=0)
+    if not kept:
+        return out
+    rule = LayerRule(match=tuple(f"{prefix}.{i}.*" for i in kept), base="bf16")
+    return out.with_layers(rule)
+
+
 def _check_retarget(model: torch.nn.Module, rec: Recipe, names: list[str]) -> None:
     """ValueError when a layer already converted to other numerics would be re-targeted."""
     changed = []
@@ -296,6 +357,7 @@ def convert(
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, UserWarning, stacklevel=2)
+    rec = resolve_blocks(model, rec, names)
     check_layer_rules(rec, names)  # names the recipe's file (fp8lab.recipe.validate)
     if not retarget:
         _check_retarget(model, rec, names)

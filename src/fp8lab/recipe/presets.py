@@ -173,8 +173,90 @@ def _build_presets() -> dict[str, Recipe]:
             "The random Hadamard transform is not modelled.",
             source=te_src + " NVFP4BlockScaling; TE reference_nvfp4.py",
         ),
+        *_flavour_presets(te_src),
     ]
     return {r.name: r for r in p}
+
+
+def _flavour_presets(te_src: str) -> list[Recipe]:
+    """The FP4 ablation's starting point and the FP8/FP4 flavours users pick (torchao's float8
+    recipes, TE's MXFP8 with 2D weight blocks, OCP MXFP4)."""
+    ao_src = "torchao torchao/float8/config.py Float8LinearConfig.from_recipe_name"
+    mx_src = "OCP Microscaling Formats (MX) v1.0 §6.3"
+    return [
+        Recipe(
+            name="nvfp4-bare",
+            input=_e("e2m1", "nvfp4", "nvfp4"),
+            weight=_e("e2m1", "nvfp4", "nvfp4"),
+            grad_output=_e("e2m1", "nvfp4", "nvfp4"),
+            save_for_backward="high_precision",
+            description="NVFP4 with none of the NVFP4 paper's four techniques: 1x16 E4M3 block "
+            "scales under an FP32 tensor scale on every tensor (weights too), round to nearest, "
+            "no Hadamard transform, no high-precision layers. The ablation's starting point.",
+            source=te_src + " NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding="
+            "True, disable_2d_quantization=True); arXiv 2509.25149 §4",
+        ),
+        Recipe(
+            name="torchao-tensorwise",
+            input=_e("e4m3"),
+            weight=_e("e4m3"),
+            grad_output=_e("e5m2"),
+            save_for_backward="high_precision",
+            description="torchao float8 TENSORWISE (Float8LinearConfig()): dynamic per-tensor "
+            "scaling, E4M3 input and weight, E5M2 grad_output; each GEMM's copies cast from the "
+            "high-precision tensors.",
+            source=ao_src + " TENSORWISE",
+        ),
+        Recipe(
+            name="torchao-rowwise",
+            input=_e("e4m3", "row", "pow2_down"),
+            weight=_e("e4m3", "row", "pow2_down"),
+            grad_output=_e("e4m3", "row", "pow2_down"),
+            save_for_backward="high_precision",
+            description="torchao float8 ROWWISE: E4M3 everywhere, one scale per row along each "
+            "GEMM's reduction axis (axiswise), scales rounded down to powers of two "
+            "(round_scales_to_power_of_2=True).",
+            source=ao_src + " ROWWISE",
+        ),
+        Recipe(
+            name="torchao-rowwise-gw-hp",
+            input=_e("e4m3", "row"),
+            weight=_e("e4m3", "row"),
+            grad_output=_e("e4m3", "row"),
+            dgrad=GemmConfig(overrides={"weight": _e("e4m3")}),
+            wgrad=GemmConfig(high_precision="bf16"),
+            save_for_backward="high_precision",
+            description="torchao float8 ROWWISE_WITH_GW_HP: fprop axiswise E4M3 input and "
+            "weight; dgrad axiswise E4M3 grad_output with a per-tensor E4M3 weight; wgrad in "
+            "high precision (bf16 operands). Scales not rounded to powers of two (torchao "
+            "sets that for ROWWISE only).",
+            source=ao_src + " ROWWISE_WITH_GW_HP",
+        ),
+        Recipe(
+            name="mxfp8-2d",
+            input=_e("e4m3", "mx", "mx_rceil"),
+            weight=_e("e4m3", (32, 32), "mx_rceil"),
+            grad_output=_e("e4m3", "mx", "mx_rceil"),
+            save_for_backward="high_precision",
+            description="TE MXFP8BlockScaling(enable_2d_quantization=True): as mxfp8, but the "
+            "weight of a Linear shares one E8M0 scale per 32x32 tile (one amax per tile, "
+            "rounded up), so its row- and column-wise copies hold the same values.",
+            source=te_src + " MXFP8BlockScaling; TE pytorch/quantization.py "
+            "MXFP8BlockScalingRecipeState, common/cast/mxfp8/quantize_mxfp8.cuh "
+            "kIs2DBlockScaling",
+        ),
+        Recipe(
+            name="mxfp4",
+            input=_e("e2m1", "mx", "mx_floor"),
+            weight=_e("e2m1", "mx", "mx_floor"),
+            grad_output=_e("e2m1", "mx", "mx_floor"),
+            save_for_backward="high_precision",
+            description="MXFP4: E2M1 elements, 1x32 blocks with E8M0 scales by the OCP floor "
+            "rule (2^(floor(log2 amax) - 2): a block's largest values may saturate at 6), round "
+            "to nearest, every tensor.",
+            source=mx_src,
+        ),
+    ]
 
 
 def _hif8_delayed() -> DelayedScalingConfig:
