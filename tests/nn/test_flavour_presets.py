@@ -13,17 +13,21 @@ import torch
 
 import fp8lab
 from fp8lab import Recipe
-from fp8lab.nn import Linear, convert, on_operand, resolve_blocks, select_linears
+from fp8lab.nn import Linear, convert, converted, on_operand, resolve_blocks, select_linears
 from fp8lab.recipe import RecipeFileError
 
 #: the issue's new presets
 FLAVOURS = [
+    "nvfp4-te",
+    "nvfp4-paper",
     "nvfp4-bare",
+    "nvfp4-4over6",
     "torchao-tensorwise",
     "torchao-rowwise",
     "torchao-rowwise-gw-hp",
     "mxfp8-2d",
     "mxfp4",
+    "mxfp4-quartet",
 ]
 T, D = 32, 32  # whole 32x1 / 16x1 blocks along the token axis, 32x32 weight tiles
 
@@ -62,7 +66,10 @@ def test_flavour_trains_resumes_bit_for_bit_and_round_trips(name):
     batches = [(torch.randn(T, D, generator=g), torch.randn(T, 4, generator=g)) for _ in range(3)]
     torch.manual_seed(0)
     model = convert(Tiny(), rec)
-    assert all(isinstance(b, Linear) and b.recipe == rec for b in model.blocks)
+    res = resolve_blocks(model, rec, converted(model))  # nvfp4-paper: the last block in bf16
+    assert all(isinstance(b, Linear) and b.recipe == res.for_layer(f"blocks.{i}")
+               for i, b in enumerate(model.blocks))  # fmt: skip
+    assert (model.blocks[1].recipe.fprop.high_precision == "bf16") == (rec.hp_last_blocks != 0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _steps(model, opt, batches[:1])
     saved = copy.deepcopy((model.state_dict(), opt.state_dict(), torch.get_rng_state()))

@@ -116,6 +116,10 @@ def _assert_stochastic(got: QTensor, src: torch.Tensor, spec: QuantSpec) -> None
     up = grid[torch.searchsorted(grid, lo.flatten(), right=True).clamp(max=grid.numel() - 1)]
     hi = got.values.abs()
     assert bool(((hi == lo) | (hi == up.reshape(lo.shape))).all())
+    if spec.rht or spec.hadamard:  # the values carry the signs of the transformed tensor
+        n = 16 if spec.rht else spec.hadamard
+        axis = 1 if spec.block[0] == 1 else 0
+        src = fp8lab.qtensor.transforms.transform_along(src.detach(), axis, n, spec.rht, "t")
     assert bool(((got.values == 0) | (torch.sign(got.values) == torch.sign(src))).all())
 
 

@@ -26,12 +26,16 @@ EXPECTED = [
     "hif8-current",
     "hif8-delayed",
     "nvfp4",
+    "nvfp4-te",
+    "nvfp4-paper",
     "nvfp4-bare",
+    "nvfp4-4over6",
     "torchao-tensorwise",
     "torchao-rowwise",
     "torchao-rowwise-gw-hp",
     "mxfp8-2d",
     "mxfp4",
+    "mxfp4-quartet",
 ]
 
 

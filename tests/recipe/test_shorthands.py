@@ -17,6 +17,10 @@ from fp8lab.recipe import GemmConfig, RecipeFileError
 
 # sha256[:16] of each new preset's fingerprint (run directories resume on it)
 NEW_PRESET_FINGERPRINTS = {
+    "nvfp4-te": "2a6eac5909c573f1",
+    "nvfp4-paper": "8df04378285440e0",
+    "nvfp4-4over6": "6d40ad2f26b17bc3",
+    "mxfp4-quartet": "92dde3401887f599",
     "nvfp4-bare": "bd87ad3006439ef0",
     "torchao-tensorwise": "ba50fe9574e57530",
     "torchao-rowwise": "5bf0d2c8b51163bb",

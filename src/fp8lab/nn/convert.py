@@ -299,7 +299,11 @@ def resolve_blocks(model: torch.nn.Module, recipe: Recipe, names: Sequence[str])
     out = recipe.replace(hp_last_blocks=0, hp_first_blocks=0)
     if not kept:
         return out
-    rule = LayerRule(match=tuple(f"{prefix}.{i}.*" for i in kept), base="bf16")
+    # a block that is itself a Linear is matched by its own name
+    match = [
+        p for i in kept for p in (f"{prefix}.{i}", f"{prefix}.{i}.*") if p[-1] == "*" or p in names
+    ]
+    rule = LayerRule(match=tuple(match), base="bf16")
     return out.with_layers(rule)
 
 

@@ -236,10 +236,6 @@ def prepare(
         used = x
     elif gathered is not None and gathered.serves(q):
         used = gathered.qtensor
-    elif getattr(
-        q.spec, "rht", False
-    ):  # TE transforms the BF16 tensor: the operand is rounded to bf16 first
-        used = _quantize(round_bf16(x.contiguous()), q, held, _wants_dense(op, q, x.shape))
     else:
         used = _quantize(x, q, held, _wants_dense(op, q, x.shape))
     shadow = None

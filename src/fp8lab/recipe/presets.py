@@ -183,7 +183,39 @@ def _flavour_presets(te_src: str) -> list[Recipe]:
     recipes, TE's MXFP8 with 2D weight blocks, OCP MXFP4)."""
     ao_src = "torchao torchao/float8/config.py Float8LinearConfig.from_recipe_name"
     mx_src = "OCP Microscaling Formats (MX) v1.0 §6.3"
+    te_nvfp4 = te_src + " NVFP4BlockScaling"
+    nv = {
+        "input": _e("e2m1", "nvfp4", "nvfp4"),
+        "weight": _e("e2m1", (16, 16), "nvfp4"),
+        "grad_output": _e("e2m1", "nvfp4", "nvfp4", rounding="stochastic"),
+        "save_for_backward": "high_precision",
+    }
+    fos = {"four_over_six": "mae", "four_over_six_use_256": True}
+    # Quartet's backward operands: Hadamard over 32, the block amax never clipped, SR
+    qb = _e("e2m1", "mx", "mx_rceil", rounding="stochastic", hadamard=32)
     return [
+        Recipe(
+            name="nvfp4-te",
+            **nv,
+            rht_gemms="wgrad",
+            description="TE NVFP4BlockScaling() defaults: E2M1, 1x16 E4M3 block scales under an "
+            "FP32 tensor scale, 16x16 weight tiles, stochastic rounding of grads, and the "
+            "16-point random Hadamard transform on the wgrad GEMM's two operands (the "
+            "column-wise copies of x and dy, bf16 before the transform) along the token axis.",
+            source=te_nvfp4 + " (QParams: RHT on fwd input and bwd grad, column-wise usage "
+            "only); TE custom_recipes/reference_nvfp4.py",
+        ),
+        Recipe(
+            name="nvfp4-paper",
+            **nv,
+            rht_gemms="wgrad",
+            hp_last_blocks=None,
+            description="nvfp4-te plus the NVFP4 paper's high-precision layers: the last "
+            "max(1, round(0.15 * n_blocks)) blocks in bf16 (hp_last_blocks = auto), resolved "
+            "by convert against the model's numbered blocks.",
+            source="arXiv 2509.25149 §4 (about 15 % of the linear layers in BF16, mostly the "
+            "last blocks); " + te_nvfp4,
+        ),
         Recipe(
             name="nvfp4-bare",
             input=_e("e2m1", "nvfp4", "nvfp4"),
@@ -195,6 +227,18 @@ def _flavour_presets(te_src: str) -> list[Recipe]:
             "no Hadamard transform, no high-precision layers. The ablation's starting point.",
             source=te_src + " NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding="
             "True, disable_2d_quantization=True); arXiv 2509.25149 §4",
+        ),
+        Recipe(
+            name="nvfp4-4over6",
+            input=_e("e2m1", "nvfp4", "nvfp4", **fos),
+            weight=_e("e2m1", (16, 16), "nvfp4", **fos),
+            grad_output=_e("e2m1", "nvfp4", "nvfp4", rounding="stochastic", **fos),
+            save_for_backward="high_precision",
+            description="nvfp4-te without the Hadamard transform and with 4over6 on input, "
+            "weight and grad_output (TE's scope 'all'): per block the better of the map-to-6 "
+            "and map-to-4 scales by MAE, global E4M3 bound 256.",
+            source=te_nvfp4 + "(nvfp4_4over6='all', nvfp4_4over6_err_mode='MAE', "
+            "nvfp4_4over6_e4m3_use_256='all', disable_rht=True); arXiv 2512.02010",
         ),
         Recipe(
             name="torchao-tensorwise",
@@ -255,6 +299,22 @@ def _flavour_presets(te_src: str) -> list[Recipe]:
             "rule (2^(floor(log2 amax) - 2): a block's largest values may saturate at 6), round "
             "to nearest, every tensor.",
             source=mx_src,
+        ),
+        Recipe(
+            name="mxfp4-quartet",
+            input=_e("e2m1", "mx", "quest", hadamard=32),
+            weight=_e("e2m1", "mx", "quest", hadamard=32),
+            grad_output=qb,
+            dgrad=GemmConfig(overrides={"weight": qb}),
+            wgrad=GemmConfig(overrides={"input": qb}),
+            save_for_backward="high_precision",
+            description="Quartet: MXFP4 (E2M1, 1x32 E8M0 blocks) after a Hadamard transform "
+            "over 32-element blocks along each GEMM's reduction axis; forward QuEST scales "
+            "(from the block's standard deviation, round to nearest, clipping); backward "
+            "operands with the block amax never clipped (E8M0 rounded up) and stochastic "
+            "rounding. Each backward operand is quantized from the high-precision tensor.",
+            source="Castro et al., 'Quartet: Native FP4 Training Can Be Optimal for Large "
+            "Language Models', arXiv 2505.14669 §3-4",
         ),
     ]
 
