@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -50,6 +51,7 @@ def test_bad_input_exits_2_before_training(tmp_path, config):
     _bad([*base, "--recipe", "te-current", "--scenario", "gradient-spike"], "exactly one")
     _bad([*base, "--recipe", str(tmp_path / "missing.toml")], "no such recipe file")
     _bad([*base, "--recipe", "te-current", "--set", "train.lr=abc"], "train")
+    _bad([*base, "--recipe", "te-current", "--device", "a100"], "unknown device 'a100'", "b200")
     assert not out.exists() or not any(out.iterdir())  # nothing written
 
 
@@ -82,7 +84,9 @@ def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
                        "recovers", "culprit", "attribution", "remedies", "fix", "probes",
-                       "torch_device"]  # fmt: skip
+                       "torch_device", "device", "predicted_step_ms"]  # fmt: skip
+    # fp32 GEMMs are not priced (no tensor core runs them); no fix: null
+    assert d["device"] == "h100" and d["predicted_step_ms"] == {"run": None, "fix": None}
     assert d["schema_version"] == 1 and d["recipe"] == "fp32" and d["torch_device"] == "cpu"
     assert d["culprit"] is None and d["fix"] is None and d["recovers"] is True
     assert abs(d["gap_pct"]) <= 2 * d["noise_pct"]
@@ -104,6 +108,47 @@ def test_json_schema_is_exact_and_a_rerun_resumes(tmp_path, config):
     r2 = runner.invoke(app, args)
     assert r2.exit_code == 0
     assert json.loads(r2.stdout.strip().splitlines()[-1]) == d
+
+
+@pytest.mark.no_arithmetic
+def test_predicted_step_of_the_run_and_its_fix(tmp_path, config):
+    """--device: the run's recipe (a preset, or a planted scenario's Recipe object) and its
+    fix file priced as fp8lab cost prices them on the run's model and tokens per step."""
+    from fp8lab.cli._common import lab_config
+    from fp8lab.cli.debug import _predicted
+    from fp8lab.cost import linear_shapes, predict_step_ms
+    from fp8lab.lab import models
+    from fp8lab.recipe import Recipe, get_recipe
+    from fp8lab.report.debug import _summary_rows
+
+    cfg, _ = lab_config(config)
+    fix = tmp_path / "fix.toml"
+    fix.write_text('base = "te-current"\n[[layer]]\nmatch = "*fc"\nbase = "bf16"\n')
+    linears = linear_shapes(models.build(cfg.model, cfg.train.seed))
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    want = {
+        "run": predict_step_ms(get_recipe("mxfp8"), "b200", linears=linears, tokens=tokens),
+        "fix": predict_step_ms(Recipe.load(fix), "b200", linears=linears, tokens=tokens),
+    }
+    got = _predicted(cfg, "mxfp8", str(fix), "b200")
+    assert got["device"] == "b200"
+    assert {k: v["ms"] for k, v in got["recipes"].items()} == want
+    assert want["run"] != want["fix"]  # the fix's bf16 layer is priced as bf16
+    planted = get_recipe("te-delayed").replace(name="planted")  # a Recipe, not a name
+    got2 = _predicted(cfg, planted, None, "b200")
+    assert list(got2["recipes"]) == ["run"]
+    assert got2["recipes"]["run"]["ms"] == predict_step_ms(planted, "b200", linears=linears,
+                                                           tokens=tokens)  # fmt: skip
+    # an fp32 run cannot be priced: n/a with the reason, in the report's summary table
+    got3 = _predicted(cfg, "fp32", None, "h100")
+    assert got3["recipes"]["run"]["ms"] is None and got3["recipes"]["run"]["reason"]
+
+    # the summary table reads these fields of the debugger's result
+    res = SimpleNamespace(recipe="mxfp8", baseline="bf16", gap_pct=1.0, noise_pct=0.1,
+                          recovers=True, culprit=None, fix=None,
+                          details={"predicted_step": got})  # fmt: skip
+    row = next(r for r in _summary_rows(res, None) if r[0] == "predicted step ms on b200")
+    assert f"run {want['run']:.4g}" in row[1] and f"fix {want['fix']:.4g}" in row[1]
 
 
 # te-delayed, but the hidden layer's input cast to E4M3 with a fixed scale of 2^-14: the
@@ -135,7 +180,9 @@ def test_user_model_file_end_to_end(tmp_path, config):
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(d) == ["schema_version", "recipe", "baseline", "gap_pct", "noise_pct",
                        "recovers", "culprit", "attribution", "remedies", "fix", "probes",
-                       "torch_device"]  # fmt: skip
+                       "torch_device", "device", "predicted_step_ms"]  # fmt: skip
+    # fp32 GEMMs are not priced (no tensor core runs them); no fix: null
+    assert d["device"] == "h100" and d["predicted_step_ms"] == {"run": None, "fix": None}
     full = json.loads((out / "debug_result.json").read_text())
     layers = full["details"]["layers"]
     fc = [n for n in layers if n.endswith("fc")]

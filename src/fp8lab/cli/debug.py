@@ -50,7 +50,10 @@ model (--list-scenarios). --json prints exactly {"schema_version": 1, "recipe", 
 norm_weight, attention, loss_scale) or null,
 "attribution": [{"layer", "gemm", "role", "score"}], "remedies": [{"name", "gap_pct",
 "relative_cost"}], "fix", "probes": [{"name", "gap_pct"}]} (non-finite numbers null). Rerunning
-with the same --out resumes finished probes. --from-checkpoint PATH debugs a run fp8lab did
+with the same --out resumes finished probes. --device GPU: the report and --json (fields
+"device", "predicted_step_ms": {"run", "fix"}) give the predicted step time of the run's
+recipe and of its fix on that GPU, as fp8lab compare --device does (null when the cost model
+cannot price a recipe there). --from-checkpoint PATH debugs a run fp8lab did
 not train: every probe starts from a checkpoint of your own loop (fp8lab.save_debug_checkpoint:
 weights, optimizer moments, FP8 state) and trains --steps from there on --data, with --model
 your model (its weights must fit) and --recipe the recipe you trained with (its [[layer]] rules
@@ -147,6 +150,12 @@ FromCheckpoint = Annotated[Path | None, typer.Option(
     "--from-checkpoint", show_default=False, help="Start from this checkpoint of your own "
     "training loop (fp8lab.save_debug_checkpoint); needs --recipe and --model.")]  # fmt: skip
 JsonOut = json_flag("the result")
+CostDevice = Annotated[str | None, typer.Option(
+    "--device",
+    help="GPU of the predicted step time of the run and of its fix (fp8lab cost): h100 "
+    "(default), h200, h200-nvl, b200, b300.",
+    show_default=False,
+)]  # fmt: skip
 
 
 def debug_cmd(
@@ -155,7 +164,7 @@ def debug_cmd(
     config: Config = None, overrides: Overrides = None, steps: Steps = None,
     layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
     jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
-    from_checkpoint: FromCheckpoint = None,
+    from_checkpoint: FromCheckpoint = None, device: CostDevice = None,
     torch_device: TorchDevice = "auto",
     tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
 ) -> None:  # fmt: skip
@@ -175,6 +184,7 @@ def debug_cmd(
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
                                                    steps, data, layers, jobs, inputs,
                                                    from_checkpoint)  # fmt: skip
+        device = _cost_device(device)  # an unknown --device fails before any training
     main = rank_ctx is None or rank_ctx.is_main  # torchrun: rank 0 alone writes and prints
     stop_on_sigterm()
     t0 = time.perf_counter()
@@ -193,8 +203,33 @@ def debug_cmd(
             from fp8lab.lab.debug.scenarios import resolve_expect
 
             expect = resolve_expect(expect, Path(out) / "probes" / "recipe")
+        result.details["predicted_step"] = _predicted(cfg, rec, result.fix, device)
         write_report(out, result, command=command_line(), expect=expect)
     _render(result, out, json_out, t0)
+
+
+def _cost_device(device: str | None) -> str:
+    """``--device``, checked (ValueError naming the valid devices), default compare's."""
+    from fp8lab.cost import get_device
+    from fp8lab.lab.compare_summary import DEFAULT_COST_DEVICE
+
+    return get_device(device or DEFAULT_COST_DEVICE).name
+
+
+def _predicted(cfg: Any, rec: Any, fix: str | None, device: str) -> dict[str, Any]:
+    """The predicted step time on ``device`` of the run's recipe and of its fix file (when
+    there is one): ``{"device", "recipes": {"run" | "fix": {"ms", "reason"}}}``
+    (`fp8lab.lab.compare_summary.predicted_steps`)."""
+    from fp8lab.lab.compare_summary import predicted_steps
+    from fp8lab.recipe import Recipe
+
+    names = {"run": rec if isinstance(rec, Recipe) else str(rec)}
+    if fix:
+        names["fix"] = str(fix)
+    objs = {k: v for k, v in names.items() if isinstance(v, Recipe)}
+    keys = [k if k in objs else v for k, v in names.items()]
+    got = predicted_steps(cfg, keys, device, recipes=objs)
+    return {"device": device, "recipes": dict(zip(names, got.values(), strict=True))}
 
 
 def _setup(
@@ -243,7 +278,11 @@ def _render(result: Any, out: Path, json_out: bool, t0: float) -> None:
     if json_out:
         from fp8lab.lab.machine import torch_device
 
-        doc = {**result.to_json(), "torch_device": str(torch_device())}  # --torch-device, resolved
+        pred = result.details.get("predicted_step") or {"device": None, "recipes": {}}
+        doc = {**result.to_json(), "torch_device": str(torch_device()),  # resolved
+               "device": pred["device"],
+               "predicted_step_ms": {k: (pred["recipes"].get(k) or {}).get("ms")
+                                     for k in ("run", "fix")}}  # fmt: skip
         typer.echo(json.dumps(doc, allow_nan=False))
         return
     typer.echo(result.verdict)

@@ -86,13 +86,16 @@ def within_noise(gap: float | None, noise: dict[str, Any]) -> bool | None:
 
 
 def predicted_steps(
-    cfg: LabConfig, names: Sequence[str], device: str, model: Any = None
-) -> dict[str, dict[str, Any]]:
+    cfg: LabConfig, names: Sequence[str], device: str, model: Any = None,
+    recipes: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per recipe, the predicted GEMM + quantization time of one training step on ``device``
     (`fp8lab.cost.predict_step_ms`) of the model's quantized Linears (the layers ``convert``
     swaps, per-layer rules applied per name) on ``batch_size x block_size`` tokens:
     ``{"ms": float | None, "reason": str | None}`` (None and the reason when the cost model cannot
-    price the recipe there). ``model``: the built, unconverted model (default: built here)."""
+    price the recipe there). ``model``: the built, unconverted model (default: built here);
+    ``recipes``: name -> Recipe for names that are not presets or files (``fp8lab debug``'s
+    planted scenarios)."""
     from fp8lab.cost import linear_shapes, predict_or_reason
 
     if model is None:
@@ -105,7 +108,8 @@ def predicted_steps(
     tokens = cfg.train.batch_size * cfg.model.block_size
     out = {}
     for n in names:
-        ms, why = predict_or_reason(resolve_recipe(n), device, linears=linears, tokens=tokens)
+        rec = (recipes or {}).get(n) or resolve_recipe(n)
+        ms, why = predict_or_reason(rec, device, linears=linears, tokens=tokens)
         out[n] = {"ms": ms, "reason": why}
     return out
 

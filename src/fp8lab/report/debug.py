@@ -157,6 +157,11 @@ def _summary_rows(result: Any, expect: dict | None) -> list[list[str]]:
         ["best remedy", str(result.details.get("best_remedy") or "none")],
         ["fix", result.fix or "none"],
     ]  # fmt: skip
+    pred = result.details.get("predicted_step")  # fp8lab debug --device (fp8lab.cost)
+    if pred:
+        rows.append([f"predicted step ms on {pred['device']}", "; ".join(
+            f"{k} " + ("n/a (" + v["reason"] + ")" if v["ms"] is None else format(v["ms"], ".4g"))
+            for k, v in pred["recipes"].items())])  # fmt: skip
     if expect is not None:
         rows.append(["planted (scenario)", json.dumps(expect, default=str)])
     t = result.details.get("timings_s", {})
