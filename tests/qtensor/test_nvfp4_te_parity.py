@@ -410,6 +410,9 @@ def test_transform_dimension_errors():
         quantize(torch.ones(2, 48), "e2m1", "mx", "quest", hadamard=32)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8lab.rht16(torch.ones(3, 8))
+    q = quantize(torch.ones(16, 16), "e2m1", "nvfp4", "nvfp4", rht=True)
+    with pytest.raises(ValueError, match=r"retile: .*rht=True"):
+        fp8lab.retile(q)
 
 
 def test_spec_round_trips_and_old_dicts_stay():

@@ -226,7 +226,10 @@ class Quantizer:
         """``q`` (of the same logical tensor) re-quantized into this quantizer's tiles from its
         dequantized values ``dequantized`` (contiguous float32 ``[R, C]``), as DeepSeek-V3
         re-tiles its 1x128 activations for the backward. Counted (`retile_counts`); no
-        added-error pass (`fp8lab.retile` measures it)."""
+        added-error pass (`fp8lab.retile` measures it). A transformed spec (``rht``,
+        ``hadamard``) on either side is a ValueError: the dequantized values are in the old block
+        axis's transformed domain, so only the source tensor can be quantized again."""
+        check_retile_from_quantized(q.spec, self.spec)
         res = self.quantize(dequantized, out, dequantized_out)
         _RETILE_COUNTS["from_quantized"] += 1
         res.meta["retile_source"] = "quantized"
@@ -237,6 +240,19 @@ class Quantizer:
     def __repr__(self) -> str:
         own = "" if self.delayed is None else f", step={self.delayed.step}"
         return f"Quantizer({self.spec.describe()}{own})"
+
+
+def check_retile_from_quantized(old: QuantSpec, new: QuantSpec) -> None:
+    """ValueError when either spec transforms its tensor (``rht``, ``hadamard``): a transformed
+    QTensor's dequantized values are in its own block axis's transformed domain, so only the
+    source tensor can be quantized into the other tiles."""
+    for spec in (old, new):
+        if spec.transform_axis is not None:
+            raise ValueError(
+                f"retile: {spec.describe()} quantizes a transformed tensor (rht/hadamard); "
+                "re-tiling its dequantized values would mix the transform's domains: "
+                "quantize the source tensor again (retile(q, source=x))"
+            )
 
 
 def _block_std(x2: torch.Tensor, m: int, k: int, nr: int, nc: int) -> torch.Tensor:

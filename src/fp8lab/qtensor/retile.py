@@ -6,7 +6,7 @@ import torch
 
 from fp8lab.qtensor.kernels import max_abs_diff
 from fp8lab.qtensor.quantize import quantize
-from fp8lab.qtensor.quantizer import _RETILE_COUNTS, retile_counts
+from fp8lab.qtensor.quantizer import _RETILE_COUNTS, check_retile_from_quantized, retile_counts
 from fp8lab.qtensor.spec import QuantSpec
 from fp8lab.qtensor.tensor import QTensor
 from fp8lab.scaling.granularity import GranularityLike, transpose_granularity
@@ -59,6 +59,7 @@ def retile(
         _RETILE_COUNTS["from_source"] += 1
         res.meta["retile_source"] = "source"
     else:
+        check_retile_from_quantized(q.spec, target)
         if dequantized is None:
             deq = q.dequantize()
         else:
