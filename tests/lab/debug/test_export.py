@@ -181,7 +181,7 @@ def test_last_blocks_of_nvfp4_are_bf16_and_disabled_layers_in_user_names():
 
 
 def test_global_remedies_write_valid_empty_files_and_a_note():
-    r = get_recipe("fp16-amp").replace(loss_scaling="static", loss_scale=2.0**-8)
+    r = get_recipe("fp16-amp").replace(loss_scaling="static", loss_scale=1.0)
     ex = export_fix("dynamic-loss-scaling", dynamic_loss_scaling(r), r, LAYERS)
     d = megatron_config(ex.megatron)
     assert d == {"configs": {}, "matchers": {}}

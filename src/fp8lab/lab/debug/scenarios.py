@@ -47,8 +47,8 @@ study_gallery.py):
   them itself. Fixed: te-current. Expect: remedy ``shorter-history`` or ``current-scaling``
   ranked first, on the tensors whose amax fell (computed from R's records).
 - ``fp16-loss-scale``: Micikevicius et al., arXiv 1710.03740: FP16 gradients below 2^-24 flush
-  to zero without loss scaling. fp16-amp with a static loss scale of 2^-8 (too small: the
-  gradients underflow). Fixed: the dynamic loss scaler. Expect: kind ``loss_scale``, remedy
+  to zero without loss scaling. fp16-amp with a static loss scale of 1 (too small: none, the
+  smallest `fp8lab.optim.LossScaler` takes; the gradients underflow). Fixed: the dynamic loss scaler. Expect: kind ``loss_scale``, remedy
   ``dynamic-loss-scaling`` ranked first, no layer named.
 
 ``expect`` keys: ``kind`` (`fp8lab.lab.debug.kinds.CULPRIT_KINDS`; ``operand`` when absent),
@@ -182,8 +182,8 @@ def _fp16(cfg: LabConfig, layers: Sequence[str]):
     from fp8lab.recipe import get_recipe
 
     recipe = get_recipe("fp16-amp").replace(
-        name="fp16-amp+static-2^-8", loss_scaling="static", loss_scale=2.0**-8,
-        description="fp16-amp with a static loss scale of 2^-8 (too small: gradients underflow)")  # fmt: skip
+        name="fp16-amp+static-1", loss_scaling="static", loss_scale=1.0,
+        description="fp16-amp with a static loss scale of 1 (too small: gradients underflow)")  # fmt: skip
     return recipe, cfg, {"kind": "loss_scale", "layers": [], "remedy": "dynamic-loss-scaling",
                          "fixed": {"recipe": "fp16-amp"}}  # fmt: skip
 
@@ -211,7 +211,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("stale-after-warmup", "amaxes fall after the warm-up while te-delayed's "
                  "1024-step histories hold the old maximum", _stale,
                  {"steps": 200, "eval_every": 20, "stats_every": 10}),
-        Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 2^-8: the gradients "
+        Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 1: the gradients "
                  "underflow (Micikevicius et al. arXiv 1710.03740)", _fp16,
                  {"steps": 200, "eval_every": 20}),
     )
