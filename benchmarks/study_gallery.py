@@ -39,6 +39,10 @@ CLAIMS = {
     "spikes; those parameters in high precision remove them (arXiv 2506.20752)",
     "stale-after-warmup": "TE DelayedScaling defaults (history 1024, max): a falling amax keeps "
     "an old scale (TE documentation)",
+    "attention-logit-growth": "attention logits grow by orders of magnitude before divergence "
+    "at high learning rates; QK-norm prevents it (arXiv 2309.14322)",
+    "nvfp4-all-layers": "ablation: NVFP4 on every linear layer trains worse; a few last blocks "
+    "in BF16 keep it on track (arXiv 2509.25149)",
     "fp16-loss-scale": "FP16 without loss scaling: gradients below 2^-24 flush to zero and "
     "accuracy drops; loss scaling restores it (arXiv 1710.03740)",
 }

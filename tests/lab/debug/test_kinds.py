@@ -55,6 +55,16 @@ def test_grown_layers_largest_first_within_half_the_log_growth():
     assert kinds.grown_layers([], "input") == []
 
 
+def test_attention_tensor_is_the_worst_quantized_at_the_last_step():
+    recs = [{**_rec(10, "blocks.0.attn.dpa", "S", 1.0, gemm="dpa"), "underflow_pct": 90.0},
+            {**_rec(20, "blocks.0.attn.dpa", "S", 1.0, gemm="dpa"), "underflow_pct": 5.0},
+            {**_rec(20, "blocks.1.attn.dpa", "K", 1.0, gemm="dpa"), "saturation_pct": 7.0},
+            {**_rec(20, "blocks.1.attn.dpa", "O", 1.0, gemm="dpa"), "underflow_pct": 99.0},
+            {**_rec(20, "blocks.1.mlp.up", "input", 1.0), "underflow_pct": 99.0}]  # fmt: skip
+    assert kinds.attention_tensor(recs) == "K"
+    assert kinds.attention_tensor(recs[-1:]) is None
+
+
 def test_block_index_and_last_blocks():
     assert kinds.block_index("model.model.layers.11.mlp.up_proj") == 11
     assert kinds.block_index("lm_head") is None
@@ -68,7 +78,9 @@ def test_kind_probes_follow_the_recipe():
     probes = kinds.kind_probes(r)
     assert set(probes) == {"norm_weight", "attention"}
     assert probes["norm_weight"].norm_weights == "high_precision"
-    assert probes["attention"].attention is False and probes["attention"].norm_weights == "quantized"
+    assert (
+        probes["attention"].attention is False and probes["attention"].norm_weights == "quantized"
+    )
     s = get_recipe("fp16-amp").replace(loss_scaling="static", loss_scale=1.0)
     d = kinds.kind_probes(s)["loss_scale"]
     assert (d.loss_scaling, d.loss_scale) == ("dynamic", 2.0**16)
@@ -113,8 +125,9 @@ def test_check_verdict():
     v = check_verdict(exp, wrong)
     assert not v["right"] and len(v["why"]) == 3
     op = {"role": "input", "gemm": "fprop", "layers": ["x", "y"]}
-    assert check_verdict(op, _result({"role": "input", "gemm": "fprop",
-                                      "layers": ["x", "z"]}))["right"]  # one extra: allowed
+    assert check_verdict(op, _result({"role": "input", "gemm": "fprop", "layers": ["x", "z"]}))[
+        "right"
+    ]  # one extra: allowed
     assert not check_verdict(op, _result({"role": "input", "gemm": "fprop",
                                           "layers": ["y", "z", "w"]}))["right"]  # fmt: skip
     both = {"remedy": ("shorter-history", "current-scaling")}
@@ -135,5 +148,7 @@ def test_gallery_scenarios_plant_without_training(tmp_path, name):
         assert cfg2.model.norm == "layernorm" and recipe.norm_weights == "quantized"
         assert plain["layers"] == ["blocks.0.attn_norm", "blocks.0.mlp_norm",
                                    "blocks.1.attn_norm", "blocks.1.mlp_norm"]  # fmt: skip
+    if name == "nvfp4-all-layers":
+        assert plain["layers"] and all(x.startswith("blocks.1.") for x in plain["layers"])
     if name == "fp16-loss-scale":
         assert recipe.loss_scaling == "static" and plain["layers"] == []

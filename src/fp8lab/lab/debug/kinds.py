@@ -7,8 +7,9 @@ A culprit is of one ``kind`` (:data:`CULPRIT_KINDS`):
 - ``norm_weight``: the norms' affine parameters, quantized (``norm_weights = "quantized"``;
   Su et al., arXiv 2506.20752); ``layers`` are the norms whose parameters are quantized;
 - ``attention``: FP8 attention (``attention = true``); ``tensor`` is the one of
-  :data:`ATTENTION_TENSORS` whose quantization looks worst in the run's records, when it has
-  them; no linear layer is named;
+  :data:`ATTENTION_TENSORS` whose quantization did worst in R's records
+  (:func:`attention_tensor`; None without records: ``train.stats_every = 0``); no linear layer
+  is named;
 - ``loss_scale``: the static loss scale (``loss_scaling = "static"``): too small a scale
   underflows the gradients, too large a one overflows them and skips steps. No layer is named.
 
@@ -151,3 +152,22 @@ def last_blocks(layers: Sequence[str], culprit: Sequence[str]) -> list[str]:
         return []
     first = min(hit)
     return [x for x in layers if idx[x] is not None and idx[x] >= first]
+
+
+def attention_tensor(records: Iterable[Mapping[str, Any]]) -> str | None:
+    """The one of :data:`ATTENTION_TENSORS` whose FP8 quantization did worst in R's records
+    (``gemm = "dpa"``, `fp8lab.nn.DotProductAttention`): the largest underflow + saturation
+    share (%) at the last recorded step, over attention layers; None without such records."""
+    last: dict[str, tuple[int, float]] = {}
+    for r in records:
+        if r.get("gemm") != "dpa" or r.get("role") not in ATTENTION_TENSORS:
+            continue
+        bad = float(r.get("underflow_pct") or 0.0) + float(r.get("saturation_pct") or 0.0)
+        step, worst = last.get(r["role"], (-1, 0.0))
+        if r["step"] > step:
+            last[r["role"]] = (r["step"], bad)
+        elif r["step"] == step:
+            last[r["role"]] = (step, max(worst, bad))
+    if not last:
+        return None
+    return max(ATTENTION_TENSORS, key=lambda t: last.get(t, (-1, -1.0))[1])

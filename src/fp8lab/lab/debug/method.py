@@ -526,8 +526,10 @@ def _kind_remedy_rows(ctx: _Ctx, found: dict[str, Any]) -> list[dict[str, Any]]:
     kind = found["kind"]
     found["layers"] = list(ctx.norms) if kind == "norm_weight" else []
     found["gemm"] = None
-    if kind == "attention":
-        found["tensor"] = None  # which of Q, K, V, S, dP: not measured by this probe
+    if kind == "attention":  # which of Q, K, V, S, dP: from R's attention records
+        from fp8lab.lab.loop import read_stats
+
+        found["tensor"] = kinds.attention_tensor(read_stats(ctx.out / "probes" / "recipe"))
     p = ctx.probes[f"kind-{kind}"]
     tokens = ctx.cfg.train.batch_size * ctx.cfg.model.block_size
     return [{"name": kinds.KIND_REMEDY[kind], "probe": p.name, "gap_pct": p.gap_pct,

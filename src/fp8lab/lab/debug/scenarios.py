@@ -46,13 +46,23 @@ study_gallery.py):
   weight scale (``init_std`` 0.2) makes the early gradients large and lets the model shrink
   them itself. Fixed: te-current. Expect: remedy ``shorter-history`` or ``current-scaling``
   ranked first, on the tensors whose amax fell (computed from R's records).
+- ``attention-logit-growth``: attention logits grow by orders of magnitude before a divergence
+  (the lab's early-warning study shows it under a learning-rate range test; Wortsman et al.,
+  arXiv 2309.14322, at high learning rates without QK-norm). te-delayed with FP8 attention
+  (`fp8lab.nn.DotProductAttention`) at a learning rate of 1e-2: Q and K amaxes grow, the rows
+  of S turn one-hot and their small entries underflow. Fixed: QK-norm
+  (``model.qk_norm = true``). Expect: kind ``attention``, tensor Q, K or S.
+- ``nvfp4-all-layers``: NVIDIA, "Pretraining LLMs with NVFP4" (arXiv 2509.25149): NVFP4 on
+  every linear layer trains worse than with the last blocks in BF16 (their ablation). nvfp4
+  against ``nvfp4-paper``. Expect: the last block's layers named, remedy
+  ``last-blocks-high-precision``.
 - ``fp16-loss-scale``: Micikevicius et al., arXiv 1710.03740: FP16 gradients below 2^-24 flush
   to zero without loss scaling. fp16-amp with a static loss scale of 1 (too small: none, the
   smallest `fp8lab.optim.LossScaler` takes; the gradients underflow). Fixed: the dynamic loss scaler. Expect: kind ``loss_scale``, remedy
   ``dynamic-loss-scaling`` ranked first, no layer named.
 
 ``expect`` keys: ``kind`` (`fp8lab.lab.debug.kinds.CULPRIT_KINDS`; ``operand`` when absent),
-``role``, ``gemm``, ``layers`` (a list, ``"many"``, or a function of R's run directory computing
+``role``, ``gemm``, ``tensor`` (attention: the tensors one of which must be named), ``layers`` (a list, ``"many"``, or a function of R's run directory computing
 them from the run: :func:`resolve_expect`), ``remedy`` (a name or a tuple of names, one of which
 must rank first), ``fix`` (the old spelling of ``remedy``). :func:`check_verdict` scores a result
 against it.
@@ -188,8 +198,31 @@ def _fp16(cfg: LabConfig, layers: Sequence[str]):
                          "fixed": {"recipe": "fp16-amp"}}  # fmt: skip
 
 
+def _logits(cfg: LabConfig, layers: Sequence[str]):
+    from fp8lab.recipe import get_recipe
+
+    recipe = get_recipe("te-delayed").replace(
+        name="te-delayed+fp8-attention", attention=True,
+        description="te-delayed with FP8 attention (TE's quantization points)")  # fmt: skip
+    return recipe, cfg, {"kind": "attention", "tensor": ("Q", "K", "S"), "layers": [],
+                         "remedy": "attention-high-precision",
+                         "fixed": {"model": {"qk_norm": True}}}  # fmt: skip
+
+
+def _nvfp4_all(cfg: LabConfig, layers: Sequence[str]):
+    from fp8lab.lab.debug.kinds import block_index
+    from fp8lab.recipe import get_recipe
+
+    blocks = [block_index(x) for x in layers if block_index(x) is not None]
+    last = [x for x in layers if blocks and block_index(x) == max(blocks)]
+    return get_recipe("nvfp4"), cfg, {"kind": "operand", "layers": last,
+                                      "remedy": "last-blocks-high-precision",
+                                      "fixed": {"recipe": "nvfp4-paper"}}  # fmt: skip
+
+
 #: the gallery's scenarios (module doc): published failures, in the README table's order
-GALLERY = ("swiglu-outliers", "mx-layernorm-affine", "stale-after-warmup", "fp16-loss-scale")
+GALLERY = ("swiglu-outliers", "mx-layernorm-affine", "stale-after-warmup",
+           "attention-logit-growth", "fp16-loss-scale", "nvfp4-all-layers")  # fmt: skip
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -211,6 +244,13 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("stale-after-warmup", "amaxes fall after the warm-up while te-delayed's "
                  "1024-step histories hold the old maximum", _stale,
                  {"steps": 200, "eval_every": 20, "stats_every": 10}),
+        Scenario("attention-logit-growth", "FP8 attention under te-delayed at a high learning "
+                 "rate: attention logits grow, S turns one-hot and underflows", _logits,
+                 {"steps": 200, "eval_every": 20, "stats_every": 10, "lr": 1e-2,
+                  "warmup_steps": 10}),
+        Scenario("nvfp4-all-layers", "NVFP4 on every layer, against nvfp4-paper's last blocks "
+                 "in BF16 (NVIDIA arXiv 2509.25149's ablation)", _nvfp4_all,
+                 {"steps": 200, "eval_every": 20}),
         Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 1: the gradients "
                  "underflow (Micikevicius et al. arXiv 1710.03740)", _fp16,
                  {"steps": 200, "eval_every": 20}),
@@ -264,6 +304,8 @@ def check_verdict(expect: dict[str, Any], result: dict[str, Any], slack: int = 1
     kind = expect.get("kind", "operand")
     if c.get("kind", "operand") != kind:
         why.append(f"kind {c.get('kind', 'operand')} (expected {kind})")
+    if "tensor" in expect and c.get("tensor") not in tuple(expect["tensor"]):
+        why.append(f"tensor {c.get('tensor')} (expected {' or '.join(expect['tensor'])})")
     for key in ("role", "gemm"):
         if key in expect and c.get(key) != expect[key]:
             why.append(f"{key} {c.get(key)} (expected {expect[key]})")
