@@ -423,3 +423,22 @@ def test_fast_kernel_every_count_of_nonzero_terms(seed):
         fast = fused(qa, qb, acc, kb, c)
         ref = fused(qa, qb, acc, kb, c, fast=False)
         np.testing.assert_array_equal(_bits(fast.numpy()), _bits(ref.numpy()))
+
+
+@pytest.mark.numba_only  # the numba operand pass against an independent numpy derivation
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+def test_operand_exponents_pass(fmt):
+    from fp8lab.gemm.fused import _exponents
+
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4092, generator=g) * torch.exp2(torch.randint(-40, 40, (4092,), generator=g))
+    x = torch.cat([fp8lab.cast(x, fmt), torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-130)])])
+    v, p, finite = _exponents(x.reshape(64, -1).t(), fmt)  # a transposed (strided) operand
+    xs = x.reshape(64, -1).t().contiguous().numpy().astype(np.float64)
+    _, e = np.frexp(np.abs(xs))  # |x| = m 2**e, m in [0.5, 1): floor(log2|x|) = e - 1
+    want = np.where(xs == 0, 0.0, np.exp2(np.maximum(e - 1, f.emin)))
+    assert finite and torch.equal(v, x.reshape(64, -1).t())
+    np.testing.assert_array_equal(p.numpy().astype(np.float64), want)
+    for bad in (float("inf"), float("nan")):
+        assert not _exponents(torch.tensor([1.0, bad]), fmt)[2]

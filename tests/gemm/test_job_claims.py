@@ -112,15 +112,14 @@ def test_limited_kernel_any_worker_count(threads, workers):
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     g = torch.Generator().manual_seed(4)
     m, k, n = 9, 100, 40
-    va = torch.zeros(12, k, dtype=torch.float64)
-    va[:m] = quantize(torch.randn(m, k, generator=g), QuantSpec("e4m3", scaling=1.0)).values
+    va = quantize(torch.randn(m, k, generator=g), QuantSpec("e4m3", scaling=1.0)).values
     vb = quantize(torch.randn(k, n, generator=g), QuantSpec("e4m3", scaling=1.0)).values.double()
     one = torch.ones((1, 1), dtype=torch.float32)
+    no_c = torch.zeros(0, n, dtype=torch.float64)
     outs = []
     for kernel, w in ((lim._acc_sums_serial, 1), (lim._acc_sums, workers)):
-        acc = torch.zeros(m, n, dtype=torch.float64)
         out = torch.zeros(m, n)
-        kernel(va.numpy(), vb.numpy(), acc.numpy(), out.numpy(), one.numpy(), one.numpy(), 32,
+        kernel(va.numpy(), vb.numpy(), no_c.numpy(), out.numpy(), one.numpy(), one.numpy(), 32,
                4, 0, 39, False, 1, w)  # fmt: skip
         outs.append(out)
     assert outs[0].abs().sum() > 0

@@ -52,6 +52,7 @@ from numba import njit, prange
 
 from fp8lab._bits import f32_to_u32, u32_to_f32
 from fp8lab._bits import f64_to_u64 as f64_bits
+from fp8lab.formats import get_format
 from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
 from fp8lab.gemm.fused_triton import fits, fused_gemm_triton, triton_mode, verified_kernel
@@ -376,6 +377,28 @@ def _dots_serial(va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, flo
         _dot_row(r, va, pa, vbt, pbt, c, group, f_bits, out_bits, rne, c_after, floor_p)
 
 
+@njit(cache=True)
+def _pow2_pass(v, floor_p, p):  # pragma: no cover - numba
+    """`pow2_exponents` of float32 ``v`` (flat) into ``p`` in one pass; returns whether every
+    element is finite (the fast kernel's condition), so no second pass over ``v`` is needed."""
+    expo = np.uint32(0x7F800000)
+    finite = True
+    for i in range(v.size):
+        e = np.uint32(f32_to_u32(v[i]) & expo)
+        finite &= e != expo
+        p[i] = np.float32(0.0) if v[i] == 0 else max(u32_to_f32(e), floor_p)
+    return finite
+
+
+def _exponents(values: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """CPU operand prep: float32 contiguous values, their `pow2_exponents` and whether all
+    are finite, from one numba pass (bit for bit `pow2_exponents` and ``torch.isfinite``)."""
+    v = values.to(torch.float32).contiguous()
+    p = torch.empty_like(v)
+    floor_p = np.float32(2.0 ** get_format(fmt).emin)
+    return v, p, bool(_pow2_pass(v.view(-1).numpy(), floor_p, p.view(-1).numpy()))
+
+
 def fast_path_applies(acc: Accumulator, fmt_a: str, fmt_b: str) -> bool:
     """Is `_fused_fast` exact for this model and these operand formats: FP8 operands (products
     exact in float32, ``E`` >= -28), aligned ``c``, RZ output, and float32 sums that stay exact
@@ -416,15 +439,20 @@ def fused(
     if use_fast and not fast_path_applies(acc, fa, fb):
         raise ValueError(f"the fast fused kernel does not apply to {acc} on {fa} x {fb}")
     generic = use_torch(a.values, b.values, c, what="qmatmul (fused accumulator)")
-    if use_fast and (fast is None or generic):
-        # an inf/NaN operand makes a term NaN, whose int32 conversion in the fast kernel is
-        # garbage (INT_MIN on x86): such GEMMs take the reference kernel, which propagates NaN
-        use_fast = bool(torch.isfinite(a.values).all()) and bool(torch.isfinite(b.values).all())
+    # an inf/NaN operand makes a term NaN, whose int32 conversion in the fast kernel is
+    # garbage (INT_MIN on x86): such GEMMs take the reference kernel, which propagates NaN
+    if generic:
+        va, vb = a.values, b.values
+        pa, pb = pow2_exponents(a.values, fa), pow2_exponents(b.values, fb)
+        if use_fast:
+            use_fast = bool(torch.isfinite(va).all()) and bool(torch.isfinite(vb).all())
+    else:  # values, exponents and finiteness in one numba pass per operand
+        va, pa, fin_a = _exponents(a.values, fa)
+        vb, pb, fin_b = _exponents(b.values, fb)
+        if use_fast and fast is None:
+            use_fast = fin_a and fin_b
     dt = torch.float32 if use_fast else torch.float64
-    va = a.values.to(dt).contiguous()
-    vb = b.values.to(dt).contiguous()
-    pa = pow2_exponents(a.values, fa).to(dt).contiguous()
-    pb = pow2_exponents(b.values, fb).to(dt).contiguous()
+    va, vb, pa, pb = (t.to(dt).contiguous() for t in (va, vb, pa, pb))
     accbuf = (
         torch.zeros((m, n), dtype=torch.float32, device=dev)
         if acc0 is None

@@ -59,11 +59,24 @@ def _acc_step(acc, buf, drop, rne, gpp, out, sa, sb):  # pragma: no cover - numb
                     acc[r, n] = 0.0
 
 
+@njit(cache=True, inline="always")
+def _four64(row, q):  # pragma: no cover - numba
+    """``row[q:q+4]`` widened to float64 (exact from float32)."""
+    return (
+        np.float64(row[q]),
+        np.float64(row[q + 1]),
+        np.float64(row[q + 2]),
+        np.float64(row[q + 3]),
+    )
+
+
 @njit(cache=True, fastmath={"contract"})
 def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
-    """``s[i, j]`` = the sum of ``va[r + i, k] * vb[k, n0 + j]`` over ``k`` in [k0, k1), for
-    ``i`` < 4 rows and ``j`` < ``w`` columns: from +0, in K order, four K elements per sweep
-    with the running sums in registers, b's loads shared by the four rows.
+    """``s[i, j]`` = the sum of ``va[min(r + i, M - 1), k] * vb[k, n0 + j]`` over ``k`` in
+    [k0, k1), for ``i`` < 4 rows and ``j`` < ``w`` columns: from +0, in K order, four K elements
+    per sweep with the running sums in registers, b's loads shared by the four rows. ``va`` is
+    float32 (its values widen exactly; rows past ``M`` repeat the last one and are not kept),
+    ``vb`` float64.
 
     The products of FP8 values are exact in float64 and so is their sum for E4M3 and for E5M2
     groups spanning less than 2**53 (docs/gemm.md): the order, and the fused multiply-adds that
@@ -72,13 +85,15 @@ def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
         for j in range(w):
             s[i, j] = 0.0
     s0, s1, s2, s3 = s[0], s[1], s[2], s[3]
+    last = va.shape[0] - 1
+    ra, rc, rd, re = va[r], va[min(r + 1, last)], va[min(r + 2, last)], va[min(r + 3, last)]
     q = k0
     while q < k1:
         if q + 4 <= k1:
-            a0, a1, a2, a3 = va[r, q : q + 4]
-            c0, c1, c2, c3 = va[r + 1, q : q + 4]
-            d0, d1, d2, d3 = va[r + 2, q : q + 4]
-            e0, e1, e2, e3 = va[r + 3, q : q + 4]
+            a0, a1, a2, a3 = _four64(ra, q)
+            c0, c1, c2, c3 = _four64(rc, q)
+            d0, d1, d2, d3 = _four64(rd, q)
+            e0, e1, e2, e3 = _four64(re, q)
             b0, b1 = vb[q, n0 : n0 + w], vb[q + 1, n0 : n0 + w]
             b2, b3 = vb[q + 2, n0 : n0 + w], vb[q + 3, n0 : n0 + w]
             for j in range(w):
@@ -89,7 +104,8 @@ def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
                 s3[j] = (((s3[j] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
             q += 4
         else:
-            a0, c0, d0, e0 = va[r, q], va[r + 1, q], va[r + 2, q], va[r + 3, q]
+            a0, c0 = np.float64(ra[q]), np.float64(rc[q])
+            d0, e0 = np.float64(rd[q]), np.float64(re[q])
             b0 = vb[q, n0 : n0 + w]
             for j in range(w):
                 x0 = b0[j]
@@ -101,13 +117,14 @@ def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
 
 
 @njit(cache=True)
-def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  # pragma: no cover
+def _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne):  # pragma: no cover
     """Job ``job`` of `_acc_sums`: `_RB` output rows by `_NT` output columns, all of K.
 
     Per output element exactly the operations of `_acc_step` over the batched GEMM's group
     sums (`_group_sums`): ``acc = cut(acc + sum)`` per group and, every ``gpp`` groups, the
-    promotion. ``va`` has rows up to a multiple of 4 (rows past ``M`` are computed, not kept)."""
-    m, ncols = acc.shape
+    promotion. The job's accumulators live in a local [`_RB`, `_NT`] tile (in cache), starting
+    at +0 or, when ``c`` has rows, at ``c``."""
+    m, ncols = out.shape
     k = va.shape[1]
     ntiles = (ncols + _NT - 1) // _NT
     n0 = (job % ntiles) * _NT
@@ -118,6 +135,11 @@ def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  #
     mask = ~((np.uint64(1) << dropu) - np.uint64(1))
     s = np.empty((4, _NT), dtype=np.float64)
     r1 = min(r0 + _RB, m)
+    tile = np.zeros((_RB, _NT), dtype=np.float64)
+    if c.shape[0]:
+        for r in range(r0, r1):
+            for j in range(w):
+                tile[r - r0, j] = c[r, n0 + j]
     # group-major: a group's b tile (group x _NT float64) is read once per job from memory and
     # then from cache for every 4 rows; each element still sees its groups in K order
     for g in range(ngroups):
@@ -125,8 +147,8 @@ def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  #
         for r4 in range(r0, r1, 4):
             # groups past K (`limited` pads K to whole steps) sum to +0
             _group_sums(s, va, vb, r4, k0, min(k0 + group, k), n0, w)
-            for r in range(r4, min(r4 + 4, m)):
-                ar = acc[r, n0 : n0 + w]
+            for r in range(r4, min(r4 + 4, r1)):
+                ar = tile[r - r0, :w]
                 sr = s[r - r4]
                 for j in range(w):
                     ar[j] = _cut(ar[j] + sr[j], dropu, half_m1, mask, rne)
@@ -139,32 +161,33 @@ def _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne):  #
                         ar[j] = 0.0
     if gpp == 0:  # never promoted: `limited`'s closing pass, cut(acc + 0) times unit scales
         for r in range(r0, r1):
-            ar = acc[r, n0 : n0 + w]
+            ar = tile[r - r0, :w]
             outr = out[r, n0 : n0 + w]
             for j in range(w):
                 outr[j] += np.float32(_cut(ar[j] + 0.0, dropu, half_m1, mask, rne))
 
 
 @njit(parallel=True, cache=True)
-def _acc_sums(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
-    """The limited model (not per product) over float64 ``va`` [M rounded up to 4, K] and
-    ``vb`` [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
-    accumulator ``acc`` [M, N] float64 in (c or 0), promoted into ``out`` [M, N] float32 with
-    ``sa`` [M, T], ``sb`` [T, N] every ``gpp`` groups (0: never; then ``out`` += the last
-    accumulator). ``workers`` threads claim the jobs (`fp8lab.kernels.claim`)."""
+def _acc_sums(va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+    """The limited model (not per product) over float32 ``va`` [M, K] and float64 ``vb``
+    [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
+    accumulator starting at ``c`` [M, N] float64 (or +0 when ``c`` has no rows), promoted into
+    ``out`` [M, N] float32 with ``sa`` [M, T], ``sb`` [T, N] every ``gpp`` groups (0: never;
+    then ``out`` += the last accumulator). ``workers`` threads claim the jobs
+    (`fp8lab.kernels.claim`)."""
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         job = claim(counter)
         while job < jobs:
-            _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne)
+            _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne)
             job = claim(counter)
 
 
 @njit(cache=True)
-def _acc_sums_serial(va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+def _acc_sums_serial(va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
     """`_acc_sums` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
-        _sums_job(job, va, vb, acc, out, sa, sb, group, ngroups, gpp, drop, rne)
+        _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
@@ -294,17 +317,16 @@ def _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne) -> None:
     ``out`` over jobs the threads claim (`fp8lab.kernels`); ``kp``: K padded to whole steps."""
     m, k = a.shape
     n = b.shape[1]
-    f64 = {"dtype": torch.float64, "device": a.values.device}
-    va = torch.zeros((-(-m // 4) * 4, k), **f64)  # whole blocks of 4 rows for `_group_sums`
-    va[:m].copy_(a.values)
-    vb = b.values.to(**f64).contiguous()
-    acc_t = torch.zeros((m, n), **f64)
-    if acc0 is not None:  # c enters the first MMA step (a copy: the caller's c stays)
-        acc_t.copy_(acc0)
+    # a is read as float32 (each job widens its few a values); b's rows are read once per
+    # 4 output rows, so they are widened once here. The accumulators live in each job's tile.
+    va = a.values.float().contiguous()
+    vb = b.values.to(torch.float64).contiguous()
+    # c enters the first MMA step, as the accumulator's float64 start (no rows: +0)
+    c = acc0.to(torch.float64).contiguous() if acc0 is not None else vb[:0]
     sa, sb = interval_scales(a, b, kp, span) if gpp else (out[:1, :1],) * 2
     jobs = -(-m // _RB) * -(-n // _NT)
     kernel = _acc_sums if parallel(m * n * k) else _acc_sums_serial
-    kernel(va.numpy(), vb.numpy(), acc_t.numpy(), out.numpy(), sa.numpy(), sb.numpy(), grp,
+    kernel(va.numpy(), vb.numpy(), c.numpy(), out.numpy(), sa.numpy(), sb.numpy(), grp,
            kp // grp, gpp, drop, rne, jobs, numba.get_num_threads())  # fmt: skip
 
 
