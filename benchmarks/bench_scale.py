@@ -2,7 +2,9 @@
 
 One run: ``python benchmarks/bench_scale.py [--d-models 256,512,1024,2048]
 [--recipes te-delayed,te-current,mxfp8,nvfp4,deepseek-v3,deepseek-v3-h100] [--tokens 1024]
-[--threads 2] [--repeats 5] [--json OUT.json] [--figure OUT.png]``.
+[--threads 2] [--repeats 5] [--json OUT.json] [--figure OUT.png]``; ``--load A.json,B.json``
+merges saved runs (e.g. the largest d_model measured on its own with fewer rounds) into one
+table and figure without measuring.
 
 The model (issue 36): two blocks ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, every Linear
 converted (`fp8lab.nn.convert` with ``default_exclude=False``), ``--tokens`` rows of input that
@@ -123,7 +125,8 @@ def figure(result: dict[str, Any], path: Path) -> None:
     ds = sorted(int(d) for d in result["table"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in result["recipes"]:
-        ax.plot(ds, [result["table"][str(d)][r]["ratio"] for d in ds], marker="o", label=r)
+        pts = [(d, result["table"][str(d)][r]["ratio"]) for d in ds if r in result["table"][str(d)]]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=r)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -146,8 +149,47 @@ def figure(result: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def profile(d: int, recipe: str, tokens: int, repeats: int) -> None:
-    """cProfile of ``repeats`` steps of ``recipe`` at ``d`` (after a warm-up step)."""
+ACC_KERNELS = ("_acc_sums", "_acc_per_product", "_fused_fast", "_fused_general", "_acc_step")
+
+
+def category(file: str, name: str) -> str | None:
+    """Where a profiled function's own time belongs (None: torch or Python, not fp8lab)."""
+    file = file.replace("\\", "/")
+    if "retile" in name or file.endswith("/retile.py"):
+        return "re-tiling"
+    if "/fp8lab/gemm/" in file:
+        return "accumulator kernel" if name.startswith(ACC_KERNELS) else "GEMM operand prep"
+    if any(p in file for p in ("/fp8lab/qtensor/", "/fp8lab/scaling/", "/fp8lab/formats/")):
+        return "quantize (amax, scale, cast)"
+    if "/fp8lab/" in file:
+        return "fp8lab Python (Linear, plan, epilogue)"
+    return None
+
+
+def breakdown(stats: Any) -> dict[str, float]:
+    """Seconds per `category` from a ``pstats.Stats``: a built-in's (torch op's) own time goes
+    to its callers' categories in proportion to the calls' times; ``torch.mm`` called from
+    fp8lab is the "fp32 GEMM (torch.mm)" of the dequantized operands; the rest is torch's own
+    work (autograd, GELU, bias gradients, the fp32 recipe's GEMMs) and Python."""
+    out: dict[str, float] = {}
+    for (file, _, name), (_, _, tt, _, callers) in stats.stats.items():
+        if file != "~":
+            cat = category(file, name) or "torch / Python outside fp8lab"
+            out[cat] = out.get(cat, 0.0) + tt
+            continue
+        shares = [(category(cf, cn), c[2]) for (cf, _, cn), c in callers.items()]
+        total = sum(t for _, t in shares) or 1.0
+        for cat, t in shares or [(None, total)]:
+            if cat is not None and "torch.mm" in name:
+                cat = "fp32 GEMM (torch.mm)"
+            cat = cat or "torch / Python outside fp8lab"
+            out[cat] = out.get(cat, 0.0) + tt * t / total
+    return out
+
+
+def profile(d: int, recipe: str, tokens: int, repeats: int) -> dict[str, float]:
+    """cProfile of ``repeats`` steps of ``recipe`` at ``d`` (after a warm-up step): prints the
+    `breakdown` and the top functions; returns the breakdown in seconds per step."""
     import cProfile
     import pstats
 
@@ -159,8 +201,13 @@ def profile(d: int, recipe: str, tokens: int, repeats: int) -> None:
     prof.enable()
     total = sum(step(model, x, dy) for _ in range(repeats))
     prof.disable()
+    stats = pstats.Stats(prof)
+    parts = {k: v / repeats for k, v in breakdown(stats).items()}
     print(f"\nprofile of {recipe} at d_model {d}, {repeats} steps, {total / repeats:.3f} s/step")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:40s} {v:8.3f} s/step {100 * v * repeats / total:5.1f} %")
+    stats.sort_stats("tottime").print_stats(12)
+    return parts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", metavar="PATH", help="write the table and machine here")
     ap.add_argument("--figure", metavar="PATH", help="PNG of ratio vs d_model")
     ap.add_argument("--profile", metavar="RECIPE", help="cProfile RECIPE at the largest d_model")
+    ap.add_argument(
+        "--load",
+        metavar="A.json,B.json",
+        help="measure nothing: merge these --json results (their d_models; machine and date of "
+        "the first) and print, write and draw them",
+    )
     args = ap.parse_args(argv)
+    if args.load:
+        result = merge([json.loads(Path(f).read_text()) for f in args.load.split(",") if f])
+        report(result, args)
+        return
     try:
         ds = [int(v) for v in args.d_models.split(",") if v]
     except ValueError:
@@ -184,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
 
     set_threads(args.threads)
     load0 = os.getloadavg()
-    t0 = dt.datetime.now(dt.timezone.utc)
+    t0 = dt.datetime.now(dt.UTC)
     table = {}
     for d in ds:
         table[str(d)] = measure(d, recipes, args.tokens, args.repeats)
@@ -195,41 +252,66 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "recipes": recipes,
         "date": t0.strftime("%Y-%m-%d %H:%M UTC"),
-        "seconds": round((dt.datetime.now(dt.timezone.utc) - t0).total_seconds(), 1),
+        "seconds": round((dt.datetime.now(dt.UTC) - t0).total_seconds(), 1),
         "load_average": {"before": list(load0), "after": list(load1)},
         "avx512": avx512(),
         "machine": machine_info(),
         "table": table,
     }
-    m = result["machine"]
-    print(
-        f"MLP stack 2 x (d -> 4d -> d), {args.tokens} tokens, forward + backward, "
-        f"{m['torch_threads']} torch / {m['numba_threads']} numba threads, median of "
-        f"{args.repeats} interleaved rounds; {m['cpu']} (torch capability {m['cpu_capability']}, "
-        f"AVX-512 {'yes' if result['avx512'] else 'no'}), torch {m['torch']}, numba {m['numba']}; "
-        f"{result['date']}, load average {load0[0]:.1f} -> {load1[0]:.1f}"
+    report(result, args)
+    if args.profile:
+        profile(max(ds), args.profile, args.tokens, args.repeats)
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs: the union of their d_models (a later run's row wins), the
+    recipes in first-seen order; the machine and date of the first, every run's date and load
+    average kept under ``runs``."""
+    out = dict(results[0])
+    out["table"], out["recipes"], out["runs"] = {}, [], []
+    for r in results:
+        out["table"].update(r["table"])
+        out["recipes"] += [n for n in r["recipes"] if n not in out["recipes"]]
+        out["runs"] += r.get("runs") or [
+            {k: r[k] for k in ("date", "load_average", "repeats", "seconds") if k in r}
+        ]
+    return out
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the table (Markdown), then write ``--json`` and draw ``--figure`` if asked."""
+    m, recipes, table = result["machine"], result["recipes"], result["table"]
+    runs = result.get("runs") or [result]
+    loads = "; ".join(
+        f"{r['date']} load average {r['load_average']['before'][0]:.1f} -> "
+        f"{r['load_average']['after'][0]:.1f} ({r['repeats']} rounds)"
+        for r in runs
     )
-    head = "| d_model | fp32 ms | " + " | ".join(recipes) + " |"
-    print(head)
+    print(
+        f"MLP stack 2 x (d -> 4d -> d), {result['tokens']} tokens, forward + backward, "
+        f"{m['torch_threads']} torch / {m['numba_threads']} numba threads, median of "
+        f"interleaved rounds; {m['cpu']} (torch capability {m['cpu_capability']}, "
+        f"AVX-512 {'yes' if result['avx512'] else 'no'}), torch {m['torch']}, numba {m['numba']}; "
+        f"{loads}"
+    )
+    print("| d_model | fp32 ms | " + " | ".join(recipes) + " |")
     print("|---:|---:|" + "---:|" * len(recipes))
-    for d in ds:
-        row = table[str(d)]
-        cells = " | ".join(f"{row[r]['ratio']:.2f}" for r in recipes)
+    for d in sorted(table, key=int):
+        row = table[d]
+        cells = " | ".join(f"{row[r]['ratio']:.2f}" if r in row else "—" for r in recipes)
         print(f"| {d} | {row['fp32']['median_s'] * 1e3:.1f} | {cells} |")
-    if str(TARGET_D) in table:
-        marks = []
-        for r in recipes:
-            if r in TARGETS:
-                ok = table[str(TARGET_D)][r]["ratio"] <= TARGETS[r]
-                marks.append(f"{r} <= {TARGETS[r]:g}: {'ok' if ok else 'MISS'}")
-        if marks:
-            print(f"targets at d_model {TARGET_D}: " + "; ".join(marks))
+    target_row = table.get(str(TARGET_D), {})
+    marks = [
+        f"{r} <= {TARGETS[r]:g}: {'ok' if target_row[r]['ratio'] <= TARGETS[r] else 'MISS'}"
+        for r in recipes
+        if r in TARGETS and r in target_row
+    ]
+    if marks:
+        print(f"targets at d_model {TARGET_D}: " + "; ".join(marks))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.figure:
         figure(result, Path(args.figure))
-    if args.profile:
-        profile(max(ds), args.profile, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
