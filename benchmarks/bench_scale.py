@@ -242,22 +242,25 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
     load0 = os.getloadavg()
     t0 = dt.datetime.now(dt.UTC)
-    table = {}
-    for d in ds:
-        table[str(d)] = measure(d, recipes, args.tokens, args.repeats)
-    load1 = os.getloadavg()
-    result = {
+    result: dict[str, Any] = {
         "model": "2 x (Linear(d, 4d) -> GELU -> Linear(4d, d)), forward + backward",
         "tokens": args.tokens,
         "repeats": args.repeats,
         "recipes": recipes,
         "date": t0.strftime("%Y-%m-%d %H:%M UTC"),
-        "seconds": round((dt.datetime.now(dt.UTC) - t0).total_seconds(), 1),
-        "load_average": {"before": list(load0), "after": list(load1)},
         "avx512": avx512(),
         "machine": machine_info(),
-        "table": table,
+        "table": {},
     }
+    for d in ds:
+        result["table"][str(d)] = measure(d, recipes, args.tokens, args.repeats)
+        result["seconds"] = round((dt.datetime.now(dt.UTC) - t0).total_seconds(), 1)
+        result["load_average"] = {"before": list(load0), "after": list(os.getloadavg())}
+        row = result["table"][str(d)]
+        print(f"d_model {d}: " + ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row.items()),
+              flush=True)  # fmt: skip
+        if args.json:  # a long run keeps what it measured so far
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     report(result, args)
     if args.profile:
         profile(max(ds), args.profile, args.tokens, args.repeats)
