@@ -212,8 +212,8 @@ def tensors():
     hits = torch.cat(hits)[:63]
     assert len(hits) > 30
     order.view(-1, 16)[1 : 1 + len(hits), 3] = hits
-    return {"random": rnd, "huge": huge, "orders": order, "subnormal": sub, "equal": equal, "ties": ties,
-            "midpoints": mids, "zeros": torch.zeros(32, 32)}  # fmt: skip
+    return {"random": rnd, "huge": huge, "orders": order, "subnormal": sub, "equal": equal,
+            "ties": ties, "midpoints": mids, "zeros": torch.zeros(32, 32)}  # fmt: skip
 
 
 TENSORS = tensors()

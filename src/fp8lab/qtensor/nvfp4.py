@@ -1,8 +1,9 @@
-"""NVFP4's second-level choices beyond the plain two-level rule (`fp8lab.scaling.rules.nvfp4_scales`):
-the per-row global amax (``row_scaled``) and "4 over 6" (``four_over_six``), as Transformer
-Engine's pure-PyTorch reference computes them (``transformer_engine/pytorch/custom_recipes/
-reference_nvfp4.py``, ``_quantize_blockwise_reference`` and
-``_quantize_blockwise_4over6_reference``; arXiv 2512.02010). docs/nvfp4.md walks the algorithm.
+"""NVFP4's second-level choices beyond the plain two-level rule
+(`fp8lab.scaling.rules.nvfp4_scales`): the per-row global amax (``row_scaled``) and "4 over 6"
+(``four_over_six``), as Transformer Engine's pure-PyTorch reference computes them
+(``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``:
+``_quantize_blockwise_reference``, ``_quantize_blockwise_4over6_reference``; arXiv 2512.02010).
+docs/nvfp4.md walks the algorithm.
 
 Both return what a scale rule returns to `fp8lab.qtensor.quantizer.Quantizer`: the per-block
 quantization multiplier ``enc``, the E4M3 block scale ``s_blk`` and the FP32 second-level

@@ -57,9 +57,9 @@ def quantize(
     ``rht``, ``four_over_six``, ``four_over_six_use_256``, ``row_scaled``, ``hadamard``: the
     `QuantSpec` fields of the same names (NVFP4's random Hadamard transform, "4 over 6",
     per-row second-level scales; a Hadamard transform over blocks; docs/nvfp4.md), e.g.
-    ``quantize(x, "e2m1", "nvfp4", "nvfp4", rht=True)``. Any device: the kernels follow ``x``'s (numba on the CPU by
-    default, the device-generic torch kernels elsewhere: `fp8lab.kernels`), with the same bits;
-    the QTensor's tensors are on ``x``'s device.
+    ``quantize(x, "e2m1", "nvfp4", "nvfp4", rht=True)``. Any device: the kernels follow
+    ``x``'s (numba on the CPU by default, the device-generic torch kernels elsewhere:
+    `fp8lab.kernels`), with the same bits; the QTensor's tensors are on ``x``'s device.
 
     Buffers (no allocation of full-size outputs): ``out`` receives the values and becomes
     ``QTensor.values``; ``dequantized_out`` receives ``QTensor.dequantize()`` (bit for bit),

@@ -198,11 +198,11 @@ class Quantizer:
             return s, inv, None
         if rule == "nvfp4":
             if spec.four_over_six is not None:
-                enc, s_blk, s_dec = four_over_six_scales(
-                    x2, amax, (m, k), spec.four_over_six, spec.four_over_six_bound,  # type: ignore[arg-type]
-                    spec.row_scaled,
-                )  # fmt: skip
-                return enc, s_blk, s_dec
+                bound = spec.four_over_six_bound
+                assert bound is not None  # four_over_six is set
+                return four_over_six_scales(
+                    x2, amax, (m, k), spec.four_over_six, bound, spec.row_scaled
+                )
             tensor_amax = None
             if spec.two_level:
                 tensor_amax = second_level_amax(amax, (m, k), spec.row_scaled)

@@ -55,10 +55,11 @@ class QuantSpec:
             ``"nvfp4_col"`` or a block ``(m, k)`` (-1 = full extent); stored canonically (a name
             if the block has one, else a tuple).
         scaling: a rule name (``max``, ``pow2_down``, ``pow2_up``, ``mx_floor``, ``mx_ceil``,
-            ``mx_even``, ``mx_rceil``, ``nvfp4``, ``quest``: `fp8lab.scaling.rules`), a fixed float quantization multiplier
-            (``values = cast(x * scaling)``), or delayed scaling (per-tensor only): a frozen
-            `DelayedScalingConfig` (what recipes hold; each quantize then uses a throwaway
-            state, i.e. step 0, unless a state is given: ``quantize(x, spec, state=ds)``).
+            ``mx_even``, ``mx_rceil``, ``nvfp4``, ``quest``: `fp8lab.scaling.rules`), a fixed
+            float quantization multiplier (``values = cast(x * scaling)``), or delayed scaling
+            (per-tensor only): a frozen `DelayedScalingConfig` (what recipes hold; each quantize
+            then uses a throwaway state, i.e. step 0, unless a state is given:
+            ``quantize(x, spec, state=ds)``).
             A stateful `DelayedScaling` here is deprecated (DeprecationWarning): it still
             quantizes with its scale and records the amax, as ``state=`` does.
             ``None`` picks the granularity's natural rule: ``mx_floor`` for MX blocks (OCP),
@@ -330,8 +331,7 @@ class QuantSpec:
         for name, default in (
             ("saturate", True), ("pad", True), ("margin", 0), ("epsilon", 0.0),
             ("scale_format", "e4m3"), ("two_level", True), ("tensor_scale", None),
-            ("rht", False), ("four_over_six", None), ("four_over_six_use_256", None),
-            ("row_scaled", False), ("hadamard", None),
+            *_LATER_FIELDS,
         ):  # fmt: skip
             v = getattr(self, name)
             if v != default:
