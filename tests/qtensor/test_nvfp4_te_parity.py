@@ -327,6 +327,10 @@ def test_quantize_with_rht_is_the_plain_path_on_the_transformed_tensor():
     tc = fp8lab.rht16(x.t().contiguous()).float()
     check_same(q, te_quantize(tc), transpose=True)
     assert QuantSpec("e2m1", "nvfp4", "nvfp4", rht=True) == q.spec.transposed()
+    # values in the transformed domain: no straight-through gradient back to x
+    xg = x.clone().requires_grad_(True)
+    assert not quantize(xg, "e2m1", "nvfp4", "nvfp4", rht=True).dequantize().requires_grad
+    assert quantize(xg, "e2m1", "nvfp4", "nvfp4").dequantize().requires_grad
 
 
 # ------------------------------------------------------------------ 4over6 by hand

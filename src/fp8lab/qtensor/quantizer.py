@@ -139,10 +139,12 @@ class Quantizer:
         A spec with ``rht`` or ``hadamard`` first transforms ``x2`` along its block axis
         (`fp8lab.qtensor.transforms`; ValueError when that axis is not a multiple of the
         transform's size) and quantizes the transformed tensor: the QTensor holds (and
-        dequantizes to) the transformed domain."""
+        dequantizes to) the transformed domain, and carries no straight-through gradient (an
+        identity gradient to the untransformed source would be wrong)."""
         spec = self.spec
         axis = spec.transform_axis
         if axis is not None:
+            source = None
             n, what = (16, "rht=True") if spec.rht else (spec.hadamard, f"hadamard={spec.hadamard}")
             x2 = transform_along(x2, axis, n, spec.rht, what)  # type: ignore[arg-type]
         m, k, nr, nc = self.geometry(x2.shape)
