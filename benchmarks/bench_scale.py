@@ -123,16 +123,21 @@ def figure(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ds = sorted(int(d) for d in result["table"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     for r in result["recipes"]:
         pts = [(d, result["table"][str(d)][r]["ratio"]) for d in ds if r in result["table"][str(d)]]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=r)
+        (line,) = ax.plot(*zip(*pts, strict=True), marker="o", label=r)
+        if r in TARGETS:  # the target at d_model 1024
+            ax.plot([TARGET_D], [TARGETS[r]], marker="_", ms=14, mew=2, color=line.get_color())
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(ds, [str(d) for d in ds])
+    ticks = [1, 1.15, 1.3, 2, 3, 4, 6, 8, 12, 16]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("d_model (MLP stack, 2 blocks d -> 4d -> d)")
-    ax.set_ylabel("step time / fp32 step")
+    ax.set_ylabel("step time / fp32 step (bars: targets at 1024)")
     m = result["machine"]
     ax.set_title(
         f"{m['cpu']} ({'AVX-512' if result['avx512'] else 'no AVX-512'}), "
@@ -140,7 +145,7 @@ def figure(result: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     ax.grid(True, which="both", lw=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.png")
