@@ -10,6 +10,9 @@
   FSDP all-gathers (`fp8lab.cost.collectives`);
 * `linear_shapes` / `repeated_block` — a built model's quantized Linears as shapes to price
   (`fp8lab.cost.shapes`);
+* `expert_rows` / `wire_traffic` / `expert_routing` — mixture of experts: the rows each
+  expert's grouped GEMMs run on (padding included) and the token all-to-alls' bytes in the
+  ``[moe] dispatch`` format (`fp8lab.cost.moe`);
 * `simulated_memory` / `model_memory` — the bytes a recipe's training step would hold: weights,
   optimizer states, saved activations (`fp8lab.cost.memory`).
 """
@@ -28,7 +31,8 @@ from fp8lab.cost.model import (
     price_layer,
     price_linears,
 )
-from fp8lab.cost.shapes import linear_shapes, other_parameters, repeated_block
+from fp8lab.cost.moe import expert_rows, wire_traffic
+from fp8lab.cost.shapes import expert_routing, linear_shapes, other_parameters, repeated_block
 
 __all__ = [
     "SCENARIOS",
@@ -43,6 +47,8 @@ __all__ = [
     "collective_bytes",
     "count_linear_step",
     "device_names",
+    "expert_routing",
+    "expert_rows",
     "get_device",
     "linear_shapes",
     "model_memory",
@@ -53,4 +59,5 @@ __all__ = [
     "price_linears",
     "repeated_block",
     "simulated_memory",
+    "wire_traffic",
 ]

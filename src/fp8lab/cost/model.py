@@ -27,6 +27,7 @@ How counted events become kernels (the hardware's fused kernels, as Transformer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from fp8lab.cost.counting import (
     scale_bytes,
 )
 from fp8lab.cost.devices import Device, get_device
+from fp8lab.cost.moe import rows_of
 from fp8lab.formats import get_format
 from fp8lab.recipe import Recipe, get_recipe
 
@@ -418,9 +420,14 @@ def price_linears(
     tokens: int,
     scenario: str = "training",
     shape: TransformerShape | None = None,
+    *,
+    experts: Mapping[str, tuple[int, int]] | None = None,
 ) -> LayerCost:
     """Like `price_layer` for any Linear layers: ``linears`` = ``[(name, in_features,
-    out_features)]``, each run on ``tokens`` tokens (e.g. a model's converted Linears)."""
+    out_features)]``, each run on ``tokens`` tokens (e.g. a model's converted Linears).
+    ``experts``: the mixture-of-experts Linears among them, ``name -> (n_experts, top_k)``
+    (`fp8lab.cost.shapes.expert_routing`), each run on its padded share of the routed tokens
+    (`fp8lab.cost.moe.expert_rows`)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
@@ -432,7 +439,7 @@ def price_linears(
         lrec, label = layer_recipe(rec, lin)
         base = _counts(lrec)
         if scenario == "training":
-            c = base.scaled(T=tokens, I=i, O=o)
+            c = base.scaled(T=rows_of(lin, tokens, experts, lrec), I=i, O=o)
             cost.gemms += [_price_gemm(g, f"{lin}.{g.gemm}", dev, label) for g in c.gemms]
             cost.kernels += _price_kernels(c, lin, dev) + _dequantize_kernels(c, lin, dev)
             continue
@@ -460,6 +467,7 @@ def predict_step_ms(
     *,
     linears: list[tuple[str, int, int]] | None = None,
     tokens: int | None = None,
+    experts: Mapping[str, tuple[int, int]] | None = None,
 ) -> float:
     """Predicted GEMM + quantization time (ms) of one training step (the ``training``
     scenario): all ``shape.layers`` layers of ``shape``, or the given ``linears`` (``[(name,
@@ -469,7 +477,7 @@ def predict_step_ms(
     if linears is not None:
         if tokens is None:
             raise ValueError("predict_step_ms: linears= needs tokens=")
-        return price_linears(recipe, device, linears, tokens).layer_ms
+        return price_linears(recipe, device, linears, tokens, experts=experts).layer_ms
     shape = shape or TransformerShape()
     return price_layer(recipe, device, shape, "training").layer_ms * shape.layers
 
@@ -480,12 +488,15 @@ def predict_or_reason(
     *,
     linears: list[tuple[str, int, int]],
     tokens: int,
+    experts: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[float | None, str | None]:
     """`predict_step_ms` for the given ``linears`` on ``tokens`` tokens, or ``(None, reason)``
     when the recipe cannot be priced on ``device`` (`UnpriceableError`: HiF8, fp32 GEMMs, MX or
     NVFP4 on Hopper) or one of its per-layer rules cannot be applied (ValueError). A report can
     then show "n/a" with the reason instead of failing."""
     try:
-        return predict_step_ms(recipe, device, linears=linears, tokens=tokens), None
+        return predict_step_ms(
+            recipe, device, linears=linears, tokens=tokens, experts=experts
+        ), None
     except ValueError as exc:  # UnpriceableError is a ValueError
         return None, str(exc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["linear_shapes", "other_parameters", "repeated_block"]
+__all__ = ["expert_routing", "linear_shapes", "other_parameters", "repeated_block"]
 
 #: one Linear to price: (qualified name, in_features, out_features)
 Shape = tuple[str, int, int]
@@ -42,6 +42,21 @@ def linear_shapes(
     if not names:
         raise ValueError("the model has no Linear layer to quantize (nothing to price)")
     return [(n, *_in_out(model.get_submodule(n))) for n in names]
+
+
+def expert_routing(model: Any) -> dict[str, tuple[int, int]]:
+    """``{name: (n_experts, top_k)}`` of every expert Linear of the model's `fp8lab.nn.MoE`
+    blocks (the ``linears`` a cost model prices on their share of the tokens)."""
+    from fp8lab.nn import MoE
+
+    out: dict[str, tuple[int, int]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            n, k = m.router.n_experts, m.router.top_k
+            for part in ("gate", "up", "down"):
+                for e in range(n):
+                    out[f"{name}.{part}.experts.{e}"] = (n, k)
+    return out
 
 
 def other_parameters(model: Any, linears: list[Shape]) -> int:

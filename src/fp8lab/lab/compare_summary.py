@@ -96,7 +96,7 @@ def predicted_steps(
     price the recipe there). ``model``: the built, unconverted model (default: built here);
     ``recipes``: name -> Recipe for names that are not presets or files (``fp8lab debug``'s
     planted scenarios)."""
-    from fp8lab.cost import linear_shapes, predict_or_reason
+    from fp8lab.cost import expert_routing, linear_shapes, predict_or_reason
 
     if model is None:
         with torch.random.fork_rng(devices=[]):
@@ -106,10 +106,11 @@ def predicted_steps(
     except ValueError as exc:  # nothing quantizable: every recipe n/a, the run is still reported
         return {n: {"ms": None, "reason": str(exc)} for n in names}
     tokens = cfg.train.batch_size * cfg.model.block_size
+    experts = expert_routing(model)  # MoE experts: priced on their share of the tokens
     out = {}
     for n in names:
         rec = (recipes or {}).get(n) or resolve_recipe(n)
-        ms, why = predict_or_reason(rec, device, linears=linears, tokens=tokens)
+        ms, why = predict_or_reason(rec, device, linears=linears, tokens=tokens, experts=experts)
         out[n] = {"ms": ms, "reason": why}
     return out
 

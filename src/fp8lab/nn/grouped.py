@@ -43,7 +43,7 @@ from fp8lab.nn.context import active_recipe
 from fp8lab.nn.linear import Linear
 from fp8lab.recipe import Recipe, get_recipe
 
-__all__ = ["MIN_ALIGNMENT", "GroupedLinear", "group_alignment", "padded_sizes"]
+__all__ = ["MIN_ALIGNMENT", "GroupedLinear", "expert_of", "group_alignment", "padded_sizes"]
 
 #: TE's alignment of the per-tensor FP8 recipes (``get_align_size_for_quantization``)
 MIN_ALIGNMENT = 16
@@ -68,6 +68,13 @@ def group_alignment(recipe: Recipe | None) -> int:
         extent = max(b for b in spec.block if b > 0) if any(b > 0 for b in spec.block) else 0
         align = max(align, MIN_ALIGNMENT, extent)
     return align
+
+
+def expert_of(layer: str) -> tuple[str, int] | None:
+    """``("moe.up", 3)`` for the name of a `GroupedLinear`'s expert (``"moe.up.experts.3"``),
+    None for any other layer name."""
+    head, sep, tail = layer.rpartition(".experts.")
+    return (head, int(tail)) if sep and head and tail.isdigit() else None
 
 
 def padded_sizes(sizes: Sequence[int], align: int) -> list[int]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fp8lab.nn import OperandHandle, on_operand
+from fp8lab.observe.experts import expert_scales
 from fp8lab.observe.records import OperandStats
 from fp8lab.observe.sinks import TensorBoardSink, open_sink
 
@@ -100,6 +101,11 @@ class Watch:
         self._hook: Any = None
         self._forwards = 0
         self._open = False
+
+    def expert_scales(self) -> list[dict[str, Any]]:
+        """Per-expert scale statistics of the records so far (`fp8lab.observe.expert_scales`:
+        the experts of every `fp8lab.nn.GroupedLinear` side by side)."""
+        return expert_scales(self.records)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Watch:
