@@ -485,8 +485,7 @@ class DotProductAttention(nn.Module):
             return _plain(q32, k32, v32, scale, mask)
         where = self.name or "DotProductAttention"
         check_head_dim(rec, q.shape[-1], where)
-        if rec.dpa.scaling == "mxfp8" or _resolve_scaling(rec) == "mxfp8":
-            check_head_dim(rec, v.shape[-1], where)
+        check_head_dim(rec, v.shape[-1], where)
         plan, states = self._bind(rec, q.device)
         c = _Ctx(plan, states, where, scale, mask)
         fn = _TEAttention if plan.path == "te" else _FAAttention

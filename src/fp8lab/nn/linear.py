@@ -107,7 +107,9 @@ class OperandHandle:
 def on_operand(fn: OperandObserver) -> OperandHandle:
     """Call ``fn(layer, gemm, role, source, used)`` for every GEMM operand of every converted
     Linear on this thread until ``handle.remove()``: ``layer`` the module's name (``"?"`` if
-    unnamed), ``gemm`` in fprop/dgrad/wgrad, ``role`` in input/weight/grad_output, ``source``
+    unnamed), ``gemm`` in fprop/dgrad/wgrad, ``role`` in input/weight/grad_output (FP8 attention,
+    `fp8lab.nn.DotProductAttention`: ``gemm`` ``"dpa"``, ``role`` one of TE's Q, K, V, S, O, dO,
+    dP, dQKV), ``source``
     the high-precision operand (natural layout), ``used`` what the GEMM consumed (a `QTensor`
     when quantized: read its values and scales instead of quantizing again; else a float32
     tensor). While any observer is registered, operands are freshly allocated (observers may
