@@ -153,8 +153,8 @@ def dpa_plan(recipe: Recipe) -> DPAPlan:
 def check_head_dim(recipe: Recipe | None, head_dim: int, where: str = "attention") -> None:
     """ValueError when ``recipe`` runs attention in MXFP8 and ``head_dim`` is not a multiple of
     the 32-element block (TE and cuDNN require ``d % 32 == 0``)."""
-    if recipe is None or not recipe.attention:
-        return
+    if recipe is None or not recipe.attention or recipe.input is None:
+        return  # no FP8 attention
     if _resolve_scaling(recipe) == "mxfp8" and head_dim % MX_BLOCK:
         raise ValueError(
             f"{where}: head size {head_dim} does not tile the MXFP8 block of {MX_BLOCK} "
