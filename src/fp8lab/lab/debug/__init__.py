@@ -2,8 +2,10 @@
 
 The method (:mod:`.method`): gap and noise, recovery, fake quantization, one-step attribution
 screening (:mod:`.attribution`), confirmation probes and group testing over layers
-(:mod:`.search`), remedies (:mod:`.remedies`), verdict (:mod:`.verdict`). Built-in scenarios
-plant known faults (:mod:`.scenarios`). See docs/debug.md.
+(:mod:`.search`), culprit kinds beyond an operand (:mod:`.kinds`), remedies (:mod:`.remedies`),
+verdict (:mod:`.verdict`) and the fix for Megatron-LM and Transformer Engine (:mod:`.export`).
+Built-in scenarios plant known faults or set up published ones (:mod:`.scenarios`). See
+docs/debug.md.
 """
 
 from fp8lab.lab.debug.method import run_debug

@@ -12,7 +12,9 @@
 4. **screening**: one-step attribution at R's checkpoints (:mod:`.attribution`).
 5. **confirmation**: training probes with one operand role in high precision in every layer
    (every quantized role), the culprit role's GEMMs one at a time, then group testing over the
-   layers in the screening's order (:mod:`.search`).
+   layers in the screening's order (:mod:`.search`); beside the first role probes, one probe per
+   other culprit kind the recipe can have (quantized norm weights, FP8 attention, a static loss
+   scale: :mod:`.kinds`), which is that kind's remedy when it wins.
 6. **remedies** for the culprit role on the culprit layers, each a probe (:mod:`.remedies`).
 7. **verdict** (:mod:`.verdict`): the culprit, the best remedy as a per-layer recipe file.
 
