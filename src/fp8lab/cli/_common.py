@@ -31,6 +31,38 @@ TorchDevice = Annotated[str, typer.Option(
     "available, else cpu; under torchrun each rank's LOCAL_RANK GPU). Recorded as "
     "machine.torch_device; a run resumes on another device.",
 )]  # fmt: skip
+#: --executor / --ray-address: where the independent jobs run (fp8lab.lab.pool.set_executor)
+Executor = Annotated[str, typer.Option(
+    "--executor",
+    help="Where the parallel jobs (--jobs > 1) run: local (spawned processes on this "
+    "machine) or ray (a Ray cluster: pip install 'fp8lab[ray]'; --out must be a filesystem "
+    "the workers share).",
+)]  # fmt: skip
+RayAddress = Annotated[str | None, typer.Option(
+    "--ray-address",
+    help="With --executor ray: the cluster, HOST:PORT, ray://HOST:PORT or auto (default: "
+    "start a local Ray instance).",
+    show_default=False,
+)]  # fmt: skip
+
+
+def use_executor(kind: str, address: str | None) -> None:
+    """``--executor`` / ``--ray-address`` (`fp8lab.lab.pool.set_executor`): ValueError (exit 2
+    under `clear_errors`) for an unknown executor, Ray not installed (naming the extra) or an
+    unreachable address, before any work."""
+    from fp8lab.lab.pool import set_executor
+
+    set_executor(kind, address)
+
+
+def echo_machine_mismatch(ev: dict[str, Any], quiet: bool = False) -> bool:
+    """Print a ``machine_mismatch`` event (a job ran on a machine that should not give this
+    machine's bits: `fp8lab.lab.ray_executor`) on stderr; True when ``ev`` was one."""
+    if ev.get("event") != "machine_mismatch":
+        return False
+    if not quiet:
+        typer.echo(f"warning: {ev['text']}", err=True)
+    return True
 
 
 def use_torch_device(value: str) -> Any:

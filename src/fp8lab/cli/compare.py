@@ -18,9 +18,11 @@ import typer
 
 from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
+    Executor,
     InitFrom,
     OutDir,
     Quiet,
+    RayAddress,
     TokenDtype,
     Tokenizer,
     TorchDevice,
@@ -28,10 +30,12 @@ from fp8lab.cli._common import (
     clear_errors,
     command_line,
     console,
+    echo_machine_mismatch,
     fitted_tables,
     json_flag,
     lab_config,
     stop_on_sigterm,
+    use_executor,
     use_torch_device,
     with_run_options,
 )
@@ -92,6 +96,8 @@ def _progress(enabled: bool):
     tasks: dict[str, Any] = {}
 
     def on_event(ev: dict[str, Any]) -> None:
+        if echo_machine_mismatch(ev):
+            return
         name = ev["recipe"]
         if ev["event"] == "start":
             tasks[name] = progress.add_task(
@@ -121,6 +127,8 @@ def _line_progress(every_frac: int = 10):
     """Without a terminal: one line on stderr per tenth of a run (and at its start and end)."""
 
     def on_event(ev: dict[str, Any]) -> None:
+        if echo_machine_mismatch(ev):
+            return
         name = ev["recipe"]
         if ev["event"] == "start":
             typer.echo(f"{name}: start at step {ev['step']}/{ev['steps']}", err=True)
@@ -389,6 +397,7 @@ def compare_cmd(
     amax_group: AmaxGroup = "world", grad_comm: GradComm = "fp32", fsdp: Fsdp = False,
     fp8_allgather: Fp8Allgather = False, torch_device: TorchDevice = "auto",
     tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
+    executor: Executor = "local", ray_address: RayAddress = None,
 ) -> None:  # fmt: skip
     """``fp8lab compare`` (help: `HELP`): validate the options, train, render the summary."""
     inject = {"outlier_channels": outlier_channels, "outlier_scale": outlier_scale,
@@ -396,6 +405,7 @@ def compare_cmd(
               "grad_spike_scale": grad_spike_scale, "nan_step": inject_nan_step}  # fmt: skip
     with clear_errors():
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
+        use_executor(executor, ray_address)
         inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         cfg, names, base, n_jobs = _config(config, recipes, baseline, jobs, overrides, model,
                                            steps, data, inject, inputs)  # fmt: skip

@@ -15,19 +15,23 @@ import typer
 
 from fp8lab.cli._common import (
     INTERRUPTED_RESUME,
+    Executor,
     InitFrom,
     OutDir,
     Quiet,
+    RayAddress,
     TokenDtype,
     Tokenizer,
     TorchDevice,
     check_model_data,
     clear_errors,
     command_line,
+    echo_machine_mismatch,
     fail,
     json_flag,
     lab_config,
     stop_on_sigterm,
+    use_executor,
     use_torch_device,
     with_run_options,
 )
@@ -72,6 +76,8 @@ def _progress(quiet: bool):
             return
         t = f"[{time.perf_counter() - t0:6.0f} s]"
         kind = ev.get("event")
+        if echo_machine_mismatch(ev):
+            return
         if kind == "stage":
             typer.echo(f"{t} == {ev['text']}", err=True)
         elif kind == "probe":
@@ -165,6 +171,7 @@ def debug_cmd(
     layers: Layers = None, checkpoints: Checkpoints = 3, out: OutDir = Path("runs/debug"),
     jobs: Jobs = 1, threads: Threads = 0, json_out: JsonOut = False, quiet: Quiet = False,
     from_checkpoint: FromCheckpoint = None, device: CostDevice = None,
+    executor: Executor = "local", ray_address: RayAddress = None,
     torch_device: TorchDevice = "auto",
     tokenizer: Tokenizer = None, token_dtype: TokenDtype = None, init_from: InitFrom = None,
 ) -> None:  # fmt: skip
@@ -180,6 +187,7 @@ def debug_cmd(
             raise fail("--from-checkpoint debugs your own run: give --recipe (the recipe it "
                        "trained with), not --scenario")  # fmt: skip
         use_torch_device(torch_device)  # before torchrun's group: NCCL on the rank's GPU
+        use_executor(executor, ray_address)
         inputs = {"tokenizer": tokenizer, "token_dtype": token_dtype, "init_from": init_from}
         rec, cfg, expect, globs, rank_ctx = _setup(recipe, scenario, config, overrides, model,
                                                    steps, data, layers, jobs, inputs,

@@ -18,6 +18,10 @@ job per probe). What it guarantees:
   ``RuntimeError("<label> 'name' failed: ...")`` with the worker's traceback for anything else.
 - Interrupts: an exception in the parent (KeyboardInterrupt included, e.g. from ``callback``)
   terminates the workers when the pool is closed (use it as a context manager).
+- Executors: ``jobs`` > 1 runs on the process-wide executor (`set_executor`, the commands'
+  ``--executor``): ``local`` (the spawned processes above, the default) or ``ray``
+  (`fp8lab.lab.ray_executor.RayRunner`: the same jobs as Ray tasks, same results, errors and
+  events, each job's machine recorded and a mismatch flagged, a dead worker retried once).
 """
 
 from __future__ import annotations
@@ -38,6 +42,32 @@ from fp8lab.kernels import get_kernels, set_kernels
 from fp8lab.lab.machine import set_torch_device, torch_device
 
 Callback = Callable[[dict[str, Any]], None]
+
+#: the process-wide executor of `WorkerPool`'s parallel jobs (`set_executor`)
+_EXECUTOR: dict[str, Any] = {"kind": "local", "address": None}
+EXECUTORS = ("local", "ray")
+
+
+def set_executor(kind: str, address: str | None = None) -> None:
+    """Run the parallel jobs of every `WorkerPool` opened from now on in ``kind``'s workers:
+    ``local`` (spawned processes) or ``ray`` (a Ray cluster at ``address``; None: a local Ray
+    instance). ValueError for another kind, for ``ray`` without Ray installed or with an
+    unreachable ``address`` (`fp8lab.lab.ray_executor.check_ray`), for an address with
+    ``local``."""
+    if kind not in EXECUTORS:
+        raise ValueError(f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
+    if kind == "local" and address is not None:
+        raise ValueError("--ray-address needs --executor ray")
+    if kind == "ray":
+        from fp8lab.lab.ray_executor import check_ray
+
+        check_ray(address)
+    _EXECUTOR.update(kind=kind, address=address)
+
+
+def get_executor() -> tuple[str, str | None]:
+    """(kind, address) of `set_executor`."""
+    return _EXECUTOR["kind"], _EXECUTOR["address"]
 
 
 def check_count(name: str, value: Any, minimum: int, note: str = "") -> None:
@@ -138,6 +168,7 @@ class WorkerPool:
         self._executor: Any = None
         self._manager: Any = None
         self._events: Any = None
+        self._ray: Any = None  # the `RayRunner` under ``set_executor("ray")``
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -148,6 +179,9 @@ class WorkerPool:
     def close(self, terminate: bool = False) -> None:
         """Shut the workers down; ``terminate``: stop running jobs now (an error or an
         interrupt)."""
+        if self._ray is not None:
+            self._ray.close()
+            self._ray = None
         if self._executor is not None:
             if terminate:
                 # the executor offers no terminate; its worker processes are kept here
@@ -171,8 +205,16 @@ class WorkerPool:
     def run(self, jobs: Sequence[Job], callback: Callback | None = None) -> list[Any]:
         """Run ``jobs`` (started in this order); their results in the same order."""
         emit = callback or (lambda e: None)
-        if self.jobs <= 1 or (len(jobs) <= 1 and self._executor is None):
+        if self.jobs <= 1 or (len(jobs) <= 1 and self._executor is None and self._ray is None):
             return self._run_here(jobs, emit)
+        kind, address = get_executor()
+        if kind == "ray":
+            if self._ray is None:
+                from fp8lab.lab.ray_executor import PoolHelpers, RayRunner
+
+                helpers = PoolHelpers(_init_worker, _call, raise_job_error)
+                self._ray = RayRunner(self.jobs, self.threads, self.label, helpers, address)
+            return self._ray.run(jobs, emit)
         if self._executor is None:
             self._start()
         futures = {self._executor.submit(_call, j.fn, j.kwargs, self._events): i
