@@ -63,7 +63,7 @@ def test_flavour_trains_resumes_bit_for_bit_and_round_trips(name):
     again = Recipe.from_toml(rec.to_toml())
     assert again == rec and again.fingerprint() == rec.fingerprint()
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(T, D, generator=g), torch.randn(T, 4, generator=g)) for _ in range(3)]
+    batches = [(torch.randn(T, D, generator=g), torch.randn(T, 4, generator=g)) for _ in range(2)]
     torch.manual_seed(0)
     model = convert(Tiny(), rec)
     res = resolve_blocks(model, rec, converted(model))  # nvfp4-paper: the last block in bf16
@@ -86,7 +86,7 @@ def test_flavour_trains_resumes_bit_for_bit_and_round_trips(name):
     assert all(torch.equal(sa[k], sb[k]) for k in sb)
 
 
-def _train(rec, steps: int = 2) -> tuple[list[float], dict]:
+def _train(rec, steps: int = 1) -> tuple[list[float], dict]:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(T, D, generator=g), torch.randn(T, 4, generator=g))
                for _ in range(steps)]  # fmt: skip
@@ -107,9 +107,10 @@ def test_backward_override_trains_as_its_expansion(mode):
     })  # fmt: skip
     a, sa = _train(short)
     b, sb = _train(expanded)
-    c, _ = _train(base)
+    _, sc = _train(base)
     assert a == b and all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert a[1] != c[1]  # the override changes the backward: the comparison can fail
+    # the override changes the backward: the comparison can fail
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
 
 
 def test_dequantized_backward_takes_the_forward_copies_in_bf16():
