@@ -186,19 +186,19 @@ def test_wire_bytes():
 def test_moe_block_equals_a_token_by_token_loop():
     torch.manual_seed(5)
     m = MoE(32, 48, n_experts=4, top_k=2)  # plain torch experts: no rounding anywhere
-    x = torch.randn(3, 7, 32)
+    x = torch.randn(2, 5, 32)
     y = m(x)
-    ref = torch.zeros(21, 32, dtype=torch.float64)
+    ref = torch.zeros(10, 32, dtype=torch.float64)
     xd = x.reshape(-1, 32).double()
     logits = xd @ m.router.weight.double().t()
-    for t in range(21):
+    for t in range(10):
         top, idx = logits[t].topk(2)
         for gate, e in zip(torch.softmax(top, -1), idx.tolist(), strict=True):
             W = [getattr(m, n).experts[e].weight.double() for n in ("gate", "up", "down")]
             h = F.silu(W[0] @ xd[t]) * (W[1] @ xd[t])
             ref[t] += gate * (W[2] @ h)
     assert torch.allclose(y.reshape(-1, 32).double(), ref, rtol=1e-4, atol=1e-6)
-    assert sum(m.last_tokens) == 21 * 2
+    assert sum(m.last_tokens) == 10 * 2
     y.sum().backward()
     assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
 
