@@ -3,12 +3,17 @@ measurement: the simulation itself computes in fp32).
 
 Three parts, each ``{"weights", "optimizer", "activations", "total"}``:
 
-* weights: the master weights (``recipe.master_weights``) plus the low-precision working copy of
-  each quantized Linear weight (elements + block scales; a bf16 copy for a high-precision
-  recipe other than fp32);
-* optimizer: AdamW's two moments (``recipe.optimizer_state``; fp8 adds one fp32 scale per 128
-  values);
-* activations: what autograd keeps for backward.
+* weights: the master weights (``recipe.master_weights``: 4 bytes for fp32, 2 for bf16, fp16
+  and MS-AMP's scaled fp16, whose one scale per tensor is left out; 0 for ``"none"``) plus the
+  low-precision working copy of each quantized Linear weight (elements + block scales; a bf16
+  copy for a high-precision recipe other than fp32). Under ``param_storage = "fp8"`` that FP8
+  copy *is* the parameter; the parameters not stored in FP8 keep 4 bytes when there is no
+  master;
+* optimizer: AdamW's two moments (``recipe.moment_dtypes``; fp8 adds one fp32 scale per 128
+  values, and COAT's ``moment_expansion`` two more fp32 values per group: its exponent k and
+  centre g);
+* activations: what autograd keeps for backward (``save_activations = "quantized"``: the
+  inputs of norms and of the SwiGLU activation at 1 byte plus one fp32 scale per 16 values).
 
 :func:`simulated_memory` prices the lab's built-in GPT from its configuration, activations
 included; :func:`model_memory` prices any built model, whose activations are known only as far
@@ -28,6 +33,10 @@ __all__ = ["model_memory", "simulated_memory"]
 #: bytes of one element of a high-precision tensor / of an optimizer state
 _HP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "e4m3": 1, "e5m2": 1}
+#: bytes of one master-weight element per ``master_weights`` value
+_MASTER_BYTES = {**_HP_BYTES, "fp16-scaled": 2, "none": 0}
+#: bytes per element of a nonlinearity's input saved in FP8 (1 x 16 groups, fp32 scales)
+_SAVED_FP8_BYTES = 1 + 4 / 16
 
 
 def _spec_bytes(spec: Any, n_rows: int, n_cols: int) -> float:
@@ -44,15 +53,25 @@ def _spec_bytes(spec: Any, n_rows: int, n_cols: int) -> float:
     return n_rows * n_cols * elem + blocks * scale_bytes
 
 
-def _recipe_terms(recipe: Any) -> tuple[int, str, str, Any, Any, str]:
-    """(activation bytes per element, master weights, optimizer state, input spec, weight spec,
-    save_for_backward) of a recipe; None is fp32 training."""
+def _recipe_terms(recipe: Any) -> tuple[int, str, Any, Any, Any, str]:
+    """(activation bytes per element, master weights, the recipe itself (None: fp32), input
+    spec, weight spec, save_for_backward) of a recipe; None is fp32 training."""
     if recipe is None:
-        return 4, "fp32", "fp32", None, None, "hp"
+        return 4, "fp32", None, None, None, "hp"
     hp = {getattr(recipe, g).high_precision for g in ("fprop", "dgrad", "wgrad")}
     act = _HP_BYTES["fp32" if hp == {"fp32"} else "bf16"]
-    return (act, recipe.master_weights, recipe.optimizer_state, recipe.input, recipe.weight,
+    return (act, recipe.master_weights, recipe, recipe.input, recipe.weight,
             recipe.save_for_backward)  # fmt: skip
+
+
+def _weights(n_params: int, linear_elems: int, copies: float, master: str, recipe: Any) -> float:
+    """Master weights of ``n_params`` parameters plus the working ``copies`` of the quantized
+    Linear weights (``linear_elems`` elements): under FP8 storage the copies are the parameters
+    and the others, without a master, are fp32."""
+    if recipe is None or recipe.param_storage != "fp8":
+        return n_params * _MASTER_BYTES[master] + copies
+    other = _MASTER_BYTES[master] if master != "none" else 4
+    return linear_elems * _MASTER_BYTES[master] + (n_params - linear_elems) * other + copies
 
 
 def _weight_copy(wspec: Any, act: int, out_f: int, in_f: int) -> float:
@@ -70,10 +89,15 @@ def _saved_input(inp: Any, save: str, act: int, n_tokens: int, width: int) -> fl
     return n_tokens * width * act
 
 
-def _optimizer(n_params: int, state: str) -> float:
-    out = 2 * n_params * _STATE_BYTES[state]
-    if _STATE_BYTES[state] == 1:  # one fp32 scale per 128 values of each moment
-        out += 2 * math.ceil(n_params / 128) * 4
+def _optimizer(n_params: int, recipe: Any) -> float:
+    """AdamW's moments of ``recipe`` (None: fp32) for ``n_params`` parameters."""
+    dtypes = ("fp32", "fp32") if recipe is None else recipe.moment_dtypes
+    expand = recipe is not None and recipe.moment_expansion
+    out = 0.0
+    for state in dtypes:
+        out += n_params * _STATE_BYTES[state]
+        if _STATE_BYTES[state] == 1:  # one fp32 scale per 128 values (+ COAT's k and g)
+            out += math.ceil(n_params / 128) * 4 * (3 if expand else 1)
     return out
 
 
@@ -97,12 +121,18 @@ def simulated_memory(model_cfg: Any, batch_size: int, recipe: Any) -> dict[str, 
     linears = {"qkv": (3 * d, d), "proj": (d, d), "gate": (f, d), "up": (f, d), "down": (d, f)}
     n_params = V * d + T * d + L * (2 * d + sum(o * i for o, i in linears.values())) + d + V * d
     act, master, state, inp, wspec, save = _recipe_terms(recipe)
-    weights = n_params * _HP_BYTES[master]
-    weights += sum(L * _weight_copy(wspec, act, o, i) for o, i in linears.values())
+    copies = sum(L * _weight_copy(wspec, act, o, i) for o, i in linears.values())
+    linear_elems = L * sum(o * i for o, i in linears.values()) if wspec is not None else 0
+    weights = _weights(n_params, linear_elems, copies, master, recipe)
     linear_inputs = {"qkv": d, "proj": d, "gate/up": d, "down": f}
     saved = sum(_saved_input(inp, save, act, N, w) for w in linear_inputs.values())
-    other = N * (2 * d + 4 * d + 3 * f) + batch_size * c.n_head * T * T  # per layer
-    activations = L * (saved + other * act) + N * (2 * d * act + V * 4)
+    # the inputs of the two norms and of SwiGLU's activation (gate and up outputs) per layer
+    nonlinear = N * (2 * d + 2 * f)
+    nl_bytes = (
+        _SAVED_FP8_BYTES if state is not None and state.save_activations == "quantized" else act
+    )
+    other = N * (4 * d + f) + batch_size * c.n_head * T * T  # per layer
+    activations = L * (saved + other * act + nonlinear * nl_bytes) + N * (2 * d * act + V * 4)
     return _parts(weights, _optimizer(n_params, state), activations)
 
 
@@ -119,11 +149,13 @@ def model_memory(
     N = batch_size * block_size
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     act, master, state, inp, wspec, save = _recipe_terms(recipe)
-    weights = n_params * _HP_BYTES[master]
-    saved = 0.0
+    copies = saved = 0.0
+    linear_elems = 0
     for name in select_linears(model):
         in_f, out_f = _in_out(model.get_submodule(name))
-        weights += _weight_copy(wspec, act, out_f, in_f)
+        copies += _weight_copy(wspec, act, out_f, in_f)
+        linear_elems += in_f * out_f if wspec is not None else 0
         saved += _saved_input(inp, save, act, N, in_f)
+    weights = _weights(n_params, linear_elems, copies, master, state)
     activations = saved + N * vocab_size * 4
     return _parts(weights, _optimizer(n_params, state), activations)

@@ -44,6 +44,7 @@ from torch import nn
 from fp8lab.nn import DotProductAttention, GroupedLinear, Linear, MoE, active_recipe
 from fp8lab.nn.dpa import check_head_dim
 from fp8lab.nn.moe import check_experts
+from fp8lab.nn.saved_activations import save_quantized
 from fp8lab.recipe import Recipe
 
 
@@ -144,6 +145,20 @@ def check_attention_recipe(cfg: GPTConfig, recipe: Recipe | None) -> None:
         check_head_dim(recipe.for_layer(f"blocks.{i}.attn.qkv"), head, where)
 
 
+def saves_quantized(recipe: Recipe | None) -> bool:
+    """Whether the inputs of norms and the MLP's activation are saved for backward in FP8
+    (``save_activations = "quantized"``: `fp8lab.nn.saved_activations`)."""
+    return recipe is not None and recipe.save_activations == "quantized"
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight (no bias, no mean subtraction)."""
 
@@ -154,7 +169,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
         w = norm_affine(self.weight, recipe)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        if saves_quantized(recipe):
+            return save_quantized(lambda x, w: _rms_norm(x, w, self.eps), (x,), (w,))
+        return _rms_norm(x, w, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -168,6 +185,9 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
         w, b = norm_affine(self.weight, recipe), norm_affine(self.bias, recipe)
+        if saves_quantized(recipe):
+            fn = lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, self.eps)  # noqa: E731
+            return save_quantized(fn, (x,), (w, b))
         return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
 
 
@@ -230,7 +250,10 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        g, u = self.gate(x), self.up(x)
+        if saves_quantized(recipe_of(self.gate)):  # silu's input and the product's factor
+            return self.down(save_quantized(_swiglu, (g, u)))
+        return self.down(_swiglu(g, u))
 
 
 class Block(nn.Module):
