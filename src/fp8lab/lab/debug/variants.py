@@ -104,9 +104,18 @@ def per_layer(
 
 def with_cells_hp(recipe: Recipe, cells: Iterable[tuple[str, str]], precision: str) -> Recipe:
     """``recipe`` (one layer's) with each ``(gemm, role)`` operand in high precision."""
+    import dataclasses
+
     for g, r in cells:
         if recipe.gemm(g).high_precision is None and recipe.spec(g, r) is not None:
-            recipe = recipe.with_cell_high_precision(g, r, precision)
+            try:
+                recipe = recipe.with_cell_high_precision(g, r, precision)
+            except ValueError:
+                # a GEMM whose operands must be quantized together (a random Hadamard
+                # transform on both wgrad operands, rht_gemms): the whole GEMM instead
+                cfg = dataclasses.replace(recipe.gemm(g), high_precision=precision,
+                                          high_precision_roles=())  # fmt: skip
+                recipe = dataclasses.replace(recipe, **{g: cfg})
     return recipe
 
 
@@ -181,8 +190,15 @@ def e5m2_gradients(recipe: Recipe) -> Recipe:
     """The gradient operand in E5M2 (wider range, one mantissa bit less), scaling kept."""
 
     def fn(role, s):
-        return s if s.format == "e5m2" else s.replace(format="e5m2")
+        if s.format == "e5m2":
+            return s
+        # the NVFP4-only options (a Hadamard transform, 4/6 scale selection) leave with E2M1
+        nvfp4_only = {"rht": False, "four_over_six": None, "four_over_six_use_256": None}
+        return s.replace(format="e5m2", **{k: v for k, v in nvfp4_only.items()
+                                           if getattr(s, k, v) != v})  # fmt: skip
 
+    if getattr(recipe, "rht_gemms", "none") != "none":
+        return recipe  # the Hadamard transform needs both wgrad operands in NVFP4: not applicable
     return _map_specs(recipe, ("grad_output",), fn)
 
 
