@@ -147,6 +147,5 @@ def test_fp8_params_master_paths():
     # the parameters hold the re-quantized master; "none" keeps no master at all
     assert torch.equal(p_hp.data, requantize(opt_hp.state[p_hp]["master"], spec))
     assert "master" not in opt_none.state[p_none]
-    assert torch.equal(p_none.data, requantize(ref_f8 - upd, spec)) or torch.allclose(
-        p_none.data, requantize(ref_f8 - upd, spec), rtol=2**-3
-    )
+    # no master: the same update applied to the FP8 value, re-quantized
+    assert torch.equal(p_none.data, requantize(opt_f8.state[p_f8]["master"], spec))
