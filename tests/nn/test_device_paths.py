@@ -92,7 +92,7 @@ def test_linear_on_cpu_under_default_device_meta(name: str) -> None:
     ``meta``: every tensor fp8lab makes for an operand follows the operand's device."""
     torch.manual_seed(0)
     lin = Linear(64, 32, recipe=name, device="cpu")
-    x = torch.randn(8, 64, device="cpu", requires_grad=True)
+    x = torch.randn(32, 64, device="cpu", requires_grad=True)  # 32: Hadamard blocks
     with fp8lab.using_kernels("torch"), torch.device("meta"):
         y = lin(x)
         y.backward(torch.ones_like(y))

@@ -23,7 +23,7 @@ def test_torch_autocast_bf16_casts_input_before_quantization(name):
     ref = copy.deepcopy(mod)  # same weights and same (fresh) delayed-scaling state
     with torch.no_grad():
         ref.bias.copy_(ref.bias.to(torch.bfloat16).float())
-    x = (torch.randn(16, 64) * 3).requires_grad_()
+    x = (torch.randn(32, 64) * 3).requires_grad_()  # 32 tokens: whole Hadamard blocks
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mod(x)
         y.float().square().sum().backward()  # backward inside the autocast block too

@@ -78,6 +78,8 @@ def _apply(x: torch.Tensor, n: int, signed: bool, what: str) -> torch.Tensor:
             f"{what}: the last dimension has {c} elements, not a multiple of {n} "
             f"(shape {tuple(x.shape)})"
         )
+    if not x.numel():  # an empty batch (zero tokens): nothing to transform
+        return x.detach().to(torch.bfloat16)
     m = _matrix(n, signed).to(device=x.device, dtype=torch.float32)
     xb = x.detach().to(torch.bfloat16).to(torch.float32).reshape(-1, c // n, n)
     # index order: acc = p_0; acc = acc + p_1; ... one FP32 rounding per addition

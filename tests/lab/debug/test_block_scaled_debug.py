@@ -21,7 +21,21 @@ from fp8lab.cli import app
 from fp8lab.recipe import get_recipe
 
 runner = CliRunner()
-BLOCK_SCALED = ["deepseek-v3", "deepseek-v3-h100", "mxfp8", "nvfp4"]
+BLOCK_SCALED = [
+    "deepseek-v3",
+    "deepseek-v3-h100",
+    "mxfp8",
+    "nvfp4",
+    "nvfp4-te",
+    "nvfp4-paper",
+    "nvfp4-bare",
+    "nvfp4-4over6",
+    "torchao-rowwise",
+    "torchao-rowwise-gw-hp",
+    "mxfp8-2d",
+    "mxfp4",
+    "mxfp4-quartet",
+]
 SMALL = ["--set", "model.block_size=16", "--set", "model.n_layer=2", "--set", "model.n_head=2",
          "--set", "model.d_model=64", "--set", "model.d_ff=128", "--set", "train.batch_size=8",
          "--set", "train.lr=1e-3", "--set", "train.warmup_steps=5", "--set",
@@ -39,12 +53,23 @@ def test_the_list_is_every_block_scaled_preset() -> None:
     assert sorted(blocked) == sorted(BLOCK_SCALED)
 
 
+# A debug run per block-scaled family (about a minute each): the other presets differ from one
+# of these only in a scaling rule or block shape (nvfp4-bare/-paper/-4over6 from nvfp4 and
+# nvfp4-te, mxfp8-2d and mxfp4 from mxfp8, torchao-rowwise-gw-hp from torchao-rowwise), whose
+# every debugger variant tests/lab/debug/test_variants_presets.py builds and checks
+DEBUG_RUNS = ["deepseek-v3", "deepseek-v3-h100", "mxfp8", "nvfp4", "nvfp4-te", "mxfp4-quartet",
+              "torchao-rowwise"]  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", BLOCK_SCALED)
+@pytest.mark.parametrize("preset", DEBUG_RUNS)
 def test_debug_runs_through_every_stage(preset: str, tmp_path: Path) -> None:
     recipe = tmp_path / f"{preset}-planted.toml"
+    # the planted fault: unscaled gradients (a fixed scale 1), which TE's RHT refuses (it
+    # transforms NVFP4-scaled operands only): such presets plant it without the RHT
+    rht = '\nrht_gemms = "none"' if get_recipe(preset).rht_gemms != "none" else ""
     recipe.write_text(
-        f'base = "{preset}"\nname = "{preset}-planted"\n\n'
+        f'base = "{preset}"\nname = "{preset}-planted"{rht}\n\n'
         '[[layer]]\nmatch = "blocks.*"\n[layer.grad_output]\nscaling = 1.0\n'
     )
     out = tmp_path / "dbg"
