@@ -216,7 +216,11 @@ def profile(d: int, recipe: str, tokens: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="No --torch-device: it measures what the CPU path costs against fp32 on this CPU "
+        "(the kernels fp8lab runs where no GPU is).",
+    )
     ap.add_argument("--d-models", default="256,512,1024,2048", help="comma-separated")
     ap.add_argument("--recipes", default=DEFAULT, help="comma-separated presets or files")
     ap.add_argument("--tokens", type=int, default=1024)

@@ -73,7 +73,11 @@ def _mass_lost(rec, q, k, v, calls: int) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="No --torch-device: the attention mass of a row is fp8lab's own arithmetic, "
+        "the same bits on every device; it runs on the CPU.",
+    )
     ap.add_argument("--seq", type=int, default=8192, help="keys per row (default 8192)")
     ap.add_argument("--queries", type=int, default=16, help="query rows (default 16)")
     ap.add_argument("--seed", type=int, default=0)

@@ -85,7 +85,11 @@ def _final(records: list[dict]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="No --torch-device: the study is sized for a 2-core CPU and its table is "
+        "measured there; fp8lab compare --torch-device runs its recipes on a GPU.",
+    )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--jobs", type=int, default=2)

@@ -166,7 +166,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     from fp8lab.lab.debug.scenarios import GALLERY
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="No --torch-device: the gallery is sized for a 2-core CPU and its table is "
+        "measured there; fp8lab debug --torch-device runs a scenario on a GPU.",
+    )
     p.add_argument("--scenarios", default=",".join(GALLERY))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--size", choices=("small", "default"), default="small")

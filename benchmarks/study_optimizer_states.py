@@ -55,7 +55,11 @@ def moment_errors(opt_state: dict) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="No --torch-device: the study is sized for a 2-core CPU and its table is "
+        "measured there.",
+    )
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

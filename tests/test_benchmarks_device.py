@@ -22,7 +22,8 @@ WITH_DEVICE = ("bench_cast", "bench_gemm", "bench_gemm_kernels", "bench_guard", 
                "bench_snr", "bench_train_step", "bench_watch", "guard_spike",
                "study_early_warning")  # fmt: skip
 #: no --torch-device, with the reason in their --help; the kernel benchmarks are other parts'
-WITHOUT = ("bench_cost", "bench_threads", "bench_dist")
+WITHOUT = ("bench_cost", "bench_threads", "bench_dist", "bench_scale", "study_attention_mass",
+           "study_fp4", "study_gallery", "study_optimizer_states")  # fmt: skip
 OTHERS = ("ab_rev", "bench_kernels", "_device")  # bench_kernels: numba vs torch on the CPU
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 

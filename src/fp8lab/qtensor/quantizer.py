@@ -65,8 +65,8 @@ class Quantizer:
     ``QuantSpec(scaling=DelayedScaling(...))`` is split into its configuration and that state.
     """
 
-    __slots__ = ("_geom", "_grid", "_rule", "_rule_args", "_t", "block", "delayed", "spec",
-                 "throwaway")  # fmt: skip
+    __slots__ = ("_geom", "_grid", "_rule", "_rule_args", "_t", "_transform_axis", "block",
+                 "delayed", "spec", "throwaway")  # fmt: skip
 
     def __init__(self, spec: QuantSpec, delayed: DelayedScaling | None = None) -> None:
         if not isinstance(spec, QuantSpec):
@@ -90,6 +90,7 @@ class Quantizer:
         self._rule = sc if isinstance(sc, str) else None
         self._rule_args = _rule_args(spec)
         self._grid = _fast_params(spec)
+        self._transform_axis = spec.transform_axis  # read once: quantize is the hot path
         self._geom: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._t: Quantizer | None = None
 
@@ -141,8 +142,7 @@ class Quantizer:
         transform's size) and quantizes the transformed tensor: the QTensor holds (and
         dequantizes to) the transformed domain, and carries no straight-through gradient (an
         identity gradient to the untransformed source would be wrong)."""
-        spec = self.spec
-        axis = spec.transform_axis
+        spec, axis = self.spec, self._transform_axis
         if axis is not None:
             source = None
             n, what = (16, "rht=True") if spec.rht else (spec.hadamard, f"hadamard={spec.hadamard}")
@@ -231,7 +231,8 @@ class Quantizer:
         added-error pass (`fp8lab.retile` measures it). A transformed spec (``rht``,
         ``hadamard``) on either side is a ValueError: the dequantized values are in the old block
         axis's transformed domain, so only the source tensor can be quantized again."""
-        check_retile_from_quantized(q.spec, self.spec)
+        if self._transform_axis is not None or q.spec.rht or q.spec.hadamard:  # fields: no call
+            check_retile_from_quantized(q.spec, self.spec)
         res = self.quantize(dequantized, out, dequantized_out)
         _RETILE_COUNTS["from_quantized"] += 1
         res.meta["retile_source"] = "quantized"

@@ -35,8 +35,9 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 def _sylvester(n: int) -> torch.Tensor:
     """The ``n x n`` Sylvester Hadamard matrix (entries +-1, float32): ``H[i, j] =
     (-1)**popcount(i & j)``, the same matrix as the recursive construction ``[[H, H], [H, -H]]``."""
-    idx = torch.arange(n)
-    parity = torch.zeros((n, n), dtype=torch.int64)
+    # built once on the CPU (cached by `_matrix`; callers move it), whatever the default device
+    idx = torch.arange(n, device="cpu")
+    parity = torch.zeros((n, n), dtype=torch.int64, device="cpu")
     both = idx[:, None] & idx[None, :]
     while bool(both.any()):
         parity ^= both & 1
@@ -48,9 +49,10 @@ def _sylvester(n: int) -> torch.Tensor:
 def _matrix(n: int, signed: bool) -> torch.Tensor:
     h = _sylvester(n)
     if signed:
-        h = torch.tensor(RHT_SIGNS, dtype=torch.float32)[:, None] * h
+        h = torch.tensor(RHT_SIGNS, dtype=torch.float32, device="cpu")[:, None] * h
     # 1/sqrt(n) rounded once to BF16 (exact for n = 4**k: 16 -> 0.25)
-    scale = torch.tensor(n**-0.5, dtype=torch.float32).to(torch.bfloat16).to(torch.float32)
+    scale = torch.tensor(n**-0.5, dtype=torch.float32, device="cpu")
+    scale = scale.to(torch.bfloat16).to(torch.float32)
     return (h * scale).to(torch.bfloat16)
 
 
