@@ -122,7 +122,9 @@ def test_high_precision_cell_is_a_bf16_module_and_a_disabled_gemm():
     ex = export_fix("high-precision-cells", fix, r, LAYERS, note="fix\nline two")
     d = megatron_config(ex.megatron)
     assert megatron_match(d, "decoder.layers.1.self_attention.linear_proj") == {
-        "fp8_quantization_recipe": None, "fp4_quantization_recipe": None}
+        "fp8_quantization_recipe": None,
+        "fp4_quantization_recipe": None,
+    }
     assert megatron_match(d, "decoder.layers.11.self_attention.linear_proj") is None
     assert megatron_match(d, "decoder.layers.1.self_attention.linear_qkv") is None
     assert "# " in ex.megatron and any("coarser" in n for n in ex.notes)
@@ -142,7 +144,9 @@ def test_current_scaling_and_shorter_history_are_tensorwise_and_per_tensor_scali
         d = megatron_config(ex.megatron)
         for i in (0, 2):
             assert megatron_match(d, f"decoder.layers.{i}.mlp.linear_fc2") == {
-                "fp8_quantization_recipe": "tensorwise", "fp8_format": "hybrid"}
+                "fp8_quantization_recipe": "tensorwise",
+                "fp8_format": "hybrid",
+            }
         assert megatron_match(d, "decoder.layers.1.mlp.linear_fc2") is None
         t = te_config(ex.te)
         want = {"PerTensorScaling": {"enabled": True, "gemms": ["fprop", "wgrad"],
@@ -159,7 +163,9 @@ def test_fused_gate_up_take_the_higher_precision_and_say_so():
     ex = export_fix("high-precision-role", fix, r, LAYERS)
     d = megatron_config(ex.megatron)
     assert megatron_match(d, "decoder.layers.0.mlp.linear_fc1") == {
-        "fp8_quantization_recipe": None, "fp4_quantization_recipe": None}
+        "fp8_quantization_recipe": None,
+        "fp4_quantization_recipe": None,
+    }
     assert "fuses" in ex.megatron
     te_config(ex.te)
 
@@ -173,11 +179,15 @@ def test_last_blocks_of_nvfp4_are_bf16_and_disabled_layers_in_user_names():
     d = megatron_config(ex.megatron)
     for x in tail:
         assert megatron_match(d, "module." + megatron_module(x)) == {
-            "fp8_quantization_recipe": None, "fp4_quantization_recipe": None}
+            "fp8_quantization_recipe": None,
+            "fp4_quantization_recipe": None,
+        }
     assert megatron_match(d, "decoder.layers.1.mlp.linear_fc1") is None
     t = te_config(ex.te)
     assert te_match(t, "blocks.2.mlp.gate") == {"DisableFP8Layer": {"enabled": True}}
-    assert te_match(t, "blocks.1.mlp.gate") is None and te_match(t, "model.blocks.2.mlp.gate") is None
+    assert (
+        te_match(t, "blocks.1.mlp.gate") is None and te_match(t, "model.blocks.2.mlp.gate") is None
+    )
 
 
 def test_global_remedies_write_valid_empty_files_and_a_note():
