@@ -90,6 +90,35 @@ def _spec(value: Any, what: str) -> QuantSpec | None:
     return value
 
 
+class OptionTable:
+    """Base of a recipe's option tables (``[dpa]``, ``[moe]``): a frozen dataclass whose TOML
+    table is named ``TABLE``, written with only the fields that differ from their defaults."""
+
+    TABLE = ""
+
+    @property
+    def is_default(self) -> bool:
+        return self == type(self)()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from their defaults (an all-default table is ``{}``)."""
+        default = type(self)()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Any:
+        check_keys(d, [f.name for f in dataclasses.fields(cls)], cls.TABLE)  # type: ignore[arg-type]
+        return cls(**dict(d))
+
+    def describe(self) -> str:
+        """One line: the non-default options (``"defaults"`` when none)."""
+        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items()) or "defaults"
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """How one GEMM (fprop, dgrad or wgrad) runs.

@@ -29,12 +29,11 @@ dot_product_attention.py``):
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
-from fp8lab._keys import check_choice, check_keys
+from fp8lab._keys import check_choice
+from fp8lab.recipe.config import OptionTable
 from fp8lab.scaling.delayed import ALGORITHMS
 
 __all__ = ["DPA_PATHS", "DPA_PRESCALES", "DPA_SCALINGS", "DPAConfig"]
@@ -45,8 +44,10 @@ DPA_PRESCALES = (0, 8)
 
 
 @dataclass(frozen=True)
-class DPAConfig:
+class DPAConfig(OptionTable):
     """FP8 attention options (see the module docstring). Frozen, hashable plain data."""
+
+    TABLE: ClassVar[str] = "dpa"
 
     scaling: str = "auto"
     fp8_mha: bool = False
@@ -72,26 +73,3 @@ class DPAConfig:
                 f"dpa.p_prescale_log2 must be 8 (FlashAttention-3's offset) or 0 (none), "
                 f"got {self.p_prescale_log2!r}"
             )
-
-    @property
-    def is_default(self) -> bool:
-        return self == DPAConfig()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from their defaults (an all-default config is ``{}``)."""
-        default = DPAConfig()
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DPAConfig:
-        check_keys(d, [f.name for f in dataclasses.fields(cls)], "dpa")
-        return cls(**dict(d))
-
-    def describe(self) -> str:
-        """One line: the non-default options (``"defaults"`` when none)."""
-        d = self.to_dict()
-        return ", ".join(f"{k}={v}" for k, v in d.items()) or "defaults"

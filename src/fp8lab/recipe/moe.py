@@ -20,12 +20,11 @@ fingerprint stays as it was. ``[moe]`` is a whole-model key (not allowed in ``[[
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
-from fp8lab._keys import check_choice, check_keys
+from fp8lab._keys import check_choice
+from fp8lab.recipe.config import OptionTable
 
 __all__ = ["MOE_DISPATCH", "MoEConfig"]
 
@@ -34,32 +33,12 @@ MOE_DISPATCH = ("bf16", "fp8", "mxfp8")
 
 
 @dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(OptionTable):
     """Mixture-of-experts options (see the module docstring). Frozen, hashable plain data."""
+
+    TABLE: ClassVar[str] = "moe"
 
     dispatch: str = "bf16"
 
     def __post_init__(self) -> None:
         check_choice(self.dispatch, MOE_DISPATCH, "moe.dispatch")
-
-    @property
-    def is_default(self) -> bool:
-        return self == MoEConfig()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from their defaults (an all-default config is ``{}``)."""
-        default = MoEConfig()
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MoEConfig:
-        check_keys(d, [f.name for f in dataclasses.fields(cls)], "moe")
-        return cls(**dict(d))
-
-    def describe(self) -> str:
-        """One line: the non-default options (``"defaults"`` when none)."""
-        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items()) or "defaults"
