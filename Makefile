@@ -42,8 +42,15 @@ test: $(STAMP)
 	FP8LAB_KERNELS=torch $(PYTEST) $(REPEAT) $(NUMERIC_TESTS)
 
 # The tests marked slow: end-to-end debugger runs, multi-process torch.distributed runs, the
-# studies' smallest stages, the gpu_check smoke run. CI runs it after make test.
-test-slow: $(STAMP)
+# studies' smallest stages, the gpu_check smoke run, the probes on a local 2-CPU Ray instance (the
+# `ray` extra, installed here on first use: a large install make test does without). CI runs it
+# after make test.
+RAY_STAMP := .venv/.installed-ray
+$(RAY_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[ray]'
+	touch $(RAY_STAMP)
+
+test-slow: $(RAY_STAMP)
 	$(PYTEST) -m slow
 
 # The numeric subset (formats, scaling, qtensor, gemm, recipe fingerprints, optim, nn, observe,
