@@ -56,6 +56,7 @@ __all__ = [
     "external_check",
     "nvfp4_blog_check",
     "ordering_check",
+    "peak_scaling",
     "published",
     "quantization_share",
     "residuals",
@@ -164,8 +165,25 @@ def blackwell_calibration() -> dict[str, Any]:
     return {
         "efficiency": eff,
         "bandwidth_efficiency": fig["quantize"]["gbs"] * 1e9 / dev.bandwidth,
+        "peak_scaling": peak_scaling(fig, dev),
         "fitted_on": [*fitted, "b200 mxfp8 cast kernel"],
     }
+
+
+def peak_scaling(fig: dict[str, Any], dev: Device) -> dict[str, Any]:
+    """How a low-precision GEMM's time changes with its tensor-core peak, from two B200 figures
+    at the same shape (``fig["peak_scaling"]["pair"]``: FP8 and NVFP4, whose peaks differ 2x):
+    time = FLOPs / (peak x e) + FLOPs / r. With throughputs T1, T2 at peaks P1, P2,
+    e = (1/P1 - 1/P2) / (1/T1 - 1/T2) and 1/r = 1/T1 - 1/(P1 e). Reproduces both figures on
+    B200 and prices a device whose peak differs (B300's FP4: 1.5x B200's) by the tensor-core
+    share alone. ``{"classes", "tensor_core_efficiency", "fixed_tflops"}``."""
+    spec = fig["peak_scaling"]
+    (c1, c2) = spec["pair"]
+    t1, t2 = fig["gemm"][c1]["tflops"], fig["gemm"][c2]["tflops"]
+    p1, p2 = dev.peak(c1) / 1e12, dev.peak(c2) / 1e12
+    e = (1 / p1 - 1 / p2) / (1 / t1 - 1 / t2)
+    r = 1 / (1 / t1 - 1 / (p1 * e))
+    return {"classes": list(spec["classes"]), "tensor_core_efficiency": e, "fixed_tflops": r}
 
 
 def calibrate() -> dict[str, Any]:
@@ -188,6 +206,12 @@ def calibration_toml(cal: dict[str, Any]) -> str:
         fitted = ", ".join(f'"{f}"' for f in c.get("fitted_on", []))
         lines += [f"fitted_on = [{fitted}]", "", f"[{name}.efficiency]"]
         lines += [f"{k} = {v:.6f}" for k, v in sorted(c["efficiency"].items())]
+        ps = c.get("peak_scaling")
+        if ps:
+            classes = ", ".join(f'"{k}"' for k in ps["classes"])
+            lines += ["", f"[{name}.peak_scaling]", f"classes = [{classes}]"]
+            lines += [f"fixed_tflops = {ps['fixed_tflops']:.3f}"]
+            lines += [f"tensor_core_efficiency = {ps['tensor_core_efficiency']:.6f}"]
     return "\n".join(lines) + "\n"
 
 

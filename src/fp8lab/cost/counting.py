@@ -80,7 +80,10 @@ class Event:
     ``transpose``) or rounded to (``round``), None for ``amax``/``scale_update``;
     ``granularity``/``scaling``: the spec's block in the tensor's natural layout and its rule
     (``max``, ``mx_rceil``, ``delayed``, ...; None for ``round``); ``dims``: the tensor's dims in
-    the symbols T/I/O (natural layout)."""
+    the symbols T/I/O (natural layout). The spec's extra per-element work, for pricing:
+    ``rht`` (TE's 16-point random Hadamard transform before the cast), ``hadamard`` (a
+    Hadamard transform over blocks of that many elements, Quartet's), ``four_over_six`` (the
+    4over6 candidate-scale choice, ``"mae"``/``"mse"``); defaults: none."""
 
     kind: str
     role: str
@@ -89,6 +92,9 @@ class Event:
     granularity: tuple[int, int] | None
     scaling: str | None
     dims: tuple[str, str]
+    rht: bool = False
+    hadamard: int | None = None
+    four_over_six: str | None = None
 
 
 @dataclass(frozen=True)
@@ -345,7 +351,12 @@ def _event(kind: str, what: Any, op: Any, gemm: str, role: str) -> Event:
     fmt, block, rule = _spec_info(what)
     if op.first_axis:  # the spec is in GEMM orientation: its block in the natural layout
         block = (block[1], block[0])
-    return Event(kind, role, gemm, None if kind == "amax" else fmt, block, rule, dims)
+    extra = {
+        "rht": bool(getattr(what, "rht", False)),
+        "hadamard": getattr(what, "hadamard", None),
+        "four_over_six": getattr(what, "four_over_six", None),
+    }
+    return Event(kind, role, gemm, None if kind == "amax" else fmt, block, rule, dims, **extra)
 
 
 def _build_counts(rec: Recipe, plan: Any, d: dict[str, int], seen: list) -> StepCounts:

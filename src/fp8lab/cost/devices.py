@@ -49,10 +49,29 @@ class Device:
     efficiency: dict[str, float] = field(default_factory=dict)
     bandwidth_efficiency: float = 1.0
     kernel_us: float = 0.0
+    peak_scaling: dict[str, Any] = field(default_factory=dict)
 
     def peak(self, gemm_class: str) -> float:
         """Dense peak in FLOP/s of a GEMM class."""
         return self.peak_tflops[PEAK_OF[gemm_class]] * 1e12
+
+    def simt_flops(self) -> float | None:
+        """FLOP/s of the CUDA cores in FP32 (non-tensor: per-element arithmetic of the
+        quantization kernels, e.g. 4over6's candidate scales), None when the table lacks it."""
+        v = self.peak_tflops.get("fp32")
+        return None if v is None else v * 1e12
+
+    def gemm_efficiency(self, gemm_class: str) -> float | None:
+        """The calibrated efficiency of a GEMM class at this device's peak, None if not
+        calibrated. A class listed in ``peak_scaling`` (``{"classes": [...],
+        "tensor_core_efficiency": e, "fixed_tflops": r}``) has a kernel time of FLOPs / (peak x e)
+        + FLOPs / r: the tensor cores' share scales with the peak, the rest (``r``, TFLOP/s) does
+        not; its efficiency at peak P is 1 / (1/e + P/r) (`fp8lab.cost.calibration`)."""
+        ps = self.peak_scaling
+        if gemm_class in ps.get("classes", ()):
+            peak_t = self.peak(gemm_class) / 1e12
+            return 1.0 / (1.0 / ps["tensor_core_efficiency"] + peak_t / ps["fixed_tflops"])
+        return self.efficiency.get(gemm_class)
 
     @property
     def bandwidth(self) -> float:
@@ -61,7 +80,8 @@ class Device:
 
     def with_calibration(self, cal: dict[str, Any]) -> Device:
         """This device with efficiencies ``cal`` (``{"efficiency": {...},
-        "bandwidth_efficiency": x, "kernel_us": y}``)."""
+        "bandwidth_efficiency": x, "kernel_us": y}``, optionally ``"peak_scaling"``: see
+        `gemm_efficiency`)."""
         from dataclasses import replace
 
         return replace(
@@ -69,6 +89,7 @@ class Device:
             efficiency=dict(cal.get("efficiency", {})),
             bandwidth_efficiency=float(cal.get("bandwidth_efficiency", 1.0)),
             kernel_us=float(cal.get("kernel_us", 0.0)),
+            peak_scaling=dict(cal.get("peak_scaling", {})),
         )
 
 

@@ -250,13 +250,15 @@ def _efficiency(dev: Device, cls: str, recipe: str) -> float:
             f"does not have; {dev.name} runs: {', '.join(dev.formats)}",
             device_limit=True,
         )
-    eff = dev.efficiency
-    if cls in eff:
-        return eff[cls]
+    own = dev.gemm_efficiency(cls)
+    if own is not None:
+        return own
     # fp16 runs at bf16's rate; Blackwell runs FP8 block scaling as MXFP8 (TE emulates it)
     fallback = {"fp16": "bf16", "fp8_block": "mxfp8"}.get(cls)
-    if fallback in eff and (cls != "fp8_block" or dev.architecture == "blackwell"):
-        return eff[fallback]
+    if fallback is not None and (cls != "fp8_block" or dev.architecture == "blackwell"):
+        eff = dev.gemm_efficiency(fallback)
+        if eff is not None:
+            return eff
     raise UnpriceableError(
         f"no calibrated {cls} efficiency for {dev.name} (calibration {dev.efficiencies_from!r})"
     )
