@@ -112,8 +112,10 @@ class TransformerShape:
 
 @dataclass(frozen=True)
 class KernelCost:
-    """One priced pass: ``tensor`` (``linear.role``), ``kind`` (the counted event), bytes read
-    and written by precision, kernel launches, time in ms."""
+    """One priced pass: ``tensor`` (``linear.role``), ``kind`` (the counted event, or ``rht``:
+    TE's separate Hadamard kernel where the fused one does not apply), bytes read and written by
+    precision, kernel launches, time in ms; ``flops``: Hadamard-transform FLOPs on the tensor
+    cores, ``simt_ops``: CUDA-core operations (4over6) done inside it."""
 
     tensor: str
     gemm: str
@@ -122,6 +124,8 @@ class KernelCost:
     written: dict[str, int]
     launches: int
     ms: float
+    flops: int = 0
+    simt_ops: int = 0
 
     @property
     def bytes(self) -> int:
@@ -300,12 +304,57 @@ def _prec(fmt: str | None) -> str:
     return {"e4m3": "fp8", "e5m2": "fp8", "e2m1": "fp4", "hif8": "fp8"}.get(fmt, fmt)
 
 
+#: TE's random Hadamard transform: a 16 x 16 matrix applied to 16-element vectors along the
+#: token axis of the wgrad operands (TE ``NVFP4BlockScaling``; `fp8lab.rht16`)
+RHT_POINTS = 16
+#: CUDA-core FP32 operations per element that 4over6 adds to an NVFP4 cast (arXiv 2512.02010;
+#: TE ``nvfp4_4over6``): the second candidate (map the block amax to 4 instead of 6) scaled and
+#: rounded (2), both candidates dequantized (2), their errors against the source accumulated
+#: (subtract, absolute value or square, add: 3 each) -- a count of the algorithm's arithmetic,
+#: not a measurement
+FOUR_OVER_SIX_OPS = 10
+
+
+def hadamard_flops(points: int) -> int:
+    """FLOPs per element of a Hadamard transform over ``points``-element vectors run as a matrix
+    product (TE runs the RHT on the tensor cores): ``2 * points`` (a multiply and an add per
+    matrix entry)."""
+    return 2 * points
+
+
+def rht_fused(dev: Device, shape: tuple[int, int]) -> bool:
+    """Whether TE fuses the RHT into the NVFP4 cast (``NVFP4Quantizer::
+    is_eligible_for_rht_cast_fusion``, TE ``pytorch/csrc/quantizer.cpp``): Blackwell (SM100 to
+    SM110), a bf16 tensor with rows a multiple of 64 and columns of 128. Otherwise TE writes
+    RHT(x^T) in bf16 with a separate kernel and quantizes that copy in another."""
+    rows, cols = shape
+    return dev.architecture == "blackwell" and rows % 64 == 0 and cols % 128 == 0
+
+
+def _kernel_seconds(dev: Device, nbytes: int, launches: int, flops: int, simt_ops: int) -> float:
+    """A quantization kernel's time: its memory time, or its arithmetic where that is longer
+    (transforms on the tensor cores at bf16's calibrated rate, 4over6 on the CUDA cores at the
+    table's FP32 peak), plus the launches' latency."""
+    t = nbytes / (dev.bandwidth * dev.bandwidth_efficiency)
+    if flops:
+        t = max(t, flops / (dev.peak("bf16") * (dev.gemm_efficiency("bf16") or 1.0)))
+    if simt_ops:
+        rate = dev.simt_flops()
+        if rate is None:
+            raise UnpriceableError(f"{dev.name}: no FP32 CUDA-core peak to price 4over6")
+        t = max(t, simt_ops / rate)
+    return t + launches * dev.kernel_us * 1e-6
+
+
 def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost]:
     out = []
     cast_roles = {e.role for e in counts.events if e.kind == "cast"}
+    # roles whose wgrad copy is Hadamard-transformed: TE's amax kernel transforms too
+    rht_roles = {e.role for e in counts.events if e.rht}
     # a mixed GEMM dequantizes its quantized operand from the stored copy, in either layout
     mixed = {g.gemm for g in counts.gemms if _mixed_high(g) is not None}
     tensor_amax: set[str] = set()  # roles whose whole-tensor amax is already priced this step
+    groups: list[str] = []  # the kernel each piece belongs to (see `_timed`)
     for e in counts.events:
         if e.kind == "amax" and (e.scaling == "nvfp4" or e.granularity == (-1, -1)):
             if e.role in tensor_amax:
@@ -316,14 +365,22 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
         read: dict[str, int] = {}
         written: dict[str, int] = {}
         launches = 1
+        flops = simt = 0
         vals = int(n * _bits(e.fmt)) if e.fmt is not None else 0
         sb = scale_bytes(e.granularity, e.scaling, shape) if e.granularity else 0
+        if e.kind in ("cast", "retile_from_source", "retile_from_quantized"):
+            if e.hadamard:
+                flops += hadamard_flops(e.hadamard) * n
+            if e.four_over_six:
+                simt += FOUR_OVER_SIX_OPS * n
         if e.kind == "round":
             if e.fmt in ("bf16", "fp16"):
                 continue  # a 16-bit GEMM's model keeps its tensors in that dtype already
             read, written = {"bf16": n * SOURCE_BYTES}, {e.fmt: n * 4}
         elif e.kind == "amax":
             read = {"bf16": n * SOURCE_BYTES}
+            if e.role in rht_roles:  # TE's hadamard_transform_amax: RHT(x^T)'s amax too
+                flops += hadamard_flops(RHT_POINTS) * n
         elif e.kind == "cast":
             read = {"bf16": n * SOURCE_BYTES}
             written = {_prec(e.fmt): vals, "scales": sb}
@@ -337,8 +394,17 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
                 read = {_prec(e.fmt): vals}
         elif e.kind == "retile_from_source":
             written = {_prec(e.fmt): vals, "scales": sb}
-            if e.role in cast_roles:
+            if e.role in cast_roles and not (e.rht and not rht_fused(dev, shape)):
                 launches = 0  # rowwise + columnwise from one read
+                if e.rht:  # the fused row-cast + column-RHT-cast kernel transforms in place
+                    flops += hadamard_flops(RHT_POINTS) * n
+            elif e.rht:  # unfused: RHT(x^T) written in bf16, then quantized by its own kernel
+                hp = n * SOURCE_BYTES
+                out.append(KernelCost(f"{lin}.{e.role}", e.gemm or "fprop", "rht",
+                                      {"bf16": hp}, {"bf16": hp}, 1, 0.0,
+                                      flops=hadamard_flops(RHT_POINTS) * n))  # fmt: skip
+                groups.append(f"{len(out)}:rht")
+                read = {"bf16": hp}
             else:
                 read = {"bf16": n * SOURCE_BYTES}
         elif e.kind == "retile_from_quantized":
@@ -347,10 +413,29 @@ def _price_kernels(counts: StepCounts, lin: str, dev: Device) -> list[KernelCost
             written = {_prec(e.fmt): vals, "scales": sb}
         else:  # scale_update: one fused multi-tensor kernel per step in TE
             continue
-        nbytes = sum(read.values()) + sum(written.values())
-        sec = nbytes / (dev.bandwidth * dev.bandwidth_efficiency) + launches * dev.kernel_us * 1e-6
         gemm = e.gemm or "fprop"
-        out.append(KernelCost(f"{lin}.{e.role}", gemm, e.kind, read, written, launches, sec * 1e3))
+        # passes fused into the tensor's cast kernel (launches 0) share its time: one kernel
+        group = f"cast:{e.role}" if e.kind == "cast" or launches == 0 else f"{len(out)}"
+        out.append(KernelCost(f"{lin}.{e.role}", gemm, e.kind, read, written, launches, 0.0,
+                              flops=flops, simt_ops=simt))  # fmt: skip
+        groups.append(group)
+    return _timed(out, groups, dev)
+
+
+def _timed(pieces: list[KernelCost], groups: list[str], dev: Device) -> list[KernelCost]:
+    """Time each kernel: the pieces of one group run as one kernel (a cast with the transposes
+    and second tilings it writes), memory-bound unless its arithmetic takes longer; each piece
+    gets its own memory and launch time, and the group's first piece any arithmetic excess."""
+    out = list(pieces)
+    for g in dict.fromkeys(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        ks = [pieces[i] for i in idx]
+        total = _kernel_seconds(dev, sum(k.bytes for k in ks), sum(k.launches for k in ks),
+                                sum(k.flops for k in ks), sum(k.simt_ops for k in ks))  # fmt: skip
+        own = [_kernel_seconds(dev, k.bytes, k.launches, 0, 0) for k in ks]
+        excess = total - sum(own)
+        for j, (i, k) in enumerate(zip(idx, ks, strict=True)):
+            out[i] = replace(k, ms=(own[j] + (excess if j == 0 else 0.0)) * 1e3)
     return out
 
 
