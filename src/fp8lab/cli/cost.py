@@ -25,9 +25,12 @@ step (each tensor quantized once); te-benchmark prices TE's benchmark_gemm.py (e
 its own forward). --ranks N [--grad-comm P] [--fsdp [--fp8-allgather]] [--amax-group G] adds
 the bytes one rank sends per step, with fp8lab compare's distributed options: gradient
 all-reduce in precision P (a float32 reduce-scatter under FSDP), amax all-reduces, FSDP weight
-all-gathers (docs/cost.md). Only GEMMs and their quantization are timed: attention, norms and
-communication are not. Devices: h100, h200,
-h200-nvl, b200, b300. A recipe the device lacks the tensor cores for (mxfp8, nvfp4 on Hopper) is
+all-gathers (docs/cost.md). Timed: the Linears' GEMMs and their quantization (TE's RHT and
+4over6 included), attention with --heads H --seq-len S (shape options: bf16, or TE's FP8
+attention for a recipe with attention = true / [dpa]), and for a --model with MoE blocks the
+[moe] dispatch format's casts (its all-to-all bytes in --json as moe_wire_bytes). Norms,
+activations, the optimizer and communication time are not. Recipes with hp_last_blocks
+(nvfp4-paper) run their last blocks in bf16. Devices: h100, h200, h200-nvl, b200, b300. A recipe the device lacks the tensor cores for (mxfp8, nvfp4 on Hopper) is
 skipped with a note on stderr. Exit code 2 for an unknown device or recipe, or a recipe no device
 can run (HiF8, fp32 GEMMs).
 """
@@ -51,6 +54,11 @@ class Workload:
     header: str
     shape: Any = None
     other: int = 0
+    #: MoE expert Linears -> (n_experts, top_k), by the names of ``every`` and of ``block``
+    experts: dict[str, tuple[int, int]] | None = None
+    #: the built model (``--model``), or a stand-in holding ``layers`` numbered blocks, for
+    #: resolving ``hp_last_blocks`` / ``hp_first_blocks``
+    model: Any = None
 
 
 def _model(spec: str, seed: int = 0) -> Any:
@@ -68,7 +76,7 @@ def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
     from fp8lab.cost.model import TransformerShape
 
     if model is None:
-        kw = {k: (TE_5B[k] if v is None else v) for k, v in given.items()}
+        kw = {k: (TE_5B.get(k) if v is None else v) for k, v in given.items()}
         shape = TransformerShape(**kw)
         block = shape.linears()
         every = [(f"layers.{k}.{n}", i, o) for k in range(shape.layers) for n, i, o in block]
@@ -76,10 +84,22 @@ def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
             f"layer: hidden {shape.hidden}, ffn {shape.ffn}, tokens {shape.tokens}, "
             f"{shape.layers} layers"
         )
-        return Workload(block, shape.layers, shape.tokens, every, header, shape)
+        if shape.heads is not None:
+            header += f", attention: {shape.heads} heads, sequences of {shape.seq_len} (causal)"
+        return Workload(block, shape.layers, shape.tokens, every, header, shape,
+                        model=_stand_in(shape.layers))  # fmt: skip
     if any(v is not None for k, v in given.items() if k != "tokens"):
-        raise ValueError("--model sets the Linear shapes: drop --hidden/--ffn/--layers")
-    from fp8lab.cost.shapes import linear_shapes, other_parameters, repeated_block
+        raise ValueError(
+            "--model sets the Linear shapes: drop --hidden/--ffn/--layers/--heads/--seq-len "
+            "(attention is priced with the shape options only)"
+        )
+    from fp8lab.cost.shapes import (
+        block_name,
+        expert_routing,
+        linear_shapes,
+        other_parameters,
+        repeated_block,
+    )
     from fp8lab.lab.models import ModelConfig
     from fp8lab.lab.train import TrainConfig
 
@@ -98,7 +118,30 @@ def _workload(model: str | None, given: dict[str, int | None]) -> Workload:
         f"model {model}: {shape_words} quantized ({dims}); tokens {tokens}; "
         f"{other:,} other parameters"
     )
-    return Workload(block, layers, tokens, every, header, None, other)
+    experts = expert_routing(built)  # MoE experts run on their share of the tokens
+    if experts and layers > 1:  # the folded block's names too
+        experts = {**experts, **{block_name(n): v for n, v in experts.items()}}
+    return Workload(block, layers, tokens, every, header, None, other, experts or None, built)
+
+
+def _stand_in(layers: int) -> Any:
+    """A module holding ``layers`` numbered blocks (``layers.N``, the shape path's names), so
+    ``hp_last_blocks`` resolves as `fp8lab.nn.convert` resolves it on a model."""
+    import torch
+
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(layers))
+    return m
+
+
+def _hp_blocks(rec: Any, work: Workload) -> Any:
+    """``rec`` with ``hp_last_blocks`` / ``hp_first_blocks`` written out as ``[[layer]]`` rules
+    for the workload's blocks (`fp8lab.nn.convert.resolve_blocks`, what training applies)."""
+    if getattr(rec, "hp_last_blocks", 0) == 0 and getattr(rec, "hp_first_blocks", 0) == 0:
+        return rec
+    from fp8lab.nn.convert import resolve_blocks
+
+    return resolve_blocks(work.model, rec, [n for n, _, _ in work.every])
 
 
 def _resolve(name: str) -> Any:
@@ -126,14 +169,17 @@ def _price(recipes: list[str], device: str, work: Workload, scenario: str) -> tu
     from fp8lab.cost.model import UnpriceableError, price_linears
 
     dev = get_device(device)
-    recs = {r: _resolve(r) for r in recipes}  # unknown names fail before any pricing
+    # unknown names fail before any pricing; high-precision blocks written out as layer rules
+    recs = {r: _hp_blocks(_resolve(r), work) for r in recipes}
     _validate(recs, work)
     layered = any(getattr(rec, "layers", ()) for rec in recs.values())
     # per-layer rules differ between layers: price every Linear, the model as one "layer"
     lins, layers = (work.every, 1) if layered else (work.block, work.layers)
 
     def one(rec: Any) -> Any:
-        return price_linears(rec, dev, lins, work.tokens, scenario, work.shape)
+        return price_linears(
+            rec, dev, lins, work.tokens, scenario, work.shape, experts=work.experts
+        )
 
     costs, skipped = {}, {}
     for r, rec in recs.items():
@@ -179,6 +225,9 @@ def _json(dev: Any, priced: dict, coll: dict, dist: dict | None) -> str:
             for r, c in priced["costs"].items()
         },
     }
+    for r, c in priced["costs"].items():  # MoE models only: the all-to-alls' bytes per step
+        if c.wire_bytes:
+            out["recipes"][r]["moe_wire_bytes"] = sum(c.wire_bytes.values()) * priced["layers"]
     if dist is not None:  # fields added only when --ranks is given (schema_version stays 1)
         out["distributed"] = {**dist, "unit": "bytes one rank sends per step (whole model)"}
         for r, cb in coll.items():
@@ -309,6 +358,12 @@ Layers = Annotated[int | None, typer.Option("--layers", help="Layers (default 24
 Tokens = Annotated[int | None, typer.Option(
     "--tokens", help="Tokens per step, micro-batch x sequence (default 15872)."
 )]  # fmt: skip
+Heads = Annotated[int | None, typer.Option(
+    "--heads", help="Attention heads: price causal attention too (with --seq-len; shape path)."
+)]  # fmt: skip
+SeqLen = Annotated[int | None, typer.Option(
+    "--seq-len", help="Sequence length of the attention (tokens = sequences x seq-len)."
+)]  # fmt: skip
 Scenario = Annotated[str, typer.Option("--scenario", help="training or te-benchmark (see above).")]
 Ranks = Annotated[int | None, typer.Option(
     "--ranks", help="Data-parallel ranks: add the collective bytes per rank and step."
@@ -334,6 +389,7 @@ JsonOut = json_flag("the totals")
 def cost(
     recipes: Recipes = DEFAULT_RECIPES, device: Device = "h200", model: Model = None,
     hidden: Hidden = None, ffn: Ffn = None, layers: Layers = None, tokens: Tokens = None,
+    heads: Heads = None, seq_len: SeqLen = None,
     scenario: Scenario = "training", ranks: Ranks = None, grad_comm: GradComm = None,
     fsdp: Fsdp = False, fp8_allgather: Fp8Allgather = False, amax_group: AmaxGroup = None,
     json_out: JsonOut = False,
@@ -344,7 +400,8 @@ def cost(
         raise fail("--recipes is empty")
     with clear_errors():
         dist = _dist(ranks, grad_comm, fsdp, fp8_allgather, amax_group)
-        given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens}
+        given = {"hidden": hidden, "ffn": ffn, "layers": layers, "tokens": tokens,
+                 "heads": heads, "seq_len": seq_len}  # fmt: skip
         work = _workload(model, given)
         dev, priced = _price(names, device, work, scenario)
         coll = _collectives(priced, work, dist)

@@ -40,9 +40,11 @@ from fp8lab.cost.counting import (
     scale_bytes,
 )
 from fp8lab.cost.devices import Device, get_device
-from fp8lab.cost.moe import rows_of
+from fp8lab.cost.moe import dispatch_passes, moe_blocks, rows_of, wire_traffic
 from fp8lab.formats import get_format
 from fp8lab.recipe import Recipe, get_recipe
+from fp8lab.recipe.dpa import DPAConfig
+from fp8lab.recipe.moe import MoEConfig
 
 __all__ = [
     "SCENARIOS",
@@ -90,14 +92,40 @@ class TransformerShape:
     tokens: int = 15872
     qkv_out: int | None = None
     up_out: int | None = None
+    #: attention (priced only when both are given): query heads and sequence length; ``tokens``
+    #: is then ``tokens / seq_len`` sequences. K and V have ``(qkv_out - hidden) / 2`` features
+    #: (grouped-query attention), causal masking
+    heads: int | None = None
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "ffn", "layers", "tokens", "qkv_out", "up_out"):
+        optional = ("qkv_out", "up_out", "heads", "seq_len")
+        for name in ("hidden", "ffn", "layers", "tokens", *optional):
             v = getattr(self, name)
-            if v is None and name in ("qkv_out", "up_out"):
+            if v is None and name in optional:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if (self.heads is None) != (self.seq_len is None):
+            raise ValueError("attention needs both heads and seq_len (or neither)")
+        if self.heads is not None and self.seq_len is not None:
+            if self.hidden % self.heads:
+                raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+            if self.tokens % self.seq_len:
+                raise ValueError(
+                    f"tokens {self.tokens} is not a whole number of sequences of {self.seq_len}"
+                )
+            kv = (self.qkv_out or 3 * self.hidden) - self.hidden
+            if kv <= 0 or kv % 2 or (kv // 2) % (self.hidden // self.heads):
+                raise ValueError(
+                    f"qkv_out {self.qkv_out} leaves no whole K and V heads of "
+                    f"{self.hidden // self.heads} features"
+                )
+
+    @property
+    def kv_features(self) -> int:
+        """Features of K (and of V): ``(qkv_out - hidden) / 2``."""
+        return ((self.qkv_out or 3 * self.hidden) - self.hidden) // 2
 
     def linears(self) -> list[tuple[str, int, int]]:
         """(name, in_features, out_features) of the layer's Linears."""
@@ -159,6 +187,9 @@ class LayerCost:
     shape: TransformerShape | None
     gemms: list[GemmCost] = field(default_factory=list)
     kernels: list[KernelCost] = field(default_factory=list)
+    #: MoE block -> bytes its token all-to-alls send per step in the recipe's ``[moe]
+    #: dispatch`` format (`fp8lab.cost.moe.wire_traffic`; empty without MoE blocks)
+    wire_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def gemm_ms(self) -> float:
@@ -477,6 +508,9 @@ _COUNTS: dict[str, StepCounts] = {}
 
 
 def _counts(recipe: Recipe) -> StepCounts:
+    # a Linear's step does not depend on the attention or MoE options: count it once
+    if recipe.attention or not recipe.dpa.is_default or not recipe.moe.is_default:
+        recipe = recipe.replace(attention=False, dpa=DPAConfig(), moe=MoEConfig())
     key = recipe.fingerprint()
     if key not in _COUNTS:
         _COUNTS[key] = count_linear_step(recipe)
@@ -522,6 +556,10 @@ def price_linears(
     rec = get_recipe(recipe)
     dev = get_device(device) if isinstance(device, str) else device
     cost = LayerCost(rec.name, dev.name, scenario, shape)
+    if scenario == "training":
+        _price_moe(cost, rec, dev, linears, tokens, experts)
+        if shape is not None and shape.heads is not None:
+            _price_attention(cost, rec, dev, shape)
     for lin, i, o in linears:
         lrec, label = layer_recipe(rec, lin)
         base = _counts(lrec)
@@ -537,6 +575,91 @@ def price_linears(
                 cost.kernels.append(replace(kc, gemm=gemm))
             cost.gemms.append(_price_gemm(c.gemms[0], f"{lin}.{gemm}", dev, label))
     return cost
+
+
+def _price_moe(
+    cost: LayerCost,
+    rec: Recipe,
+    dev: Device,
+    linears: list[tuple[str, int, int]],
+    tokens: int,
+    experts: Mapping[str, tuple[int, int]] | None,
+) -> None:
+    """The ``[moe] dispatch`` wire format of each MoE block among ``linears``: its quantize and
+    dequantize passes as memory-bound kernels (`fp8lab.cost.moe.dispatch_passes`; none for
+    BF16) and the bytes its all-to-alls send (`LayerCost.wire_bytes`)."""
+    fmt = getattr(getattr(rec, "moe", None), "dispatch", "bf16")
+    for block, (d_model, top_k) in moe_blocks(linears, experts).items():
+        cost.wire_bytes[block] = wire_traffic(tokens, d_model, top_k, fmt)["total"]
+        for p in dispatch_passes(tokens, d_model, top_k, fmt):
+            nbytes = p["read"] + p["written"]
+            sec = _kernel_seconds(dev, nbytes, 1, 0, 0)
+            read = {"bf16" if p["pass"].endswith("_quantize") else "fp8": p["read"]}
+            written = {"fp8" if p["pass"].endswith("_quantize") else "bf16": p["written"]}
+            cost.kernels.append(KernelCost(f"{block}.{p['pass'].split('_')[0]}", p["step"],
+                                           p["pass"], read, written, 1, sec * 1e3))  # fmt: skip
+
+
+#: attention's matmuls per layer and step as flash attention runs them: the forward's Q K^T
+#: and P V; the backward recomputes Q K^T, then dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q
+ATTENTION_GEMMS = (
+    ("attn.qk", "fprop"), ("attn.pv", "fprop"), ("attn.qk_recompute", "dgrad"),
+    ("attn.dp", "dgrad"), ("attn.dv", "wgrad"), ("attn.dq", "dgrad"), ("attn.dk", "wgrad"),
+)  # fmt: skip
+
+
+def _price_attention(cost: LayerCost, rec: Recipe, dev: Device, shape: TransformerShape) -> None:
+    """Dot-product attention of one layer (``shape.heads``, ``shape.seq_len``): the seven
+    matmuls of `ATTENTION_GEMMS`, each ``2 * tokens * seq_len * hidden`` FLOPs halved by the
+    causal mask (flash attention skips masked tiles), compute-bound at the class's calibrated
+    efficiency (an assumption: no attention kernel is in the calibration; softmax's
+    exponentials are not priced). BF16 unless the recipe's ``attention`` is on: then Transformer
+    Engine's FP8 attention (`fp8lab.nn.dpa.dpa_plan`): path ``te`` runs all seven in FP8
+    (``mxfp8`` scaling as MXFP8, else per-tensor FP8), path ``fa`` the forward two only; its
+    memory passes: Q, K, V cast from bf16 unless ``fp8_mha`` (they arrive in FP8), dO cast,
+    O and dQKV dequantized to bf16 when they leave in FP8 without ``fp8_mha``, and one amax pass
+    before each per-tensor current-scaled cast (S and dP stay inside the kernel)."""
+    t, hid, kv = shape.tokens, shape.hidden, shape.kv_features
+    flops = 2 * t * shape.seq_len * hid // 2  # causal: half the score matrix
+    plan = None
+    if rec.attention:
+        from fp8lab.nn.dpa import dpa_plan
+
+        plan = dpa_plan(rec)
+    low = "mxfp8" if plan is not None and plan.scaling == "mxfp8" else "fp8"
+    eb = 1 if plan is not None else 2  # bytes per element of Q, K, V, dO as the kernels read them
+    for name, step in ATTENTION_GEMMS:
+        fp8 = plan is not None and (plan.path == "te" or step == "fprop")
+        cls = low if fp8 else "bf16"
+        eff = _efficiency(dev, cls, rec.name)
+        nbytes = (t * hid + t * kv) * (eb if fp8 else 2)  # the two operands read once
+        t_c = flops / (dev.peak(cls) * eff)
+        t_m = nbytes / (dev.bandwidth * dev.bandwidth_efficiency)
+        ms = (max(t_c, t_m) + dev.kernel_us * 1e-6) * 1e3
+        bound = "compute" if t_c >= t_m else "memory"
+        cost.gemms.append(GemmCost(f"{name}.{step}", t, hid, shape.seq_len, cls, flops, nbytes,
+                                   0, ms, bound))  # fmt: skip
+    if plan is None:
+        return
+    current = plan.scaling == "current"
+    passes: list[tuple[str, str, str, int]] = []  # (tensor, step, kind, elements)
+    if not plan.fp8_mha:
+        passes.append(("attn.qkv", "fprop", "cast", t * (hid + 2 * kv)))
+    if plan.path == "te":
+        passes.append(("attn.dO", "dgrad", "cast", t * hid))
+        if plan.quantizes_output and not plan.fp8_mha:
+            passes.append(("attn.O", "fprop", "dequantize", t * hid))
+            passes.append(("attn.dQKV", "dgrad", "dequantize", t * (hid + 2 * kv)))
+    for tensor, step, kind, n in passes:
+        if kind == "cast" and current:
+            sec = _kernel_seconds(dev, 2 * n, 1, 0, 0)
+            cost.kernels.append(KernelCost(tensor, step, "amax", {"bf16": 2 * n}, {}, 1,
+                                           sec * 1e3))  # fmt: skip
+        # values and scales: E8M0 per 1x32 block (MXFP8) or one FP32 scale per tensor
+        hp, q = {"bf16": 2 * n}, {"fp8": n, "scales": n // 32 if low == "mxfp8" else 4}
+        read, written = (hp, q) if kind == "cast" else (q, hp)
+        sec = _kernel_seconds(dev, sum(read.values()) + sum(written.values()), 1, 0, 0)
+        cost.kernels.append(KernelCost(tensor, step, kind, read, written, 1, sec * 1e3))
 
 
 def layer_recipe(recipe: Recipe, name: str) -> tuple[Recipe, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["expert_routing", "linear_shapes", "other_parameters", "repeated_block"]
+__all__ = ["block_name", "expert_routing", "linear_shapes", "other_parameters", "repeated_block"]
 
 #: one Linear to price: (qualified name, in_features, out_features)
 Shape = tuple[str, int, int]
@@ -71,6 +71,13 @@ def other_parameters(model: Any, linears: list[Shape]) -> int:
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
+
+
+def block_name(name: str) -> str:
+    """``name`` with its first integer path component replaced by ``*`` (``layers.3.mlp.up`` ->
+    ``layers.*.mlp.up``: the name `repeated_block` gives it); ``name`` itself without one."""
+    m = _INDEX.search(name)
+    return name if m is None else name[: m.start()] + "*" + name[m.end() :]
 
 
 def repeated_block(linears: list[Shape]) -> tuple[list[Shape], int]:
