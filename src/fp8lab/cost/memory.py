@@ -4,7 +4,7 @@ measurement: the simulation itself computes in fp32).
 Three parts, each ``{"weights", "optimizer", "activations", "total"}``:
 
 * weights: the master weights (``recipe.master_weights``: 4 bytes for fp32, 2 for bf16, fp16
-  and MS-AMP's scaled fp16, whose one scale per tensor is left out; 0 for ``"none"``) plus the
+  and MS-AMP's scaled fp16, which adds one fp32 scale per parameter tensor; 0 for ``"none"``) plus the
   low-precision working copy of each quantized Linear weight (elements + block scales; a bf16
   copy for a high-precision recipe other than fp32). Under ``param_storage = "fp8"`` that FP8
   copy *is* the parameter; the parameters not stored in FP8 keep 4 bytes when there is no
@@ -35,6 +35,8 @@ _HP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "e4m3": 1, "e5m2": 1}
 #: bytes of one master-weight element per ``master_weights`` value
 _MASTER_BYTES = {**_HP_BYTES, "fp16-scaled": 2, "none": 0}
+#: bytes of the one scale per parameter tensor of MS-AMP O2's scaled fp16 master (fp32)
+_MASTER_SCALE_BYTES = {"fp16-scaled": 4}
 #: bytes per element of a nonlinearity's input saved in FP8 (1 x 16 groups, fp32 scales)
 _SAVED_FP8_BYTES = 1 + 4 / 16
 
@@ -64,14 +66,20 @@ def _recipe_terms(recipe: Any) -> tuple[int, str, Any, Any, Any, str]:
             recipe.save_for_backward)  # fmt: skip
 
 
-def _weights(n_params: int, linear_elems: int, copies: float, master: str, recipe: Any) -> float:
-    """Master weights of ``n_params`` parameters plus the working ``copies`` of the quantized
-    Linear weights (``linear_elems`` elements): under FP8 storage the copies are the parameters
-    and the others, without a master, are fp32."""
+def _weights(
+    n_params: int, n_tensors: int, linear_elems: int, copies: float, master: str, recipe: Any
+) -> float:
+    """Master weights of ``n_params`` parameters in ``n_tensors`` tensors (each with its own
+    scale under ``"fp16-scaled"``) plus the working ``copies`` of the quantized Linear weights
+    (``linear_elems`` elements): under FP8 storage the copies are the parameters and the
+    others, without a master, are fp32."""
+    scales = n_tensors * _MASTER_SCALE_BYTES.get(master, 0)
     if recipe is None or recipe.param_storage != "fp8":
-        return n_params * _MASTER_BYTES[master] + copies
+        return n_params * _MASTER_BYTES[master] + scales + copies
     other = _MASTER_BYTES[master] if master != "none" else 4
-    return linear_elems * _MASTER_BYTES[master] + (n_params - linear_elems) * other + copies
+    return (
+        linear_elems * _MASTER_BYTES[master] + (n_params - linear_elems) * other + scales + copies
+    )
 
 
 def _weight_copy(wspec: Any, act: int, out_f: int, in_f: int) -> float:
@@ -120,10 +128,11 @@ def simulated_memory(model_cfg: Any, batch_size: int, recipe: Any) -> dict[str, 
     N = batch_size * T  # tokens per step
     linears = {"qkv": (3 * d, d), "proj": (d, d), "gate": (f, d), "up": (f, d), "down": (d, f)}
     n_params = V * d + T * d + L * (2 * d + sum(o * i for o, i in linears.values())) + d + V * d
+    n_tensors = 2 + L * (2 + len(linears)) + 2  # embeddings, per layer norms and Linears, head
     act, master, state, inp, wspec, save = _recipe_terms(recipe)
     copies = sum(L * _weight_copy(wspec, act, o, i) for o, i in linears.values())
     linear_elems = L * sum(o * i for o, i in linears.values()) if wspec is not None else 0
-    weights = _weights(n_params, linear_elems, copies, master, recipe)
+    weights = _weights(n_params, n_tensors, linear_elems, copies, master, recipe)
     linear_inputs = {"qkv": d, "proj": d, "gate/up": d, "down": f}
     saved = sum(_saved_input(inp, save, act, N, w) for w in linear_inputs.values())
     # the inputs of the two norms and of SwiGLU's activation (gate and up outputs) per layer
@@ -147,7 +156,8 @@ def model_memory(
     from fp8lab.nn import select_linears
 
     N = batch_size * block_size
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    params = {id(p): p for p in model.parameters()}.values()  # shared ones once
+    n_params, n_tensors = sum(p.numel() for p in params), len(params)
     act, master, state, inp, wspec, save = _recipe_terms(recipe)
     copies = saved = 0.0
     linear_elems = 0
@@ -156,6 +166,6 @@ def model_memory(
         copies += _weight_copy(wspec, act, out_f, in_f)
         linear_elems += in_f * out_f if wspec is not None else 0
         saved += _saved_input(inp, save, act, N, in_f)
-    weights = _weights(n_params, linear_elems, copies, master, state)
+    weights = _weights(n_params, n_tensors, linear_elems, copies, master, state)
     activations = saved + N * vocab_size * 4
     return _parts(weights, _optimizer(n_params, state), activations)
