@@ -180,7 +180,9 @@ def convert_checkpoint(
     ``dst``: weights, optimizer moments, loop state and RNG kept; recipe fingerprints and loss
     scaler are ``recipe``'s, the scaling state fresh except on layers the checkpoint saved
     under the same numerics (:func:`keep_same_numerics`). The optimizer's storage formats
-    become ``recipe``'s (the saved moments are float32 tensors either way)."""
+    become ``recipe``'s (the saved moments are float32 tensors either way); a saved master
+    weight is kept for each parameter whose new optimizer keeps a master (FP8 parameter storage
+    with a master included), dropped elsewhere."""
     from fp8lab.optim import LossScaler
 
     state = load_state(src)
@@ -193,10 +195,15 @@ def convert_checkpoint(
     if "fp8lab" in mine:
         osd["fp8lab"] = {**mine["fp8lab"], "skipped_steps": osd.get("fp8lab", {}).get(
             "skipped_steps", 0)}  # fmt: skip
-    if getattr(opt, "param_format", None) in (None, "fp32"):  # no separate master copies
-        osd["state"] = {
-            k: {n: v for n, v in s.items() if n != "master"} for k, s in osd["state"].items()
-        }
+    # a saved master continues where this optimizer keeps one (an FP8-stored parameter's fp32
+    # master too: restarting it from the FP8 value would lose what quantization rounds off)
+    needs = getattr(opt, "_needs_master", None)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd["state"] = {
+        k: {n: v for n, v in s.items()
+            if n != "master" or (needs is not None and needs(params[int(k)]))}
+        for k, s in osd["state"].items()
+    }  # fmt: skip
     opt.load_state_dict(osd)
     scaler = LossScaler.from_recipe(recipe)
     out = {
