@@ -10,7 +10,7 @@ from fp8lab.nn.context import active_recipe
 from fp8lab.qtensor import QuantSpec, quantize
 from fp8lab.recipe import Recipe
 
-__all__ = ["HF_ATTENTION", "attention_matmul", "route_hf_attention"]
+__all__ = ["HF_ATTENTION", "attention_matmul", "hf_attention_dpas", "route_hf_attention"]
 
 
 def _stateless(spec: QuantSpec | None) -> QuantSpec | None:
@@ -67,6 +67,7 @@ def attention_matmul(
 # =========================================================================== transformers models
 #: the attention implementation name `route_hf_attention` registers with transformers
 HF_ATTENTION = "fp8lab_dpa"
+_NAME, _DPA = "_fp8lab_name", "_fp8lab_dpa"  # attributes of a routed attention module
 
 
 def _wants_attention(recipe: Recipe) -> bool:
@@ -81,20 +82,17 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     H, D], None)``. The layer's FP8 attention when its recipe asks, else transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fp8lab.nn.dpa import DotProductAttention
     from fp8lab.nn.linear import Linear
 
     own = next((m.recipe for m in module.children() if isinstance(m, Linear)), None)
     recipe = active_recipe(own)
-    name = module.__dict__.get("_fp8lab_name", "")
+    name = module.__dict__.get(_NAME, "")
     if recipe is not None and recipe.layers:
         recipe = recipe.for_layer(f"{name}.q_proj")
     if recipe is None or not recipe.attention or recipe.input is None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
-    dpa = module.__dict__.get("_fp8lab_dpa")
-    if dpa is None:  # kept outside the module tree: the HF state dict stays as it was
-        dpa = module.__dict__["_fp8lab_dpa"] = DotProductAttention(name=f"{name}.dpa")
+    dpa = _dpa_of(module)
     dpa.softmax_scale = scaling
     causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     if is_causal is not None:
@@ -102,6 +100,33 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else None
     out = dpa(query, key, value, is_causal=causal, attn_mask=mask, recipe=recipe)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _dpa_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The `fp8lab.nn.DotProductAttention` of a routed attention module, made on first use
+    (named ``<module>.dpa``). Kept outside the module tree: the model's state dict, which the
+    unconverted architecture loads, stays as it was; its delayed-scaling state travels in
+    `fp8lab.nn.save_fp8_state`'s file instead (`hf_attention_dpas`)."""
+    from fp8lab.nn.dpa import DotProductAttention
+
+    dpa = module.__dict__.get(_DPA)
+    if dpa is None:
+        name = module.__dict__.get(_NAME, "")
+        dpa = module.__dict__[_DPA] = DotProductAttention(name=f"{name}.dpa")
+    return dpa
+
+
+def hf_attention_dpas(model: torch.nn.Module, create: bool = False) -> dict[str, torch.nn.Module]:
+    """``{"<attention module>.dpa": DotProductAttention}`` of a model that
+    `route_hf_attention` routed: those that ran (``create=False``), or one per routed attention
+    module, made now when missing (``create=True``, to load saved state before the first
+    forward). Empty for a model never routed."""
+    out = {}
+    for m in model.modules():
+        name = m.__dict__.get(_NAME)
+        if name is not None and (create or _DPA in m.__dict__):
+            out[f"{name}.dpa"] = _dpa_of(m)
+    return out
 
 
 def route_hf_attention(model: torch.nn.Module, recipe: Recipe) -> bool:
@@ -124,7 +149,7 @@ def route_hf_attention(model: torch.nn.Module, recipe: Recipe) -> bool:
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
     for name, m in model.named_modules():
         if type(m).__name__.endswith("Attention"):  # LlamaAttention, Qwen2Attention, ...
-            m.__dict__["_fp8lab_name"] = name
+            m.__dict__[_NAME] = name
     for sub in (config, *(getattr(config, k) for k in ("text_config",) if hasattr(config, k))):
         sub._attn_implementation = HF_ATTENTION
     return True

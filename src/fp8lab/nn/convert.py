@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from fp8lab.nn.attention import route_hf_attention
+from fp8lab.nn.attention import hf_attention_dpas, route_hf_attention
 from fp8lab.nn.fp8_state import (
     FP8_STATE_FILE,
     install_save_pretrained,
@@ -412,8 +412,13 @@ def _restore(model: torch.nn.Module, saved: Any, fresh: list[str]) -> None:
             stacklevel=3,
         )
         return
+    # routed attention that has not run yet gets its saved delayed-scaling state too
+    ran = hf_attention_dpas(model)
+    attention = [n for n in hf_attention_dpas(model, create=True) if n not in ran]
     try:  # a resume: the saved scaling state (the file may hold layers a later convert takes)
-        loaded = load_fp8_state(model, saved, layers=fresh, strict=False, check_weights=False)
+        loaded = load_fp8_state(
+            model, saved, layers=[*fresh, *attention], strict=False, check_weights=False
+        )
         missing = [n for n in fresh if n not in loaded]
         if missing:
             raise ValueError(f"{saved / FP8_STATE_FILE}: no FP8 state for the layers {missing}")

@@ -11,7 +11,9 @@ that
 * writes the weights without the ``fp8_*`` tensors (the unconverted architecture loads them
   with no unexpected keys), through transformers' own ``save_pretrained(state_dict=...)``;
 * writes the FP8 state beside them as ``fp8lab_state.safetensors`` (:data:`FP8_STATE_FILE`,
-  plain tensors, keys as in the converted model's ``state_dict``).
+  plain tensors, keys as in the converted model's ``state_dict``), with the delayed-scaling
+  state of each attention layer that runs `fp8lab.nn.DotProductAttention` (kept outside the
+  module tree: ``<attention module>.dpa.fp8_dpa_*``, `fp8lab.nn.attention.hf_attention_dpas`).
 
 The file proves which weights it belongs to: its safetensors metadata holds
 ``weights_sha256``, :func:`weights_sha256` of the model's parameters when it was written (names,
@@ -50,6 +52,7 @@ from typing import Any
 
 import torch
 
+from fp8lab.nn.attention import hf_attention_dpas
 from fp8lab.nn.linear import Linear
 
 __all__ = [
@@ -71,6 +74,7 @@ _WEIGHTS_KEY = "weights_sha256"  # the metadata entry binding the file to its we
 _PENDING = "_fp8lab_weights_without_fp8_state"  # model.__dict__: layers loaded without their state
 _HOOKED = "_fp8lab_load_hooks"  # model.__dict__: the load and forward hooks are registered
 _PREFIX = "fp8_"  # every key a converted Linear adds to its state_dict
+_DPA_PREFIX = "fp8_dpa_"  # every key of a DotProductAttention's state_dict
 
 
 def _layers(model: torch.nn.Module) -> dict[str, Linear]:
@@ -80,13 +84,24 @@ def _layers(model: torch.nn.Module) -> dict[str, Linear]:
 
 def fp8_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The ``fp8_*`` entries of ``model.state_dict()`` (recipe fingerprints as uint8 tensors,
-    delayed-scaling state), copies on the CPU; empty for a model without converted layers."""
+    delayed-scaling state) and, for a ``transformers`` model whose attention runs
+    `fp8lab.nn.DotProductAttention` (kept outside its module tree), that attention's
+    delayed-scaling state (``<attention module>.dpa.fp8_dpa_*``); copies on the CPU; empty for
+    a model without converted layers."""
     out: dict[str, torch.Tensor] = {}
     for prefix, m in _layers(model).items():
         for k, v in m.state_dict().items():
             if k.startswith(_PREFIX):
                 out[prefix + k] = v.detach().to("cpu", copy=True).contiguous()
+    for name, dpa in hf_attention_dpas(model).items():
+        for k, v in dpa.state_dict().items():
+            out[f"{name}.{k}"] = v.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def _is_attention_key(key: str) -> bool:
+    """Whether a saved key is a routed attention's state (``<module>.dpa.fp8_dpa_*``)."""
+    return key.rpartition(".")[2].startswith(_DPA_PREFIX)
 
 
 def strip_fp8_state(
@@ -207,10 +222,13 @@ def load_fp8_state(
 
     ``path``: the file, a directory holding :data:`FP8_STATE_FILE`, or the tensors themselves
     (:func:`fp8_state_dict`, e.g. a debug checkpoint's ``"fp8_state"``). ``layers``: only these
-    converted layers (qualified names; default all). Every error is a ValueError naming the
+    converted layers (qualified names; default all; a routed attention's state is named
+    ``<attention module>.dpa`` and is loaded into its `DotProductAttention`, made now when it
+    has not run yet, which checks the saved recipe at its first forward). Every error is a ValueError naming the
     file: unreadable, a layer saved under another recipe (the saved numerics are named), a
     mismatched history length, with ``strict`` (the default) a converted layer the file
-    has no state for, or state for a layer that is not converted, and with ``check_weights``
+    has no state for, or state for a layer that is not converted (or for attention that does
+    not run fp8lab's), and with ``check_weights``
     (the default) a file saved with other weights than ``model``'s (its recorded
     :func:`weights_sha256`; a file without it, or tensors given directly, are not checked)."""
     if isinstance(path, Mapping):
@@ -227,6 +245,8 @@ def load_fp8_state(
                 f"{why}; its scales and amax histories were measured on those weights. Pass "
                 "check_weights=False to load them anyway"
             )
+    attention = {k: v for k, v in saved.items() if _is_attention_key(k)}
+    saved = {k: v for k, v in saved.items() if k not in attention}
     all_layers = _layers(model)
     wanted = None if layers is None else set(layers)
     chosen = {pre: m for pre, m in all_layers.items() if wanted is None or pre[:-1] in wanted}
@@ -251,9 +271,41 @@ def load_fp8_state(
         except ValueError as exc:
             raise ValueError(f"{p}: {exc}") from None
         done.append(pre[:-1])
+    done += _load_attention(model, attention, wanted, strict, p)
     pending = model.__dict__.get(_PENDING)
     if pending:  # these layers have their state back
         model.__dict__[_PENDING] = [n for n in pending if n not in done]
+    return done
+
+
+def _load_attention(model: torch.nn.Module, saved: Mapping[str, torch.Tensor],
+                    wanted: set[str] | None, strict: bool, where: Any) -> list[str]:  # fmt: skip
+    """Load the saved state of a ``transformers`` model's routed attention
+    (``<module>.dpa.fp8_dpa_*``) into its `fp8lab.nn.DotProductAttention`, made now when it has
+    not run yet (it applies the state at its first forward, checking the recipe there); returns
+    the names loaded. ``strict``: state for attention that is not routed is a ValueError."""
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in saved.items():
+        layer, _, last = k.rpartition(".")
+        by_layer.setdefault(layer, {})[last] = v
+    by_layer = {n: sub for n, sub in by_layer.items() if wanted is None or n in wanted}
+    if not by_layer:
+        return []
+    dpas = hf_attention_dpas(model, create=True)
+    extra = sorted(set(by_layer) - set(dpas))
+    if strict and extra:
+        raise ValueError(
+            f"{where}: the FP8 state does not fit the model: attention state for layers that "
+            f"do not run fp8lab's attention {extra}"
+        )
+    done = []
+    for name, sub in by_layer.items():
+        if name in dpas:
+            try:
+                dpas[name].load_state_dict(sub)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            done.append(name)
     return done
 
 
