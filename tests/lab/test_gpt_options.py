@@ -96,3 +96,41 @@ def test_gpt_option_on_a_factory_model_is_an_error(tmp_path):
                                  "--set", "model.qk_norm=true", "--out", str(tmp_path / "o")])  # fmt: skip
     assert r.exit_code == 2, r.output
     assert "model.qk_norm" in r.output and "factory" in r.output
+
+
+@pytest.mark.parametrize(
+    ("model", "want"),
+    [
+        # per block: two norms, the q/k norms, Smooth-SwiGLU's gate and up outputs; the final norm
+        ({"qk_norm": True, "mlp": "smooth_swiglu"},
+         ["x", "head", "head", "x", "ff", "ff"] * 2 + ["x"]),
+        # MoE experts: their SwiGLU's two inputs over the routed rows (2 per token)
+        ({"n_experts": 4, "top_k": 2}, ["x", "x", "routed", "routed"] * 2 + ["x"]),
+    ],
+)  # fmt: skip
+def test_save_activations_quantized_covers_every_norm_and_swiglu(monkeypatch, threads, model,
+                                                                want):  # fmt: skip
+    """Which tensors ``save_activations = "quantized"`` saves in FP8 in the lab's GPT, by shape;
+    the forward is unchanged bit for bit."""
+    import fp8lab
+    import fp8lab.nn.saved_activations as sa
+
+    cfg = GPTConfig(block_size=8, n_layer=2, n_head=2, d_model=32, d_ff=48, **model)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    idx = torch.randint(0, 256, (2, 8))
+    shapes = {"x": (2, 8, 32), "head": (2, 2, 8, 16), "ff": (2, 8, 48), "routed": (32, 48)}
+    seen = []
+    quantized = sa._quantized
+    monkeypatch.setattr(
+        sa, "_quantized", lambda x, spec: seen.append(x.shape) or quantized(x, spec)
+    )
+    rec = fp8lab.get_recipe("te-current")
+    with fp8lab.nn.autocast(rec):
+        _, hp = gpt(idx, idx)
+    assert seen == []
+    with fp8lab.nn.autocast(rec.replace(save_activations="quantized")):
+        _, q = gpt(idx, idx)
+    assert torch.equal(q, hp)
+    assert [tuple(s) for s in seen] == [shapes[w] for w in want]

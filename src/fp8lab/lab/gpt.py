@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8lab.nn import DotProductAttention, GroupedLinear, Linear, MoE, active_recipe
+from fp8lab.nn import DotProductAttention, GroupedLinear, MoE
 from fp8lab.nn.dpa import check_head_dim
 from fp8lab.nn.moe import check_experts
-from fp8lab.nn.saved_activations import save_quantized
+from fp8lab.nn.saved_activations import layer_recipe, save_quantized, saves_quantized, swiglu
 from fp8lab.recipe import Recipe
 
 
@@ -145,30 +145,25 @@ def check_attention_recipe(cfg: GPTConfig, recipe: Recipe | None) -> None:
         check_head_dim(recipe.for_layer(f"blocks.{i}.attn.qkv"), head, where)
 
 
-def saves_quantized(recipe: Recipe | None) -> bool:
-    """Whether the inputs of norms and the MLP's activation are saved for backward in FP8
-    (``save_activations = "quantized"``: `fp8lab.nn.saved_activations`)."""
-    return recipe is not None and recipe.save_activations == "quantized"
-
-
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
-
-
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight (no bias, no mean subtraction)."""
+    """y = x / rms(x) * weight (no bias, no mean subtraction). ``forward(x, recipe)``: the
+    recipe of the layer the norm feeds (its ``norm_weights``, its ``save_activations``);
+    ``affine=False``: the recipe decides only what is saved (a norm that feeds no quantized
+    Linear: the q/k norms, the final norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
-        w = norm_affine(self.weight, recipe)
+    def forward(
+        self, x: torch.Tensor, recipe: Recipe | None = None, affine: bool = True
+    ) -> torch.Tensor:
+        w = norm_affine(self.weight, recipe) if affine else self.weight
         if saves_quantized(recipe):
             return save_quantized(lambda x, w: _rms_norm(x, w, self.eps), (x,), (w,))
         return _rms_norm(x, w, self.eps)
@@ -183,8 +178,12 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
-        w, b = norm_affine(self.weight, recipe), norm_affine(self.bias, recipe)
+    def forward(
+        self, x: torch.Tensor, recipe: Recipe | None = None, affine: bool = True
+    ) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if affine:  # as RMSNorm
+            w, b = norm_affine(w, recipe), norm_affine(b, recipe)
         if saves_quantized(recipe):
             fn = lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, self.eps)  # noqa: E731
             return save_quantized(fn, (x,), (w, b))
@@ -203,9 +202,7 @@ def recipe_of(layer: nn.Module) -> Recipe | None:
     torch layer)."""
     if isinstance(layer, GroupedLinear):  # a mixture of experts: its experts' recipe
         return layer.recipe()
-    own = layer.recipe if isinstance(layer, Linear) else None
-    r = active_recipe(own)
-    return r if r is None or not r.layers else r.for_layer(getattr(layer, "name", "") or "")
+    return layer_recipe(layer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -224,9 +221,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
         recipe = self._recipe()
+        if hasattr(self, "q_norm"):  # their inputs saved in FP8 as the recipe says
+            q, k = self.q_norm(q, recipe, affine=False), self.k_norm(k, recipe, affine=False)
         if recipe is not None and recipe.attention:
             y = self.dpa(q, k, v, is_causal=True, recipe=recipe)
         else:
@@ -250,10 +247,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate(x), self.up(x)
-        if saves_quantized(recipe_of(self.gate)):  # silu's input and the product's factor
-            return self.down(save_quantized(_swiglu, (g, u)))
-        return self.down(_swiglu(g, u))
+        # silu's input and the product's factor saved in FP8 as the recipe says
+        return self.down(swiglu(self.gate(x), self.up(x), recipe_of(self.gate)))
 
 
 class Block(nn.Module):
@@ -320,7 +315,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.norm(x))
+        # save_activations is a whole-model key: the last block's recipe says it for this norm
+        logits = self.lm_head(self.norm(x, recipe_of(self.blocks[-1].attn.qkv), affine=False))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))

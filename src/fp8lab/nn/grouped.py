@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8lab.nn.context import active_recipe
 from fp8lab.nn.linear import Linear
+from fp8lab.nn.saved_activations import layer_recipe
 from fp8lab.recipe import Recipe, get_recipe
 
 __all__ = ["MIN_ALIGNMENT", "GroupedLinear", "expert_of", "group_alignment", "padded_sizes"]
@@ -139,10 +139,7 @@ class GroupedLinear(nn.Module):
     def recipe(self) -> Recipe | None:
         """The recipe the experts run under now (an `fp8lab.nn.autocast` override included;
         ``None``: plain torch experts)."""
-        first = self.experts[0]
-        own = first.recipe if isinstance(first, Linear) else None
-        r = active_recipe(own)
-        return r if r is None or not r.layers else r.for_layer(getattr(first, "name", "") or "")
+        return layer_recipe(self.experts[0])
 
     def alignment(self) -> int:
         """The padding multiple of the recipe in force (`group_alignment`)."""

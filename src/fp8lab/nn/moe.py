@@ -34,6 +34,7 @@ from torch import nn
 
 from fp8lab.nn.grouped import GroupedLinear
 from fp8lab.nn.linear import round_high_precision
+from fp8lab.nn.saved_activations import swiglu
 from fp8lab.qtensor import QuantSpec, quantize
 from fp8lab.recipe import Recipe
 
@@ -173,7 +174,8 @@ class MoE(nn.Module):
         fmt = self.dispatch_format()
         if fmt is not None:
             xs = wire(xs, fmt, "bf16")
-        h = F.silu(self.gate(xs, sizes)) * self.up(xs, sizes)
+        # under save_activations = "quantized" the product's inputs are saved in FP8
+        h = swiglu(self.gate(xs, sizes), self.up(xs, sizes), self.gate.recipe())
         ys = self.down(h, sizes)
         if fmt is not None:
             ys = wire(ys, "bf16", fmt)

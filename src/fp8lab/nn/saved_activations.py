@@ -13,6 +13,10 @@ the backward recomputes ``fn``'s local derivative at the dequantized inputs. So 
 bit for bit the high-precision one, and the gradient differs exactly by evaluating the
 derivative at ``Q(x)`` instead of ``x``. Linear inputs are not touched here (``save_for_backward``
 keeps its meaning).
+
+Where it applies (the recipe a layer runs under decides, :func:`layer_recipe`): the SwiGLU
+product :func:`swiglu` (the lab GPT's MLP, `fp8lab.nn.SmoothSwiGLU` and the experts of
+`fp8lab.nn.MoE`) and the lab GPT's norms (each block's two, the q/k norms and the final norm).
 """
 
 from __future__ import annotations
@@ -21,10 +25,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from fp8lab.nn.context import active_recipe
+from fp8lab.nn.linear import Linear
 from fp8lab.qtensor import QuantSpec, fake_quant
+from fp8lab.recipe import Recipe
 
-__all__ = ["SAVED_GROUP", "SAVED_SPEC", "save_quantized"]
+__all__ = [
+    "SAVED_GROUP",
+    "SAVED_SPEC",
+    "layer_recipe",
+    "save_quantized",
+    "saves_quantized",
+    "swiglu",
+]
 
 #: COAT's group size for the inputs of nonlinear layers
 SAVED_GROUP = 16
@@ -69,3 +84,30 @@ def save_quantized(
     (module doc); ``params`` (norm weights...) are saved as they are. ``fn`` must be a pure
     function of its arguments, returning one tensor."""
     return _SaveQuantized.apply(fn, spec, len(inputs), *inputs, *params)
+
+
+def layer_recipe(layer: torch.nn.Module) -> Recipe | None:
+    """The recipe a layer runs under now: a converted `fp8lab.nn.Linear`'s own, or an
+    `fp8lab.nn.autocast` override, with its ``[[layer]]`` rules resolved for the layer's name
+    (None: a plain torch layer outside autocast)."""
+    own = layer.recipe if isinstance(layer, Linear) else None
+    r = active_recipe(own)
+    return r if r is None or not r.layers else r.for_layer(getattr(layer, "name", "") or "")
+
+
+def saves_quantized(recipe: Recipe | None) -> bool:
+    """Whether ``recipe`` saves the inputs of nonlinearities in FP8 (``save_activations =
+    "quantized"``)."""
+    return recipe is not None and recipe.save_activations == "quantized"
+
+
+def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, recipe: Recipe | None = None) -> torch.Tensor:
+    """``silu(g) * u`` (same shapes); under ``save_activations = "quantized"`` both inputs are
+    saved for backward in FP8 (:func:`save_quantized`), the output unchanged."""
+    if saves_quantized(recipe):
+        return save_quantized(_swiglu, (g, u))
+    return _swiglu(g, u)

@@ -22,9 +22,10 @@ weight, where an outlier channel's column is as large as that channel's activati
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+
+from fp8lab.nn.saved_activations import layer_recipe, swiglu
 
 __all__ = ["SmoothSwiGLU", "smooth_scales"]
 
@@ -53,7 +54,8 @@ class SmoothSwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate(x)) * self.up(x)
+        # under save_activations = "quantized" the product's inputs are saved in FP8
+        h = swiglu(self.gate(x), self.up(x), layer_recipe(self.gate))
         s = smooth_scales(h).to(h.dtype)
         # the same module (its recipe, scaling state, name) with the weight W · diag(s^-1)
         w = self.down.weight / s
