@@ -196,3 +196,7 @@ def test_nvfp4_blog_outside_check_states_the_non_gemm_share():
     assert s > ext["reported"]
     assert 1 / ext["reported"] == pytest.approx(f + (1 - f) / s)
     assert 0.0 < f < 0.5
+    # bf16 attention priced too: a smaller speedup, a smaller share left outside the model
+    sa, fa = ext["predicted_with_attention"], ext["implied_other_share"]
+    assert ext["reported"] < sa < s and 0.0 <= fa < f
+    assert 1 / ext["reported"] == pytest.approx(fa + (1 - fa) / sa)
