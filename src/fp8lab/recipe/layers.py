@@ -37,8 +37,10 @@ from fp8lab.recipe.config import GEMMS, ROLES
 __all__ = ["LAYER_KEYS", "LayerRule", "deep_merge", "preset", "remove_key", "set_preset_lookup"]
 
 #: recipe keys a ``[[layer]]`` table may set (what a single Linear layer runs): its operand
-#: roles, its GEMMs, what it saves for the backward, its attention and the attention's options
-LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention", "dpa")
+#: roles, its GEMMs, what it saves for the backward, its attention and the attention's options,
+#: and where TE's random Hadamard transform applies (an NVFP4 layer's; a layer restarting from
+#: an FP8 preset drops it)
+LAYER_KEYS = (*ROLES, *GEMMS, "save_for_backward", "attention", "dpa", "rht_gemms")
 #: whole-model keys, set at the file's top level only
 _GLOBAL_KEYS = ("optimizer_state", "master_weights", "loss_scaling", "loss_scale", "moe",
                 "exp_avg_dtype", "exp_avg_sq_dtype", "moment_expansion", "param_storage",

@@ -284,8 +284,12 @@ def _yaml(v: Any) -> str:
     return "'" + str(v).replace("'", "''") + "'"
 
 
-def write_exports(out: Path, export: Export) -> dict[str, str]:
-    """Write both files into ``out``; ``{"megatron": path, "te": path}``."""
-    (out / MEGATRON_FILE).write_text(export.megatron)
-    (out / TE_FILE).write_text(export.te)
-    return {"megatron": str(out / MEGATRON_FILE), "te": str(out / TE_FILE)}
+def write_exports(out: Path, export: Export, stem: str = "fix") -> dict[str, str]:
+    """Write both files into ``out`` (``STEM.megatron.yaml``, ``STEM.te.yaml``: the debugger's
+    :data:`MEGATRON_FILE` and :data:`TE_FILE`, `fp8lab advise`'s ``advise.*``);
+    ``{"megatron": path, "te": path}``."""
+    paths = {"megatron": out / MEGATRON_FILE.replace("fix", stem, 1),
+             "te": out / TE_FILE.replace("fix", stem, 1)}  # fmt: skip
+    paths["megatron"].write_text(export.megatron)
+    paths["te"].write_text(export.te)
+    return {k: str(v) for k, v in paths.items()}

@@ -46,9 +46,12 @@ def best_remedy(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(finite, key=lambda r: abs(r["gap_pct"])) if finite else None
 
 
-def fix_text(remedy: Recipe, recipe: Recipe, note: str) -> str:
+def fix_text(remedy: Recipe, recipe: Recipe, note: str,
+             what: str = "the fp8lab debug remedy", source: str = "fp8lab debug") -> str:  # fmt: skip
     """The remedy as a recipe file: ``base = R`` + the layer rules when R is a preset whose
-    numerics it still has, otherwise the remedy's full settings (with its rules)."""
+    numerics it still has, otherwise the remedy's full settings (with its rules). ``what``:
+    the file's description after "R with", ``source`` its source (`fp8lab advise` writes its
+    own)."""
     from fp8lab.recipe import get_recipe, recipes
     from fp8lab.recipe.toml_writer import dump_toml
 
@@ -59,16 +62,18 @@ def fix_text(remedy: Recipe, recipe: Recipe, note: str) -> str:
         if rule_free.fingerprint() != get_recipe(base_name).fingerprint():
             base_name = None
     if base_name is None:
-        return head + _described(remedy, recipe).to_toml()
+        return head + _described(remedy, recipe, what, source).to_toml()
     d: dict[str, Any] = {"base": base_name, "name": remedy.name,
-                         "description": f"{base_name} with the fp8lab debug remedy"}  # fmt: skip
+                         "description": f"{base_name} with {what}"}  # fmt: skip
     d["layer"] = [r.to_dict() for r in remedy.layers]
     return head + dump_toml(d)
 
 
-def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str) -> Path:
-    """Write ``fix.toml`` and check it reads back to the remedy's numerics on every layer."""
-    text = fix_text(remedy, recipe, note)
+def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str,
+              what: str = "the fp8lab debug remedy", source: str = "fp8lab debug") -> Path:  # fmt: skip
+    """Write ``fix.toml`` (``path``) and check it reads back to the remedy's numerics on every
+    layer. ``what``, ``source``: as for :func:`fix_text`."""
+    text = fix_text(remedy, recipe, note, what, source)
     tmp = path.with_suffix(".tmp.toml")
     tmp.write_text(text)
     try:
@@ -79,7 +84,7 @@ def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str) -> Path:
         if not same:  # fall back to the fully expanded recipe
             tmp.write_text(
                 "".join(f"# {ln}\n" for ln in note.splitlines())
-                + _described(remedy, recipe).to_toml()
+                + _described(remedy, recipe, what, source).to_toml()
             )
         tmp.replace(path)
     finally:
@@ -87,10 +92,10 @@ def write_fix(remedy: Recipe, recipe: Recipe, path: Path, note: str) -> Path:
     return path
 
 
-def _described(remedy: Recipe, recipe: Recipe) -> Recipe:
+def _described(remedy: Recipe, recipe: Recipe, what: str = "the fp8lab debug remedy",
+               source: str = "fp8lab debug") -> Recipe:  # fmt: skip
     """The remedy with its own description (R's prose would describe R, not the fix)."""
-    return remedy.replace(description=f"{recipe.name} with the fp8lab debug remedy",
-                          source="fp8lab debug")  # fmt: skip
+    return remedy.replace(description=f"{recipe.name} with {what}", source=source)
 
 
 def _names(rule: Any) -> tuple[str, ...]:
