@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import typer
 
-from fp8lab.cli import comm_sim, compare, cost, debug, formats, inspect, observe_report, snr
+from fp8lab.cli import (
+    advise,
+    comm_sim,
+    compare,
+    cost,
+    debug,
+    formats,
+    inspect,
+    observe_report,
+    snr,
+)
 from fp8lab.cli import replay as replay_cmd
 from fp8lab.cli._common import check_kernels, clear_errors
 
@@ -40,7 +50,8 @@ def _root(
         check_kernels()
 
 
-for _module in (formats, snr, inspect, compare, debug, cost, observe_report, comm_sim, replay_cmd):
+for _module in (formats, snr, inspect, compare, debug, advise, cost, observe_report, comm_sim,
+                replay_cmd):  # fmt: skip
     _module.register(app)
 
 

@@ -128,6 +128,17 @@ class Pricing:
         return None if ms is None or ms <= 0 else self.ms[BASELINE] / ms
 
 
+def _shapes_only(cfg: LabConfig) -> torch.nn.Module:
+    """The unconverted model for its Linears' shapes: the built-in GPT on the meta device (no
+    weights made: a full-width one would take seconds), a user's model built as the lab does."""
+    if models.is_builtin(cfg.model) and not cfg.model.init_from:
+        from fp8lab.lab.gpt import GPT
+
+        with torch.device("meta"):
+            return GPT(cfg.model)
+    return models.build(cfg.model, cfg.train.seed)
+
+
 def price_candidates(
     cfg: LabConfig, candidates: Sequence[str], device: str, named: bool = True,
     price_overrides: Sequence[str] = (),
@@ -151,10 +162,10 @@ def price_candidates(
             raise ValueError(f"unknown candidate {c!r}; valid: {', '.join(valid)}")
     priced = cfg.with_overrides(list(price_overrides)) if price_overrides else cfg
     with torch.random.fork_rng(devices=[]):
-        model = models.build(priced.model, priced.train.seed)
+        model = _shapes_only(priced)
         linears = linear_shapes(model)
         if price_overrides:
-            trained = [n for n, _, _ in linear_shapes(models.build(cfg.model, cfg.train.seed))]
+            trained = [n for n, _, _ in linear_shapes(_shapes_only(cfg))]
             if trained != [n for n, _, _ in linears]:
                 raise ValueError(f"--price-set {' '.join(price_overrides)}: the priced model's "
                                  "Linear layers are not the trained model's (same names, same "
@@ -261,15 +272,30 @@ class AdviseResult:
             "ladder": list(self.ladder),
             "skipped": dict(self.skipped),
             "price_overrides": list(self.price_overrides),
-            "chosen": {"name": c.name, "recipe_file": self.files.get("recipe"), "base": c.base,
-                       "promoted_to": c.promoted_to, "promoted": list(c.promoted),
-                       "predicted_speedup": _num(c.predicted_speedup),
-                       "predicted_ms": _num(c.predicted_ms), "gap_pct": _num(c.gap_pct),
-                       "gap_pct_seeds": [_num(v) for v in c.gap_pct_seeds]},  # fmt: skip
-            "best_single": {"name": s.name, "predicted_speedup": _num(s.predicted_speedup),
-                            "gap_pct": _num(s.gap_pct)},  # fmt: skip
-            "pareto": [{"name": n, "predicted_speedup": _num(self.probes[n].predicted_speedup),
-                        "gap_pct": _num(self.probes[n].gap_pct)} for n in self.pareto],  # fmt: skip
+            "chosen": {
+                "name": c.name,
+                "recipe_file": self.files.get("recipe"),
+                "base": c.base,
+                "promoted_to": c.promoted_to,
+                "promoted": list(c.promoted),
+                "predicted_speedup": _num(c.predicted_speedup),
+                "predicted_ms": _num(c.predicted_ms),
+                "gap_pct": _num(c.gap_pct),
+                "gap_pct_seeds": [_num(v) for v in c.gap_pct_seeds],
+            },
+            "best_single": {
+                "name": s.name,
+                "predicted_speedup": _num(s.predicted_speedup),
+                "gap_pct": _num(s.gap_pct),
+            },
+            "pareto": [
+                {
+                    "name": n,
+                    "predicted_speedup": _num(self.probes[n].predicted_speedup),
+                    "gap_pct": _num(self.probes[n].gap_pct),
+                }
+                for n in self.pareto
+            ],
             "probes": [p.to_json() for p in self.probes.values()],
             "ranking": self.ranking,
             "verdict": self.verdict,
@@ -327,7 +353,8 @@ class _Ctx:
             sm = run["summary"]
             vocab = run.get("vocab_size", self.cfg.model.vocab_size)
             bad = bool(sm.get("diverged")) or diverged_loss(
-                sm.get("final_train_loss"), sm.get("final_val_loss"), vocab)
+                sm.get("final_train_loss"), sm.get("final_val_loss"), vocab
+            )
             div = div or bad
             v = sm.get("final_val_loss")
             finals.append(None if bad or v is None or not math.isfinite(v) else float(v))
@@ -557,11 +584,19 @@ def run_advise(
                      candidates=cands, steps=steps, ranking=ranking)  # fmt: skip
     chosen = ctx.probes[result.chosen]
     base = get_recipe(chosen.base)
-    note = (f"fp8lab advise on {pricing.device}: {result.verdict}\n"
-            f"the run's global recipe is {chosen.base}; the layers below override it")
+    note = (
+        f"fp8lab advise on {pricing.device}: {result.verdict}\n"
+        f"the run's global recipe is {chosen.base}; the layers below override it"
+    )
     remedy = chosen.recipe.replace(name="advise")
-    write_fix(remedy, base, out / RECIPE_FILE, note, what="the fp8lab advise per-layer choice",
-              source="fp8lab advise")
+    write_fix(
+        remedy,
+        base,
+        out / RECIPE_FILE,
+        note,
+        what="the fp8lab advise per-layer choice",
+        source="fp8lab advise",
+    )
     with torch.random.fork_rng(devices=[]):
         prefix = lab_prefix(models.build(cfg.model, cfg.train.seed))
     ex = export_fix("advise", remedy, base, pricing.layers, prefix=prefix, note=note)
