@@ -178,18 +178,17 @@ def test_advise_chooses_a_mix_within_budget_faster_than_any_single_and_resumes(t
                    price_overrides=WIDE)  # fmt: skip
 
 
-@pytest.mark.slow  # a local 2-CPU Ray instance + the search (~1 min)
+@pytest.mark.slow  # the search twice, once on a local 2-CPU Ray instance (~1-2 min)
 def test_ray_gives_the_same_advise_toml_as_the_local_pool(tmp_path):
     pytest.importorskip("ray", reason="the ray extra is not installed")
     from fp8lab.lab.pool import set_executor
 
-    cfg = _cfg(tmp_path, steps=12)
-    kw = {"candidates": ["nvfp4-te", "mxfp8"], "seeds": 1, "threads": 1, "jobs": 2,
-          "price_overrides": WIDE}  # fmt: skip
-    local = run_advise(cfg, "b200", 0.05, tmp_path / "local", **kw)
+    cfg = _cfg(tmp_path, steps=8)
+    kw = {"candidates": ["nvfp4-te", "mxfp8"], "seeds": 1, "threads": 1, "price_overrides": WIDE}
+    local = run_advise(cfg, "b200", 0.05, tmp_path / "local", **kw)  # here, one after another
     try:
         set_executor("ray")
-        ray = run_advise(cfg, "b200", 0.05, tmp_path / "ray", **kw)
+        ray = run_advise(cfg, "b200", 0.05, tmp_path / "ray", jobs=2, **kw)
     finally:
         set_executor("local")
     assert (tmp_path / "ray" / "advise.toml").read_text() == (
