@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from fp8lab.cli import app
 from fp8lab.lab.pool import set_executor
+from tiny_lab import tiny_lab_toml
 
 runner = CliRunner()
 
@@ -63,7 +64,9 @@ def test_ray_without_the_extra_or_unreachable_is_one_error(tmp_path, monkeypatch
     data = ["--data", str(_text(tmp_path)), "--out", str(tmp_path / "o"), "--budget", "1"]
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-        assert "fp8lab[ray]" in _one_error(runner.invoke(app, ["advise", *data, "--executor", "ray"]))
+        assert "fp8lab[ray]" in _one_error(
+            runner.invoke(app, ["advise", *data, "--executor", "ray"])
+        )
     pytest.importorskip("ray", reason="the ray extra is not installed")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -81,14 +84,13 @@ def test_an_out_directory_someone_else_made_is_refused_and_left_alone(tmp_path):
     r = runner.invoke(app, ["advise", "--budget", "1", "--candidates", "mxfp8", "--data",
                             str(_text(tmp_path)), "--out", str(out)])  # fmt: skip
     assert "not made by fp8lab advise" in _one_error(r)
-    assert [p.name for p in out.iterdir()] == ["notes.md"] and (out / "notes.md").read_text() == "keep me"
+    assert [p.name for p in out.iterdir()] == ["notes.md"] and (
+        out / "notes.md"
+    ).read_text() == "keep me"
 
 
 @pytest.mark.slow  # a whole (tiny) search through the command line
 def test_json_is_one_line_with_the_schema_and_the_files_are_written(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from tiny_lab import tiny_lab_toml
-
     cfg = tmp_path / "lab.toml"
     cfg.write_text(tiny_lab_toml(_text(tmp_path), steps=12, eval_every=6, batch_size=4))
     out = tmp_path / "out"

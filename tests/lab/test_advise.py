@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,7 @@ from fp8lab.lab.advise import (
 from fp8lab.lab.train import LabConfig
 from fp8lab.recipe import Recipe, get_recipe
 from fp8lab.recipe.layers import LAYER_KEYS
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_lab import tiny_lab_toml  # noqa: E402
+from tiny_lab import tiny_lab_toml
 
 #: the tiny GPT's Linears priced at a width where FP8 and NVFP4 pay on a B200 (the tiny widths
 #: are launch-bound: every low-precision recipe is predicted slower than bf16 there)
@@ -86,10 +83,10 @@ def test_pricing_per_layer_adds_up_and_refuses_what_the_device_cannot_run(tmp_pa
 @pytest.mark.no_arithmetic
 def test_a_mix_runs_the_rung_on_its_layers_and_the_base_elsewhere():
     r = mix_recipe("nvfp4-te", "mxfp8", ["blocks.0.attn.qkv"], "m")
-    assert _layer_numerics(r.for_layer("blocks.0.attn.qkv")) == _layer_numerics(
-        get_recipe("mxfp8"))
+    assert _layer_numerics(r.for_layer("blocks.0.attn.qkv")) == _layer_numerics(get_recipe("mxfp8"))
     assert _layer_numerics(r.for_layer("blocks.0.mlp.up")) == _layer_numerics(
-        get_recipe("nvfp4-te"))
+        get_recipe("nvfp4-te")
+    )
     # the random Hadamard transform is NVFP4's: the FP8 layer drops it
     assert r.for_layer("blocks.0.attn.qkv").rht_gemms == "none"
     assert Recipe.from_toml(r.to_toml()).fingerprint() == r.fingerprint()
@@ -192,6 +189,8 @@ def test_ray_gives_the_same_advise_toml_as_the_local_pool(tmp_path):
     finally:
         set_executor("local")
     assert (tmp_path / "ray" / "advise.toml").read_text() == (
-        tmp_path / "local" / "advise.toml").read_text()
+        tmp_path / "local" / "advise.toml"
+    ).read_text()
     assert {n: p.gap_pct for n, p in ray.probes.items()} == {
-        n: p.gap_pct for n, p in local.probes.items()}
+        n: p.gap_pct for n, p in local.probes.items()
+    }
