@@ -537,9 +537,6 @@ def run_advise(
     is trained (ValueError: budget, candidates, device, seeds, jobs, the config, the data,
     ``OUT``); a budget below 2x the noise is a ValueError after the baseline runs (kept: a rerun
     with a larger budget reads them back)."""
-    from fp8lab.lab.debug.export import export_fix, write_exports
-    from fp8lab.lab.debug.names import lab_prefix
-    from fp8lab.lab.debug.verdict import write_fix
     from fp8lab.recipe import get_recipe
 
     budget = parse_budget(budget)
@@ -582,31 +579,32 @@ def run_advise(
         ranking = _search(ctx, steps)
     result = _decide(ctx, cfg, device=pricing.device, budget=budget, noise=noise,
                      candidates=cands, steps=steps, ranking=ranking)  # fmt: skip
-    chosen = ctx.probes[result.chosen]
-    base = get_recipe(chosen.base)
-    note = (
-        f"fp8lab advise on {pricing.device}: {result.verdict}\n"
-        f"the run's global recipe is {chosen.base}; the layers below override it"
-    )
-    remedy = chosen.recipe.replace(name="advise")
-    write_fix(
-        remedy,
-        base,
-        out / RECIPE_FILE,
-        note,
-        what="the fp8lab advise per-layer choice",
-        source="fp8lab advise",
-    )
-    with torch.random.fork_rng(devices=[]):
-        prefix = lab_prefix(models.build(cfg.model, cfg.train.seed))
-    ex = export_fix("advise", remedy, base, pricing.layers, prefix=prefix, note=note)
-    files = {"recipe": str(out / RECIPE_FILE), "config": str(out / CONFIG_FILE),
-             "result": str(out / RESULT_FILE),
-             **write_exports(out, ex, stem=EXPORT_STEM)}  # fmt: skip
-    result.files = files
     result.price_overrides = list(price_overrides)
+    result.files = _write_outputs(cfg, ctx, result)
     (out / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
     return result
+
+
+def _write_outputs(cfg: LabConfig, ctx: _Ctx, result: AdviseResult) -> dict[str, str]:
+    """Write ``advise.toml`` (checked to read back, `fp8lab.lab.debug.verdict.write_fix`) and
+    its Megatron-LM and TE forms (`fp8lab.lab.debug.export`); the files by kind."""
+    from fp8lab.lab.debug.export import export_fix, write_exports
+    from fp8lab.lab.debug.names import lab_prefix
+    from fp8lab.lab.debug.verdict import write_fix
+    from fp8lab.recipe import get_recipe
+
+    out, chosen = ctx.out, ctx.probes[result.chosen]
+    base = get_recipe(chosen.base)
+    note = (f"fp8lab advise on {result.device}: {result.verdict}\n"
+            f"the run's global recipe is {chosen.base}; the layers below override it")  # fmt: skip
+    remedy = chosen.recipe.replace(name="advise")
+    write_fix(remedy, base, out / RECIPE_FILE, note, what="the fp8lab advise per-layer choice",
+              source="fp8lab advise")  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        prefix = lab_prefix(models.build(cfg.model, cfg.train.seed))
+    ex = export_fix("advise", remedy, base, result.layers, prefix=prefix, note=note)
+    return {"recipe": str(out / RECIPE_FILE), "config": str(out / CONFIG_FILE),
+            "result": str(out / RESULT_FILE), **write_exports(out, ex, stem=EXPORT_STEM)}  # fmt: skip
 
 
 def _search(ctx: _Ctx, steps: list[str]) -> dict[str, list[dict[str, Any]]]:
