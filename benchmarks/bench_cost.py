@@ -1,8 +1,9 @@
 """The cost model against Transformer Engine's published GEMM timings, as Markdown tables.
 
 Prints the calibration (fitted on the fprop sums only), every residual (fitted and held out), the
-quantization share of current scaling on H200, the recipe-ordering check and the Llama 3.1 405B
-Blackwell external check; ``--write`` rewrites ``src/fp8lab/cost/data/calibration.toml`` from the
+quantization share of current scaling on H200, the recipe-ordering check, the Llama 3.1 405B
+Blackwell external check, the B200-only calibration's check on TE's B300 speedups and the NVFP4
+Llama 3 8B outside check; ``--write`` rewrites ``src/fp8lab/cost/data/calibration.toml`` from the
 fit. Also times one ``fp8lab cost`` run in a fresh process.
 
     .venv/bin/python benchmarks/bench_cost.py [--write]
@@ -69,6 +70,25 @@ def main() -> None:
     for r in ext["reported"]:
         print(f"- {r}: reported {ext['reported'][r]:.2f}x, predicted {ext['predicted'][r]:.2f}x")
     print(f"order agrees: {ext['agree']}")
+    print("\n## Blackwell from named B200 figures: TE's B300 layer speedups (held out)\n")
+    ps = cal["b200"]["peak_scaling"]
+    print(
+        f"peak scaling: tensor-core efficiency {ps['tensor_core_efficiency']:.3f}, fixed share "
+        f"{ps['fixed_tflops']:.0f} TFLOP/s ({', '.join(ps['classes'])})"
+    )
+    for r in C.b300_speedup_check(cal):
+        print(
+            f"- {r.recipe}: published {r.published:.2f}x, predicted {r.predicted:.2f}x "
+            f"({100 * r.error:+.1f} %)"
+        )
+    blog = C.nvfp4_blog_check(cal)
+    print("\n## Outside check: NVIDIA NVFP4 Llama 3 8B on GB200 (priced as b200)\n")
+    print(f"source: {blog['source']}; status: {blog['status']}")
+    print(
+        f"- reported {blog['reported']:.2f}x; Linears only {blog['predicted_gemm_only']:.2f}x "
+        f"(share outside: {blog['implied_non_gemm_share']:.0%}); with bf16 attention "
+        f"{blog['predicted_with_attention']:.2f}x (share outside: {blog['implied_other_share']:.0%})"
+    )
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "fp8lab.cli", "cost", "--device", "b300", "--json"],
