@@ -49,7 +49,7 @@ def wire_traffic(tokens: int, d_model: int, top_k: int, dispatch: str) -> dict[s
 
 
 #: the expert Linears of one MoE block: ``PREFIX.gate.experts.E`` (and up, down)
-_EXPERT = re.compile(r"^(?P<block>.+)\.(?:gate|up|down)\.experts\.\d+$")
+_EXPERT = re.compile(r"^(?P<block>.+)\.(?P<part>gate|up|down)\.experts\.\d+$")
 
 
 def moe_blocks(
@@ -61,7 +61,7 @@ def moe_blocks(
     out: dict[str, tuple[int, int]] = {}
     for name, i, _ in linears:
         m = _EXPERT.match(name)
-        if experts is None or name not in experts or m is None or ".down." in name:
+        if experts is None or name not in experts or m is None or m.group("part") == "down":
             continue
         out.setdefault(m.group("block"), (i, experts[name][1]))
     return out
