@@ -36,6 +36,10 @@ def test_moe_fields_serialise_only_when_set():
     d = ModelConfig(n_experts=8, top_k=2).to_dict()
     assert (d["n_experts"], d["top_k"]) == (8, 2)
     assert ModelConfig(**d) == ModelConfig(n_experts=8, top_k=2)
+    assert not {"router", "bias_update_speed", "aux_loss_alpha"} & set(d)
+    d = ModelConfig(n_experts=8, top_k=2, router="sigmoid", aux_loss_alpha=1e-4).to_dict()
+    assert (d["router"], d["aux_loss_alpha"]) == ("sigmoid", 1e-4)
+    assert "bias_update_speed" not in d
 
 
 @pytest.mark.no_arithmetic
@@ -45,6 +49,10 @@ def test_moe_fields_serialise_only_when_set():
         ({"n_experts": 0}, "n_experts"),
         ({"n_experts": 2, "top_k": 3}, r"top_k \(3\) must be <= model.n_experts \(2\)"),
         ({"n_experts": 4, "top_k": 2, "mlp": "smooth_swiglu"}, "SwiGLU experts"),
+        ({"router": "sigmoid"}, "dense MLP"),
+        ({"n_experts": 4, "router": "noisy"}, "model.router must be one of"),
+        ({"n_experts": 4, "bias_update_speed": 0.01}, "set model.router = 'sigmoid'"),
+        ({"n_experts": 4, "router": "sigmoid", "aux_loss_alpha": -1.0}, "aux_loss_alpha"),
     ],
 )
 def test_bad_expert_counts_are_named(kw, words):
@@ -96,3 +104,33 @@ def test_moe_gpt_trains_and_resumes_bit_for_bit(corpus, tmp_path, name):
     assert [r["train_loss"] for r in resumed.records] == losses
     sa, sb = full.model.state_dict(), resumed.model.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.slow
+def test_sigmoid_router_gpt_resumes_bit_for_bit_with_its_bias(corpus, tmp_path):
+    """DeepSeek-V3's router in the lab: the selection bias moves each step, is checkpointed and
+    resumes bit for bit; the balance loss is part of the training loss."""
+    recipe = fp8lab.get_recipe("deepseek-v3")
+    model = ModelConfig(**{**MOE.to_dict(), "router": "sigmoid", "bias_update_speed": 0.01,
+                           "aux_loss_alpha": 0.01})  # fmt: skip
+    cfg = LabConfig(model=model, train=TRAIN)
+    full = train_run(recipe, cfg, corpus, tmp_path / "full")
+    bias = full.model.state_dict()["blocks.0.mlp.router.bias"]
+    assert bias.abs().sum() > 0  # it moved
+    train_run(recipe, cfg, corpus, tmp_path / "part", stop_after=4)
+    resumed = train_run(recipe, cfg, corpus, tmp_path / "part")
+    assert [r["train_loss"] for r in resumed.records] == [r["train_loss"] for r in full.records]
+    sa, sb = full.model.state_dict(), resumed.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    gpt = full.model
+    gpt.train()
+    gpt.blocks[0].mlp.router.bias_update_speed = 0.0  # the same routing in both forwards
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, loss = gpt(idx, idx)
+    aux = gpt.blocks[0].mlp.aux_loss
+    assert aux is not None and float(aux.detach()) > 0
+    gpt.eval()
+    with torch.no_grad():
+        _, eval_loss = gpt(idx, idx)
+    assert gpt.blocks[0].mlp.aux_loss is None
+    assert float(loss.detach()) == pytest.approx(float(eval_loss) + float(aux.detach()), rel=1e-6)

@@ -17,7 +17,10 @@ With ``n_experts > 1`` each block's MLP is a mixture of experts (`fp8lab.nn.MoE`
 an fp32 router ``blocks.{i}.mlp.router.weight [n_experts, d_model]`` sends each token to its
 ``top_k`` experts, each a SwiGLU of the sizes above (``blocks.{i}.mlp.gate.experts.{e}``, ``up``
 and ``down`` alike, `fp8lab.nn.GroupedLinear`), tokens dispatched in the recipe's ``[moe]
-dispatch`` format. ``n_experts = 1`` (the default) is the dense MLP, no router.
+dispatch`` format. ``n_experts = 1`` (the default) is the dense MLP, no router. ``router =
+"sigmoid"`` is DeepSeek-V3's router (its selection bias ``blocks.{i}.mlp.router.bias``, moved by
+``bias_update_speed`` each step; ``aux_loss_alpha > 0`` adds its sequence-wise balance loss to
+the training loss); ``"softmax"`` (the default) is Mixtral's.
 
 Attention runs in ``F.scaled_dot_product_attention``, except when the recipe the block's ``qkv``
 projection runs under (the one ``convert`` gave it, or an ``fp8lab.nn.autocast`` override) sets
@@ -43,7 +46,7 @@ from torch import nn
 
 from fp8lab.nn import DotProductAttention, GroupedLinear, MoE
 from fp8lab.nn.dpa import check_head_dim
-from fp8lab.nn.moe import check_experts
+from fp8lab.nn.moe import BIAS_UPDATE_SPEED, check_experts, check_router
 from fp8lab.nn.saved_activations import layer_recipe, save_quantized, saves_quantized, swiglu
 from fp8lab.recipe import Recipe
 
@@ -67,12 +70,17 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before q kᵀ
     n_experts: int = 1  # > 1: a mixture-of-experts MLP (fp8lab.nn.MoE)
     top_k: int = 1  # experts per token (<= n_experts)
+    router: str = "softmax"  # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3, with its balancing)
+    bias_update_speed: float = BIAS_UPDATE_SPEED  # sigmoid router: the bias step γ per step
+    aux_loss_alpha: float = 0.0  # sigmoid router: the sequence-wise balance loss weight α
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in OPTIONS:
                 _check_option(f.name, value)
+            elif f.name in _ROUTER_KEYS:
+                continue  # check_router below
             elif f.name in ("norm_eps", "init_std"):
                 if not (isinstance(value, int | float) and value > 0):
                     raise ValueError(f"GPTConfig.{f.name} must be > 0, got {value!r}")
@@ -83,6 +91,12 @@ class GPTConfig:
                 f"GPTConfig: d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
         check_experts(self.n_experts, self.top_k)
+        check_router(self.router, self.bias_update_speed, self.aux_loss_alpha)
+        if self.n_experts == 1 and self.router != "softmax":
+            raise ValueError(
+                f"GPTConfig: router = {self.router!r} routes tokens to experts; the dense MLP "
+                "(n_experts = 1) has no router (set n_experts > 1)"
+            )
         if self.n_experts > 1 and self.mlp != "swiglu":
             raise ValueError(
                 f"GPTConfig: n_experts = {self.n_experts} builds SwiGLU experts; mlp = "
@@ -111,7 +125,9 @@ def _check_option(name: str, value: object) -> None:
 
 #: the mixture-of-experts sizes and their defaults (``n_experts = 1``: the dense MLP, no
 #: router); absent from ``to_dict`` at the default too
-MOE_DEFAULTS = {"n_experts": 1, "top_k": 1}
+MOE_DEFAULTS = {"n_experts": 1, "top_k": 1, "router": "softmax",
+                "bias_update_speed": BIAS_UPDATE_SPEED, "aux_loss_alpha": 0.0}  # fmt: skip
+_ROUTER_KEYS = ("router", "bias_update_speed", "aux_loss_alpha")
 
 
 def without_default_options(d: dict) -> dict:
@@ -267,7 +283,8 @@ class Block(nn.Module):
 
 def _mlp(cfg: GPTConfig) -> nn.Module:
     if cfg.n_experts > 1:
-        return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k)
+        return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, router=cfg.router,
+                   bias_update_speed=cfg.bias_update_speed, aux_loss_alpha=cfg.aux_loss_alpha)  # fmt: skip
     if cfg.mlp == "smooth_swiglu":
         from fp8lab.nn import SmoothSwiGLU
 
@@ -320,6 +337,11 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+            # DeepSeek-V3's sequence-wise balance loss of each MoE block, when it has one
+            for block in self.blocks:
+                aux = getattr(block.mlp, "aux_loss", None)
+                if aux is not None:
+                    loss = loss + aux
         return logits, loss
 
     def num_params(self) -> int:

@@ -9,11 +9,24 @@ format, three `fp8lab.nn.GroupedLinear` expert GEMMs, and the weighted combine.
       --combine wire--> y[t] = sum over the token's k experts of gate * ys   [T, C]
 
 **Router.** ``logits = x W_rᵀ`` in fp32 (the router weight is a plain Parameter, never
-converted, and runs outside ``torch.autocast``; Megatron's ``--moe-router-dtype fp32``), the
-top-k logits per token and their softmax as gates: Mixtral's gating ``G(x) = Softmax(TopK(x
-W_g))`` (arXiv 2401.04088, eq. 1). DeepSeek-V3 gates with sigmoid affinities normalised over the
-selected experts and balances load with a bias instead of a loss (arXiv 2412.19437, section
-2.1.2); neither is modelled here, nor an auxiliary load-balancing loss.
+converted, and runs outside ``torch.autocast``; Megatron's ``--moe-router-dtype fp32``), then
+one of two scorings (``router``):
+
+* ``"softmax"`` (the default): the top-k logits per token and their softmax as gates:
+  Mixtral's gating ``G(x) = Softmax(TopK(x W_g))`` (arXiv 2401.04088, eq. 1).
+* ``"sigmoid"``: DeepSeek-V3 (arXiv 2412.19437, section 2.1.2; ``Gate.forward`` of
+  deepseek-ai/DeepSeek-V3 ``inference/model.py``): affinities ``s = sigmoid(logits)``, the
+  top-k of ``s + b`` selects the experts, the gates are the selected ``s`` normalised to sum 1
+  (the bias ``b`` is for selection only; no ``route_scale``, no group-limited routing).
+  Auxiliary-loss-free balancing: after each training forward (one per step in the lab) every
+  expert's bias moves by ``bias_update_speed`` towards balance, ``b_i += γ sign(mean_j c_j -
+  c_i)`` with ``c_i`` the tokens routed to expert ``i`` (the paper's "end of each step"; the
+  selection already made does not depend on it, so the step is the same). ``b`` is a buffer
+  (``router.bias``, checkpointed). Optional sequence-wise balance loss (``aux_loss_alpha`` =
+  α > 0, eqs. 17-20): per sequence of ``T`` tokens ``α Σ_i f_i P_i`` with ``f_i = N/(K T)
+  Σ_t 1(s_i,t in TopK(s_t))`` (the paper's top-k of the unbiased affinities) and ``P_i = 1/T
+  Σ_t s_i,t / Σ_j s_j,t``, averaged over the batch's sequences (`MoE.aux_loss`; the lab's GPT
+  adds it to its training loss).
 
 **Wire format** (the recipe's ``[moe] dispatch``, `fp8lab.recipe.MoEConfig`): the dispatch
 all-to-all sends the routed tokens in that format (forward) and the combine's backward sends the
@@ -38,7 +51,13 @@ from fp8lab.nn.saved_activations import swiglu
 from fp8lab.qtensor import QuantSpec, quantize
 from fp8lab.recipe import Recipe
 
-__all__ = ["WIRE_SPECS", "MoE", "Router", "check_experts", "wire", "wire_bytes"]
+__all__ = ["ROUTERS", "WIRE_SPECS", "MoE", "Router", "check_experts", "check_router", "wire",
+           "wire_bytes"]  # fmt: skip
+
+#: the router scorings: Mixtral's softmax over the top-k logits, DeepSeek-V3's sigmoid
+ROUTERS = ("softmax", "sigmoid")
+#: DeepSeek-V3's bias update speed γ (0.001 for most of its training)
+BIAS_UPDATE_SPEED = 0.001
 
 #: the quantization of each ``[moe] dispatch`` format (None: BF16 rounding)
 WIRE_SPECS: dict[str, QuantSpec | None] = {
@@ -96,21 +115,83 @@ def wire_bytes(rows: int, hidden: int, fmt: str) -> int:
 
 
 class Router(nn.Module):
-    """Top-k softmax gating in fp32 (see the module docstring). ``forward(x [T, C])`` ->
-    ``(gates [T, k] float32, experts [T, k] int64)``."""
+    """Top-k gating in fp32 (see the module docstring). ``forward(x [T, C], seq_len=None)`` ->
+    ``(gates [T, k] float32, experts [T, k] int64)``; ``seq_len``: tokens per sequence for the
+    sequence-wise balance loss (None: all ``T`` one sequence). After a training forward of a
+    sigmoid router with ``aux_loss_alpha > 0``, ``aux_loss`` holds that loss (else None)."""
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+    def __init__(self, d_model: int, n_experts: int, top_k: int, router: str = "softmax",
+                 bias_update_speed: float = BIAS_UPDATE_SPEED,
+                 aux_loss_alpha: float = 0.0) -> None:  # fmt: skip
         super().__init__()
         check_experts(n_experts, top_k)
-        self.n_experts, self.top_k = n_experts, top_k
+        check_router(router, bias_update_speed, aux_loss_alpha)
+        self.n_experts, self.top_k, self.router = n_experts, top_k, router
+        self.bias_update_speed, self.aux_loss_alpha = bias_update_speed, aux_loss_alpha
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
         nn.init.normal_(self.weight, 0.0, 0.02)
+        if router == "sigmoid":  # only then: a softmax router's state dict stays as it was
+            self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, router={self.router!r}"
+
+    def forward(
+        self, x: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.aux_loss = None
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
-            top, experts = torch.topk(logits, self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), experts
+            if self.router == "softmax":
+                top, experts = torch.topk(logits, self.top_k, dim=-1)
+                return torch.softmax(top, dim=-1), experts
+            s = torch.sigmoid(logits)
+            experts = torch.topk(s.detach() + self.bias, self.top_k, dim=-1).indices
+            w = s.gather(1, experts)
+            gates = w / w.sum(dim=-1, keepdim=True)
+            if self.training and torch.is_grad_enabled():
+                if self.aux_loss_alpha > 0:
+                    self.aux_loss = self._balance_loss(s, seq_len or s.shape[0])
+                if self.bias_update_speed > 0:
+                    self._update_bias(experts)
+            return gates, experts
+
+    @torch.no_grad()
+    def _update_bias(self, experts: torch.Tensor) -> None:
+        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        self.bias += self.bias_update_speed * torch.sign(load.mean() - load)
+
+    def _balance_loss(self, s: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss of affinities ``s [T, N]`` (module doc)."""
+        n, k = self.n_experts, self.top_k
+        seqs = s.reshape(-1, seq_len, n)  # [B, T, N]
+        picked = torch.topk(seqs.detach(), k, dim=-1).indices
+        counts = torch.zeros_like(seqs).scatter_(-1, picked, 1.0).sum(dim=1)  # [B, N]
+        f = counts * (n / (k * seq_len))
+        p = (seqs / seqs.sum(dim=-1, keepdim=True)).mean(dim=1)  # [B, N]
+        return self.aux_loss_alpha * (f * p).sum(dim=-1).mean()
+
+
+def check_router(router: Any, bias_update_speed: Any = BIAS_UPDATE_SPEED,
+                 aux_loss_alpha: Any = 0.0, where: str = "model") -> None:  # fmt: skip
+    """``ValueError`` naming ``where`` for an unknown router, a negative or non-numeric
+    ``bias_update_speed`` or ``aux_loss_alpha``, or either set away from its default with the
+    softmax router (they are DeepSeek-V3's sigmoid router's)."""
+    if router not in ROUTERS:
+        raise ValueError(f"{where}.router must be one of {ROUTERS}, got {router!r}")
+    for key, v in (("bias_update_speed", bias_update_speed), ("aux_loss_alpha", aux_loss_alpha)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+            raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
+    if router == "softmax":
+        for key, v, d in (("bias_update_speed", bias_update_speed, BIAS_UPDATE_SPEED),
+                          ("aux_loss_alpha", aux_loss_alpha, 0.0)):  # fmt: skip
+            if v != d:
+                raise ValueError(
+                    f"{where}.{key} = {v!r} is DeepSeek-V3's sigmoid router's; set "
+                    f"{where}.router = 'sigmoid' (the softmax router has no bias and no "
+                    "balance loss)"
+                )
 
 
 def check_experts(n_experts: Any, top_k: Any, where: str = "model") -> None:
@@ -131,6 +212,10 @@ class MoE(nn.Module):
     `GroupedLinear` of ``n_experts`` experts (``recipe=None``: plain torch experts, converted
     later by `fp8lab.nn.convert`). ``forward(x [..., d_model])`` -> same shape.
 
+    ``router``, ``bias_update_speed``, ``aux_loss_alpha``: the router's scoring and
+    DeepSeek-V3's balancing (module docstring); `aux_loss`: the last training forward's balance
+    loss (None when there is none).
+
     After each forward: ``last_tokens`` (tokens routed to each expert), ``last_wire_bytes``
     (``{"dispatch": .., "combine": ..}``, the forward sends) and the experts' padded rows
     (``gate.last_padded_rows``)."""
@@ -144,9 +229,12 @@ class MoE(nn.Module):
         *,
         recipe: Recipe | str | None = None,
         name: str | None = None,
+        router: str = "softmax",
+        bias_update_speed: float = BIAS_UPDATE_SPEED,
+        aux_loss_alpha: float = 0.0,
     ) -> None:
         super().__init__()
-        self.router = Router(d_model, n_experts, top_k)
+        self.router = Router(d_model, n_experts, top_k, router, bias_update_speed, aux_loss_alpha)
         pre = "" if name is None else f"{name}."
         kw: dict[str, Any] = {"recipe": recipe}
         self.gate = GroupedLinear(n_experts, d_model, d_ff, name=name and pre + "gate", **kw)
@@ -154,6 +242,11 @@ class MoE(nn.Module):
         self.down = GroupedLinear(n_experts, d_ff, d_model, name=name and pre + "down", **kw)
         self.last_tokens: list[int] = [0] * n_experts
         self.last_wire_bytes: dict[str, int] = {"dispatch": 0, "combine": 0}
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """The router's sequence-wise balance loss of the last training forward (or None)."""
+        return self.router.aux_loss
 
     def dispatch_format(self) -> str | None:
         """The recipe's ``[moe] dispatch`` (None: plain torch experts, nothing rounded)."""
@@ -163,7 +256,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        gates, experts = self.router(x2)
+        # the sequence-wise balance loss needs the sequences: x [..., seq, d_model]
+        gates, experts = self.router(x2, shape[-2] if x.dim() >= 3 else None)
         k = self.router.top_k
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
