@@ -116,11 +116,13 @@ def test_limited_kernel_any_worker_count(threads, workers):
     vb = quantize(torch.randn(k, n, generator=g), QuantSpec("e4m3", scaling=1.0)).values.double()
     one = torch.ones((1, 1), dtype=torch.float32)
     no_c = torch.zeros(0, n, dtype=torch.float64)
+    bp = np.empty((-(-k // 32) * (n // 8) * 32, 8))  # b's panels, as `_numba_sums` packs them
+    lim._pack_b(vb.numpy(), bp, 32)
     outs = []
     for kernel, w in ((lim._acc_sums_serial, 1), (lim._acc_sums, workers)):
         out = torch.zeros(m, n)
-        kernel(va.numpy(), vb.numpy(), no_c.numpy(), out.numpy(), one.numpy(), one.numpy(), 32,
-               4, 0, 39, False, 1, w)  # fmt: skip
+        kernel(va.numpy(), vb.numpy(), bp, no_c.numpy(), out.numpy(), one.numpy(), one.numpy(),
+               32, 4, 0, 39, False, 1, w)  # fmt: skip
         outs.append(out)
     assert outs[0].abs().sum() > 0
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))

@@ -14,14 +14,15 @@ from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.limited_torch import acc_step_torch, per_product_torch
 from fp8lab.gemm.operands import blocks as _blocks
 from fp8lab.gemm.operands import k_constant_scales as _k_constant_scales
+from fp8lab.gemm.simd import vadd, vcut, vfma, vload, vsplat, vstore
 from fp8lab.kernels import claim, parallel, use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["c_start", "check_promotion", "interval_scales", "limited", "output_scales"]
 
 _ROW_CHUNK = 64  # output rows per pass of the torch kernels on the CPU
-_RB = 32  # output rows per job of the numba kernel `_acc_sums` (a multiple of 4)
-_NT = 512  # output columns per job of `_acc_sums` (a group's b rows stay in L2)
+_RB = 64  # output rows per job of the numba kernel `_acc_sums` (a multiple of 4)
+_NT = 256  # output columns per job of `_acc_sums` (a multiple of 8; tile and panels in L2)
 _BATCH_K = 512  # K elements per batched group-sum GEMM
 
 
@@ -116,24 +117,62 @@ def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
             q += 1
 
 
+@njit(cache=True, inline="always")
+def _micro(tile, ti, ab, bp, nk, p0, j, drop, rne):  # pragma: no cover - numba
+    """Register tile of `_sums_job`: the group sums of 4 rows (``ab[q, i]``: row ``i``'s
+    ``q``-th element of the group) and 8 columns (``bp[p0 + q, :]``: the columns' ``q``-th
+    elements) over ``nk`` K elements, from +0 in K order (8 running sums in vector registers),
+    then ``tile[ti + i, j + l] = cut(tile[ti + i, j + l] + sum)``: per element the operations
+    of `_group_sums` and the cut."""
+    z = vsplat(0.0)
+    s00, s01, s10, s11, s20, s21, s30, s31 = z, z, z, z, z, z, z, z
+    for q in range(nk):
+        b0 = vload(bp, p0 + q, 0)
+        b1 = vload(bp, p0 + q, 4)
+        x = vsplat(ab[q, 0])
+        s00 = vfma(x, b0, s00)
+        s01 = vfma(x, b1, s01)
+        x = vsplat(ab[q, 1])
+        s10 = vfma(x, b0, s10)
+        s11 = vfma(x, b1, s11)
+        x = vsplat(ab[q, 2])
+        s20 = vfma(x, b0, s20)
+        s21 = vfma(x, b1, s21)
+        x = vsplat(ab[q, 3])
+        s30 = vfma(x, b0, s30)
+        s31 = vfma(x, b1, s31)
+    vstore(tile, ti, j, vcut(vadd(vload(tile, ti, j), s00), drop, rne))
+    vstore(tile, ti, j + 4, vcut(vadd(vload(tile, ti, j + 4), s01), drop, rne))
+    vstore(tile, ti + 1, j, vcut(vadd(vload(tile, ti + 1, j), s10), drop, rne))
+    vstore(tile, ti + 1, j + 4, vcut(vadd(vload(tile, ti + 1, j + 4), s11), drop, rne))
+    vstore(tile, ti + 2, j, vcut(vadd(vload(tile, ti + 2, j), s20), drop, rne))
+    vstore(tile, ti + 2, j + 4, vcut(vadd(vload(tile, ti + 2, j + 4), s21), drop, rne))
+    vstore(tile, ti + 3, j, vcut(vadd(vload(tile, ti + 3, j), s30), drop, rne))
+    vstore(tile, ti + 3, j + 4, vcut(vadd(vload(tile, ti + 3, j + 4), s31), drop, rne))
+
+
 @njit(cache=True)
-def _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne):  # pragma: no cover
+def _sums_job(job, va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne):  # pragma: no cover
     """Job ``job`` of `_acc_sums`: `_RB` output rows by `_NT` output columns, all of K.
 
     Per output element exactly the operations of `_acc_step` over the batched GEMM's group
     sums (`_group_sums`): ``acc = cut(acc + sum)`` per group and, every ``gpp`` groups, the
     promotion. The job's accumulators live in a local [`_RB`, `_NT`] tile (in cache), starting
-    at +0 or, when ``c`` has rows, at ``c``."""
+    at +0 or, when ``c`` has rows, at ``c``. Whole blocks of 8 columns take the register tile
+    (`_micro`); the last ``w % 8`` columns `_group_sums`."""
     m, ncols = out.shape
     k = va.shape[1]
+    last = m - 1
     ntiles = (ncols + _NT - 1) // _NT
     n0 = (job % ntiles) * _NT
     r0 = (job // ntiles) * _RB
     w = min(n0 + _NT, ncols) - n0
+    wv = w - w % 8
     dropu = np.uint64(drop)
     half_m1 = (np.uint64(1) << (dropu - np.uint64(1))) - np.uint64(1)
     mask = ~((np.uint64(1) << dropu) - np.uint64(1))
     s = np.empty((4, _NT), dtype=np.float64)
+    ab = np.empty((group, 4), dtype=np.float64)
     r1 = min(r0 + _RB, m)
     tile = np.zeros((_RB, _NT), dtype=np.float64)
     if c.shape[0]:
@@ -144,15 +183,26 @@ def _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne):  # p
     # then from cache for every 4 rows; each element still sees its groups in K order
     for g in range(ngroups):
         k0 = min(g * group, k)
+        nk = min(k0 + group, k) - k0  # groups past K (`limited` pads K to whole steps): +0
         for r4 in range(r0, r1, 4):
-            # groups past K (`limited` pads K to whole steps) sum to +0
-            _group_sums(s, va, vb, r4, k0, min(k0 + group, k), n0, w)
-            for r in range(r4, min(r4 + 4, r1)):
-                ar = tile[r - r0, :w]
-                sr = s[r - r4]
-                for j in range(w):
-                    ar[j] = _cut(ar[j] + sr[j], dropu, half_m1, mask, rne)
-                if gpp > 0 and (g + 1) % gpp == 0:
+            # the 4 rows' a values of this group, widened (exact) once for all column blocks;
+            # rows past M repeat the last one and are not kept
+            for q in range(nk):
+                for i in range(4):
+                    ab[q, i] = np.float64(va[min(r4 + i, last), k0 + q])
+            for j in range(0, wv, 8):
+                _micro(tile, r4 - r0, ab, bp, nk, (g * (ncols >> 3) + ((n0 + j) >> 3)) * group,
+                       j, drop, rne)  # fmt: skip
+            if wv < w:
+                _group_sums(s, va, vb, r4, k0, k0 + nk, n0 + wv, w - wv)
+                for r in range(r4, min(r4 + 4, r0 + _RB)):
+                    ar = tile[r - r0, wv:w]
+                    sr = s[r - r4]
+                    for j in range(w - wv):
+                        ar[j] = _cut(ar[j] + sr[j], dropu, half_m1, mask, rne)
+            if gpp > 0 and (g + 1) % gpp == 0:
+                for r in range(r4, min(r4 + 4, r1)):
+                    ar = tile[r - r0, :w]
                     s_r = sa[r, g // gpp]
                     sbt = sb[g // gpp, n0 : n0 + w]
                     outr = out[r, n0 : n0 + w]
@@ -167,8 +217,25 @@ def _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne):  # p
                 outr[j] += np.float32(_cut(ar[j] + 0.0, dropu, half_m1, mask, rne))
 
 
+@njit(cache=True)
+def _pack_b(vb, bp, group):  # pragma: no cover - numba
+    """b widened (exact) once per GEMM into the panels `_micro` reads: for K element
+    ``k = g * group + q`` and the whole blocks of 8 columns ``jb`` of ``vb`` [K, N] (any
+    strides), ``bp[(g * (N // 8) + jb) * group + q, l] = float64(vb[k, 8 * jb + l])``. A
+    `_micro` call reads 64 contiguous bytes per K element and a job's panels of one group are
+    contiguous: rows of b a power of two apart would share cache sets."""
+    nb = vb.shape[1] // 8
+    for kk in range(vb.shape[0]):  # serial: 1/M of the kernel's work
+        g, q = kk // group, kk % group
+        for jb in range(nb):
+            row = vb[kk, 8 * jb : 8 * jb + 8]
+            dst = bp[(g * nb + jb) * group + q]
+            for i in range(8):
+                dst[i] = np.float64(row[i])
+
+
 @njit(parallel=True, cache=True)
-def _acc_sums(va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+def _acc_sums(va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
     """The limited model (not per product) over float32 ``va`` [M, K] and float64 ``vb``
     [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
     accumulator starting at ``c`` [M, N] float64 (or +0 when ``c`` has no rows), promoted into
@@ -179,15 +246,16 @@ def _acc_sums(va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, work
     for _ in prange(workers):
         job = claim(counter)
         while job < jobs:
-            _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne)
+            _sums_job(job, va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne)
             job = claim(counter)
 
 
 @njit(cache=True)
-def _acc_sums_serial(va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
+def _acc_sums_serial(va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs,
+                     workers):  # fmt: skip
     """`_acc_sums` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
-        _sums_job(job, va, vb, c, out, sa, sb, group, ngroups, gpp, drop, rne)
+        _sums_job(job, va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
@@ -317,16 +385,22 @@ def _numba_sums(a, b, out, acc0, kp, span, grp, gpp, drop, rne) -> None:
     ``out`` over jobs the threads claim (`fp8lab.kernels`); ``kp``: K padded to whole steps."""
     m, k = a.shape
     n = b.shape[1]
-    # a is read as float32 (each job widens its few a values); b's rows are read once per
-    # 4 output rows, so they are widened once here. The accumulators live in each job's tile.
-    va = a.values.float().contiguous()
-    vb = b.values.to(torch.float64).contiguous()
+    # both operands are read where they lie, float32 and in any strides (a transposed view
+    # too): each job widens the values it uses into its packed panels. The accumulators live in
+    # each job's tile.
+    va, vb = a.values.float(), b.values.float()
     # c enters the first MMA step, as the accumulator's float64 start (no rows: +0)
-    c = acc0.to(torch.float64).contiguous() if acc0 is not None else vb[:0]
+    c = (
+        acc0.to(torch.float64).contiguous()
+        if acc0 is not None
+        else torch.zeros((0, 0), dtype=torch.float64)
+    )
     sa, sb = interval_scales(a, b, kp, span) if gpp else (out[:1, :1],) * 2
     jobs = -(-m // _RB) * -(-n // _NT)
+    bp = np.empty((-(-k // grp) * (n // 8) * grp, 8), dtype=np.float64)
+    _pack_b(vb.numpy(), bp, grp)
     kernel = _acc_sums if parallel(m * n * k) else _acc_sums_serial
-    kernel(va.numpy(), vb.numpy(), c.numpy(), out.numpy(), sa.numpy(), sb.numpy(), grp,
+    kernel(va.numpy(), vb.numpy(), bp, c.numpy(), out.numpy(), sa.numpy(), sb.numpy(), grp,
            kp // grp, gpp, drop, rne, jobs, numba.get_num_threads())  # fmt: skip
 
 
