@@ -38,3 +38,14 @@ def test_resume_is_bit_identical(tmp_path, kw):
     assert [r["train_loss"] for r in resumed.records] == [r["train_loss"] for r in full.records]
     sa, sb = resumed.model.state_dict(), full.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.no_arithmetic
+def test_fp8_parameters_are_refused_with_fsdp():
+    """The documented refusal (docs/recipes.md): FP8 storage re-quantizes each rank's shard after
+    the optimizer step, which under FSDP would scale a shard by its own amax."""
+    from fp8lab.lab.parts import build_run_parts
+
+    recipe = fp8lab.get_recipe("te-current").replace(param_storage="fp8")
+    with pytest.raises(ValueError, match="param_storage = 'fp8' is simulated on unsharded"):
+        build_run_parts(CFG, recipe, fsdp=True)
