@@ -9,10 +9,10 @@ other probe. Two additions, both built on the runner's own resume:
   equals an uninterrupted one.
 - ``start``: the checkpoint of *another* run (another recipe), or of the user's own loop
   (`fp8lab.lab.debug.start`), to continue from. The lab refuses such a resume for users; the
-  debugger converts the checkpoint explicitly (:func:`convert_checkpoint`: the weights and
-  optimizer moments are kept, the loss scaler is the new recipe's fresh one and so is the
-  scaling state, except on layers saved under the same numerics) and writes it as the probe's
-  own.
+  debugger converts the checkpoint explicitly (:func:`convert_checkpoint`: the weights,
+  optimizer moments and master weights are kept, the loss scaler is the new recipe's fresh one
+  and so is the scaling state, except on layers saved under the same numerics) and writes it as
+  the probe's own.
 
 :class:`TaskPool` (the lab's one pool, `fp8lab.lab.pool.WorkerPool`) runs module-level functions
 ``jobs`` at a time in spawned processes (or in this process for ``jobs=1``), forwarding their
