@@ -28,6 +28,7 @@ def _t(i, o, t):
     return t * i, o * i, t * o  # elements of x, W, dy
 
 
+@pytest.mark.slow  # counting nvfp4-te's RHT step takes ~2 s
 def test_rht_flops_are_counted_and_hidden_when_fused():
     dev = _dev()
     lins, t = ALIGNED
@@ -44,6 +45,7 @@ def test_rht_flops_are_counted_and_hidden_when_fused():
     assert te.layer_ms == pytest.approx(plain.layer_ms, rel=1e-12)
 
 
+@pytest.mark.slow  # counting nvfp4-te's RHT step takes ~2 s
 def test_unfused_rht_costs_the_derived_extra_kernel():
     # T = 1000 is not a multiple of 64: TE writes RHT(x^T) in bf16 (read 2 B + write 2 B per
     # element) and quantizes that copy with its own kernel (another 2 B read per element)
