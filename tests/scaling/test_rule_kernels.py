@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from fp8lab.qtensor.nvfp4 import second_level_amax
 from fp8lab.scaling import rules
 from fp8lab.scaling.rule_kernels import (
     MX_RULES,
@@ -16,6 +17,7 @@ from fp8lab.scaling.rule_kernels import (
     _mx_rule_scales,
     max_rule_scales,
     mx_rule_scales,
+    nvfp4_rule_scales,
 )
 
 F32 = np.float32
@@ -136,3 +138,23 @@ def test_max_kernel_options_are_max_scales():
         max_rule_scales(amax, "e4m3", marginn=1)
     with pytest.raises(TypeError):
         max_rule_scales(amax, "e4m3", 2)  # margin is keyword-only, as in max_scale
+
+
+@pytest.mark.parametrize(
+    "block, row_scaled, tensor_scale",
+    [((1, 16), False, None), ((1, 16), True, None), ((16, 1), True, None), ((16, 16), False, None),
+     ((1, 16), False, 0.37), ((1, 16), False, 1e-38), ((1, 16), False, 3e38)],
+)  # fmt: skip
+def test_nvfp4_rule_kernel_equals_rule(block, row_scaled, tensor_scale):
+    # block amaxes over the whole float32 range (NaN is never an amax: block_amax ignores it),
+    # laid out [nr, nc] so that rows and columns hold every range; then the same scaled into
+    # the top and bottom of the range, and all zeros (the second level's amax-0 rule)
+    v = float32_sweep().abs()
+    v = v[~torch.isnan(v)]
+    v = torch.cat([v, v.new_zeros(64 - v.numel() % 64)]).reshape(-1, 64)
+    for amax in (v, v[:, :8] * 2.0**100, v[:7] * 2.0**-100, torch.zeros(5, 3)):
+        got = nvfp4_rule_scales(amax, block, row_scaled, tensor_scale)
+        g_amax = None if tensor_scale is not None else second_level_amax(amax, block, row_scaled)
+        s_blk, s_dec, enc = rules.nvfp4_scales(amax, g_amax, "e2m1", tensor_scale=tensor_scale)
+        for a, b in zip(got, (enc, s_blk, s_dec), strict=True):
+            assert same_bits(a, b), (block, row_scaled, tensor_scale)

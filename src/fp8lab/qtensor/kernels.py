@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from numba import njit
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import cast, get_format
+from fp8lab.formats.rounding import _grids, _seed, _sr_one
 from fp8lab.kernels import use_torch
 from fp8lab.qtensor.kernels_torch import block_amax as _t_block_amax
 from fp8lab.qtensor.kernels_torch import max_abs_diff as _t_max_abs_diff
@@ -250,6 +251,78 @@ def _walk_narrow(x, rows, cols, bm, bk, mult, inv, of, df, op, g):  # pragma: no
 _NARROW = 32
 
 
+# ------------------------------------------------------------- stochastic and two-level casts
+# The cast pass of stochastic rounding and of NVFP4's two-level dequantized copy, one pass over
+# x instead of three (multiply, `fp8lab.cast`, dequantize, then the second-level multiply):
+# ``of = cast(x * s)`` with ``s`` the block's multiplier, rounded nearest-even (`_rne_sat`) or
+# stochastically (`fp8lab.formats.rounding._sr_one`, the random bits of element ``r * cols + c``
+# under the call's seed: what `fp8lab.cast` draws for the flat [R, C] tensor), and
+# ``df = fl32(of * inv) * gd`` (``gd``: the block's second-level scale; 1 for one-level specs).
+@njit(cache=True)
+def _segx_rne(xs, os, ds, sv, iv, gv, deq, g):  # pragma: no cover - numba
+    """One row segment, per-element factors (``sv``, ``iv``, ``gv``), nearest even."""
+    if deq:
+        for i in range(xs.shape[0]):
+            v = _rne_sat(xs[i] * sv[i], g)
+            os[i] = v
+            ds[i] = (v * iv[i]) * gv[i]
+    else:
+        for i in range(xs.shape[0]):
+            os[i] = _rne_sat(xs[i] * sv[i], g)
+
+
+@njit(cache=True)
+def _segx_sr(xs, os, ds, sv, iv, gv, deq, sg, seed, i0):  # pragma: no cover - numba
+    """`_segx_rne` with stochastic rounding onto the fast grid ``sg``; ``i0``: the flat index
+    of ``xs[0]`` (the random stream's counter)."""
+    for i in range(xs.shape[0]):
+        u = _f32_to_u32(np.float32(xs[i] * sv[i]))
+        v = _u32_to_f32(np.uint32(_sr_one(u, i0 + i, sg, 3, seed, 0)))
+        os[i] = v
+        if deq:
+            ds[i] = (v * iv[i]) * gv[i]
+
+
+@njit(cache=True)
+def _expand_blocks(row, bk, cols, out):  # pragma: no cover - numba
+    """``out[c] = row[c // bk]`` for ``c < cols`` without a division per element."""
+    n = cols // bk
+    for cb in range(n):
+        v = row[cb]
+        for t in range(bk):
+            out[cb * bk + t] = v
+    for c in range(n * bk, cols):
+        out[c] = row[n]
+
+
+@njit(cache=True)
+def _walk_ext(
+    x, rows, cols, bm, bk, mult, inv, gd, of, df, deq, sr, g, sg, seed
+):  # pragma: no cover
+    """The cast pass (section comment) over flat float32 [rows, cols] arrays with ``[nr, nc]``
+    factors, rows in memory order, each row one sweep with one factor per element: a block one
+    column wide (e.g. NVFP4's 16x1 column copy) reads its block row's factor rows in place,
+    wider blocks expand them once per block row."""
+    nc = mult.shape[1]
+    sv = np.empty(cols, dtype=np.float32)
+    iv = np.empty(cols if deq else 0, dtype=np.float32)
+    gv = np.empty(cols if deq else 0, dtype=np.float32)
+    for br in range(mult.shape[0]):
+        if bk == 1 and nc == cols:
+            sv, iv, gv = mult[br], inv[br], gd[br]
+        else:
+            _expand_blocks(mult[br], bk, cols, sv)
+            if deq:
+                _expand_blocks(inv[br], bk, cols, iv)
+                _expand_blocks(gd[br], bk, cols, gv)
+        for r in range(br * bm, min((br + 1) * bm, rows)):
+            a, b = r * cols, (r + 1) * cols
+            if sr:
+                _segx_sr(x[a:b], of[a:b], df[a:b], sv, iv, gv, deq, sg, seed, a)
+            else:
+                _segx_rne(x[a:b], of[a:b], df[a:b], sv, iv, gv, deq, g)
+
+
 def _walk(x, rows: int, cols: int, m: int, k: int, mult, inv, of, df, op: int, g: RneGrid) -> None:
     """`_walk_blocks` or, for narrow blocks, `_walk_narrow` (flat float32 numpy arrays)."""
     kernel = _walk_narrow if (k < _NARROW and k < cols) else _walk_blocks
@@ -320,6 +393,19 @@ def _fast_params_for(fmt_name: str, rounding: str, saturate: bool) -> RneGrid | 
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _sr_grid_for(fmt_name: str, saturate: bool) -> Any:
+    return _grids(get_format(fmt_name), saturate, 3)[1]
+
+
+def _sr_grid(spec: QuantSpec) -> Any:
+    """`fp8lab.cast`'s fast-kernel record of the spec's format for stochastic rounding, or None
+    (another rounding, or a format the fast kernel cannot describe)."""
+    if spec.rounding != "stochastic":
+        return None
+    return _sr_grid_for(spec.format, spec.saturate)
+
+
 def _block_amax_fast(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Per-block NaN-ignoring amax of a contiguous float32 [R, C] tensor (numba)."""
     rows, cols = x2.shape
@@ -387,6 +473,21 @@ def scale_cast(
     mult_np = np.ascontiguousarray(mult.to(torch.float32).numpy())
     xf = x2.view(-1).numpy()
     of = out.view(-1).numpy()
+    sg = _sr_grid(spec) if g is None else None
+    if sg is not None or (g is not None and global_scale is not None and deq is not None):
+        # stochastic rounding, or a two-level (NVFP4) dequantized copy: one fused pass
+        nr, nc = mult_np.shape
+        want = deq is not None
+        inv_np, gd, df = mult_np, mult_np, of
+        if want:
+            inv_np = np.ascontiguousarray(inv.to(torch.float32).reshape(nr, nc).numpy())
+            gs = torch.ones(()) if global_scale is None else global_scale.to(torch.float32)
+            gd = np.ascontiguousarray(gs.expand(nr, nc).numpy())
+            df = deq.view(-1).numpy()
+        seed = _seed(generator) if sg is not None else 0
+        _walk_ext(xf, rows, cols, m, k, mult_np, inv_np, gd, of, df, want, sg is not None,
+                  _NO_GRID if g is None else g, sg or _sr_grid_for("e2m1", True), seed)  # fmt: skip
+        return out
     if g is not None:
         if deq is None:
             _walk(xf, rows, cols, m, k, mult_np, mult_np, of, of, _CAST, g)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from fp8lab._counters import read_counts
+from fp8lab.kernels import use_torch
 from fp8lab.qtensor.kernels import _fast_params, block_amax, scale_cast
 from fp8lab.qtensor.nvfp4 import four_over_six_scales, second_level_amax
 from fp8lab.qtensor.spec import QuantSpec, split_state
@@ -36,7 +37,14 @@ from fp8lab.qtensor.transforms import transform_along
 from fp8lab.scaling import rules as _rules
 from fp8lab.scaling.delayed import DelayedScaling
 from fp8lab.scaling.granularity import check_fit, num_blocks, resolve_block
-from fp8lab.scaling.rule_kernels import MX_RULES, max_rule_args, mx_rule_args, run_rule
+from fp8lab.scaling.rule_kernels import (
+    MX_RULES,
+    max_rule_args,
+    mx_rule_args,
+    nvfp4_fast_ok,
+    nvfp4_rule_scales,
+    run_rule,
+)
 
 __all__ = [
     "POOL",
@@ -65,8 +73,8 @@ class Quantizer:
     ``QuantSpec(scaling=DelayedScaling(...))`` is split into its configuration and that state.
     """
 
-    __slots__ = ("_geom", "_grid", "_rule", "_rule_args", "_t", "_transform_axis", "block",
-                 "delayed", "spec", "throwaway")  # fmt: skip
+    __slots__ = ("_geom", "_grid", "_nvfp4_fast", "_rule", "_rule_args", "_t", "_transform_axis",
+                 "block", "delayed", "spec", "throwaway")  # fmt: skip
 
     def __init__(self, spec: QuantSpec, delayed: DelayedScaling | None = None) -> None:
         if not isinstance(spec, QuantSpec):
@@ -90,6 +98,9 @@ class Quantizer:
         self._rule = sc if isinstance(sc, str) else None
         self._rule_args = _rule_args(spec)
         self._grid = _fast_params(spec)
+        self._nvfp4_fast = sc == "nvfp4" and nvfp4_fast_ok(
+            spec.format, spec.scale_format, spec.two_level
+        )
         self._transform_axis = spec.transform_axis  # read once: quantize is the hot path
         self._geom: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._t: Quantizer | None = None
@@ -205,6 +216,9 @@ class Quantizer:
                 return four_over_six_scales(
                     x2, amax, (m, k), spec.four_over_six, bound, spec.row_scaled
                 )
+            if self._nvfp4_fast and not use_torch(amax, what="scale rule"):
+                # the rule in one numba pass over the block amaxes (bit for bit nvfp4_scales)
+                return nvfp4_rule_scales(amax, (m, k), spec.row_scaled, spec.tensor_scale)
             tensor_amax = None
             if spec.two_level:
                 tensor_amax = second_level_amax(amax, (m, k), spec.row_scaled)

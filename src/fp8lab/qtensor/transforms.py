@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
+from numba import njit
+
+from fp8lab.kernels import use_torch
 
 __all__ = ["RHT_SIGNS", "hadamard_matrix", "hadamard_transform", "rht16", "transform_along"]
 
@@ -83,7 +87,12 @@ def _apply(x: torch.Tensor, n: int, signed: bool, what: str) -> torch.Tensor:
     if not x.numel():  # an empty batch (zero tokens): nothing to transform
         return x.detach().to(torch.bfloat16)
     m = _matrix(n, signed).to(device=x.device, dtype=torch.float32)
-    xb = x.detach().to(torch.bfloat16).to(torch.float32).reshape(-1, c // n, n)
+    xb = x.detach().to(torch.bfloat16).to(torch.float32)
+    if not use_torch(xb, what="hadamard transform"):
+        acc = torch.empty((xb.numel() // n, n), dtype=torch.float32)
+        _block_products(xb.reshape(-1, n).contiguous().numpy(), m.numpy(), acc.numpy())
+        return acc.to(torch.bfloat16).reshape(x.shape)
+    xb = xb.reshape(-1, c // n, n)
     # index order: acc = p_0; acc = acc + p_1; ... one FP32 rounding per addition
     acc = xb[..., 0, None] * m[0]
     for i in range(1, n):
@@ -127,3 +136,33 @@ def transform_along(x2: torch.Tensor, axis: int, n: int, signed: bool, what: str
     src = x2 if axis == 1 else x2.t()
     out = _apply(src, n, signed, what).to(torch.float32)
     return (out if axis == 1 else out.t()).contiguous()
+
+
+@njit(cache=True)
+def _block_products(xb, m, out):  # pragma: no cover - numba
+    """``out[g, j] = sum_i xb[g, i] * m[i, j]`` summed in FP32 in index order (the module doc's
+    arithmetic; the products are exact, so a fused multiply-add gives the same sums). Vectorised
+    over blocks: ``_GROUPS`` blocks at a time are transposed into a scratch so that each
+    addition runs over contiguous lanes, one block per lane, all in L1."""
+    n = m.shape[0]
+    ng = xb.shape[0]
+    xt = np.empty((n, _GROUPS), dtype=np.float32)
+    acc = np.empty(_GROUPS, dtype=np.float32)
+    for g0 in range(0, ng, _GROUPS):
+        nb = min(_GROUPS, ng - g0)
+        for b in range(nb):
+            for i in range(n):
+                xt[i, b] = xb[g0 + b, i]
+        for j in range(n):
+            m0 = m[0, j]
+            for b in range(nb):
+                acc[b] = xt[0, b] * m0
+            for i in range(1, n):
+                mij = m[i, j]
+                for b in range(nb):
+                    acc[b] = acc[b] + xt[i, b] * mij
+            for b in range(nb):
+                out[g0 + b, j] = acc[b]
+
+
+_GROUPS = 128  # blocks per vectorised sweep: 128 x 32 float32 = 16 KiB of transposed input

@@ -20,11 +20,13 @@ from numba import njit
 from fp8lab._bits import f32_to_u32 as _f32_to_u32
 from fp8lab._bits import u32_to_f32 as _u32_to_f32
 from fp8lab.formats import FloatFormat, get_format
+from fp8lab.formats import rounding as _rounding
 from fp8lab.kernels import use_torch
 from fp8lab.scaling import rules
 from fp8lab.scaling.rules import max_scale
 
 __all__ = ["MX_RULES", "max_rule_args", "max_rule_scales", "mx_rule_args", "mx_rule_scales",
+           "nvfp4_fast_ok", "nvfp4_rule_scales",
            "run_rule"]  # fmt: skip
 
 MX_RULES = ("mx_floor", "mx_ceil", "mx_even", "mx_rceil")
@@ -186,3 +188,105 @@ def _mx_rule_scales(amax_bits, mode, emax, mbits, fmax_recip, s_out, inv_out):  
         else:
             s_out[i] = _pow2(127 - code)
             inv_out[i] = _pow2(code - 127)
+
+
+# ------------------------------------------------------------------------------------ NVFP4
+# second-level modes of `_nvfp4_rule_scales`: the tensor's amax, one amax per block row or per
+# block column (``row_scaled``), a static tensor_scale
+_NV_TENSOR, _NV_ROWS, _NV_COLS, _NV_STATIC = 0, 1, 2, 3
+
+
+def nvfp4_fast_ok(spec_format: str, scale_format: str, two_level: bool) -> bool:
+    """Whether `nvfp4_rule_scales` computes a spec's NVFP4 rule: E2M1 elements, E4M3 block
+    scales, the two-level rule (the default NVFP4 spec); other variants take
+    `fp8lab.scaling.rules.nvfp4_scales`."""
+    return spec_format == "e2m1" and scale_format == "e4m3" and two_level
+
+
+def nvfp4_rule_scales(
+    amax: torch.Tensor,
+    block: tuple[int, int],
+    row_scaled: bool = False,
+    tensor_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fp8lab.scaling.rules.nvfp4_scales` (E2M1, E4M3 block scales, ``block_order="kernel"``)
+    with its second-level amax (`fp8lab.qtensor.nvfp4.second_level_amax`: the tensor's, or per
+    row / column when ``row_scaled``) or the static ``tensor_scale``, in one numba pass over the
+    float32 block amaxes ``[nr, nc]`` (``block``: the resolved block, whose first side decides
+    rows (1) or columns (> 1) when row-scaled).
+
+    Returns ``(enc, s_blk, s_dec)``: the per-block multiplier and E4M3 scale ``[nr, nc]`` and
+    the FP32 second-level dequantization scale (0-d, or ``[nr, 1]`` / ``[1, nc]`` when
+    row-scaled), bit for bit the torch rule's. CPU tensors only."""
+    a = np.ascontiguousarray(amax.to(torch.float32).numpy())
+    nr, nc = a.shape
+    if tensor_scale is not None:
+        mode, ng = _NV_STATIC, 1
+    elif row_scaled:
+        mode, ng = (_NV_ROWS, nr) if block[0] == 1 else (_NV_COLS, nc)
+    else:
+        mode, ng = _NV_TENSOR, 1
+    ts = np.float32(0.0 if tensor_scale is None else tensor_scale)  # fl32, as torch.tensor(ts)
+    enc = np.empty((nr, nc), dtype=np.float32)
+    s_blk = np.empty((nr, nc), dtype=np.float32)
+    dec = np.empty(ng, dtype=np.float32)
+    _nvfp4_rule_scales(a, mode, ts, _e4m3_grid(), enc, s_blk, dec)
+    s_dec = torch.from_numpy(dec)
+    s_dec = s_dec.reshape(()) if mode in (_NV_TENSOR, _NV_STATIC) else (
+        s_dec.reshape(nr, 1) if mode == _NV_ROWS else s_dec.reshape(1, nc))  # fmt: skip
+    return torch.from_numpy(enc), torch.from_numpy(s_blk), s_dec
+
+
+def _e4m3_grid() -> Any:
+    """The fast-cast record of E4M3, nearest even, saturating (`fp8lab.cast`'s own)."""
+    return _rounding._grids(get_format("e4m3"), True, 0)[1]
+
+
+@njit(cache=True, error_model="numpy")  # IEEE division: 1 / 0 -> inf
+def _nvfp4_rule_scales(amax, mode, tensor_scale, g, enc, s_blk, dec):  # pragma: no cover
+    """`fp8lab.scaling.rules.nvfp4_scales` over ``amax [nr, nc]`` with the same float32
+    operations (each rounded once; `_det_one` is `fp8lab.cast`'s E4M3 rounding):
+
+    1. second-level amax ``ga`` (`_NV_*` modes), ``s_enc = min(fl32(448 * 6) / ga, FLT_MAX)``, 1
+       where ``ga`` is 0 or ``s_enc`` is 0, ``s_dec = 1 / s_enc``; static: ``s_dec =
+       tensor_scale``, ``s_enc = min(1 / s_dec, FLT_MAX)``;
+    2. ``s_blk = e4m3(clamp(amax * fl32(s_enc * fl32(1/6)), +-448))`` (RNE, saturating);
+    3. ``enc = min(1 / fl32(s_blk * s_dec), FLT_MAX)``.
+    """
+    nr, nc = amax.shape
+    flt_max = np.float32(3.4028234663852886e38)
+    one = np.float32(1.0)
+    inv6 = np.float32(one / np.float32(6.0))
+    top = np.float32(2688.0)  # fl32(448) * fl32(6), exact
+    smax = np.float32(448.0)
+    # the second-level amaxes
+    if mode == 3:
+        dec[0] = tensor_scale
+    else:
+        for i in range(dec.shape[0]):
+            dec[i] = np.float32(0.0)
+        for br in range(nr):
+            for cb in range(nc):
+                j = 0 if mode == 0 else (br if mode == 1 else cb)
+                dec[j] = max(dec[j], amax[br, cb])
+    # dec holds the amaxes (or the static scale); becomes s_dec, with s_enc kept per entry
+    encs = np.empty(dec.shape[0], dtype=np.float32)
+    for j in range(dec.shape[0]):
+        if mode == 3:
+            se = min(np.float32(one / dec[j]), flt_max)
+        else:
+            ga = dec[j]
+            se = min(np.float32(top / ga), flt_max)
+            if ga == np.float32(0.0) or se == np.float32(0.0):
+                se = one
+            dec[j] = np.float32(one / se)
+        encs[j] = np.float32(se * inv6)
+    for br in range(nr):
+        for cb in range(nc):
+            j = 0 if (mode == 0 or mode == 3) else (br if mode == 1 else cb)
+            pre = np.float32(amax[br, cb] * encs[j])
+            pre = min(max(pre, -smax), smax)
+            sb = _u32_to_f32(np.uint32(_rounding._det_one(_f32_to_u32(pre), g, 0)))
+            sd = dec[j]
+            s_blk[br, cb] = sb
+            enc[br, cb] = min(np.float32(one / np.float32(sb * sd)), flt_max)
