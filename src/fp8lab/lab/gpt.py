@@ -283,8 +283,10 @@ class Block(nn.Module):
 
 def _mlp(cfg: GPTConfig) -> nn.Module:
     if cfg.n_experts > 1:
-        return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, router=cfg.router,
-                   bias_update_speed=cfg.bias_update_speed, aux_loss_alpha=cfg.aux_loss_alpha)  # fmt: skip
+        return MoE(
+            cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, router=cfg.router,
+            bias_update_speed=cfg.bias_update_speed, aux_loss_alpha=cfg.aux_loss_alpha,
+        )  # fmt: skip
     if cfg.mlp == "smooth_swiglu":
         from fp8lab.nn import SmoothSwiGLU
 

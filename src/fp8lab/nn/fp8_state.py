@@ -224,11 +224,11 @@ def load_fp8_state(
     (:func:`fp8_state_dict`, e.g. a debug checkpoint's ``"fp8_state"``). ``layers``: only these
     converted layers (qualified names; default all; a routed attention's state is named
     ``<attention module>.dpa`` and is loaded into its `DotProductAttention`, made now when it
-    has not run yet, which checks the saved recipe at its first forward). Every error is a ValueError naming the
-    file: unreadable, a layer saved under another recipe (the saved numerics are named), a
-    mismatched history length, with ``strict`` (the default) a converted layer the file
-    has no state for, or state for a layer that is not converted (or for attention that does
-    not run fp8lab's), and with ``check_weights``
+    has not run yet, which checks the saved recipe at its first forward). Every error is a
+    ValueError naming the file: unreadable, a layer saved under another recipe (the saved
+    numerics are named), a mismatched history length, with ``strict`` (the default) a
+    converted layer the file has no state for, or state for a layer that is not converted (or
+    for attention that does not run fp8lab's), and with ``check_weights``
     (the default) a file saved with other weights than ``model``'s (its recorded
     :func:`weights_sha256`; a file without it, or tensors given directly, are not checked)."""
     if isinstance(path, Mapping):
