@@ -38,9 +38,11 @@ tested against an exact-rational transcription of the steps above (tests/gemm/te
 GEMMs with an inf/NaN operand take ``_step64`` (the fast kernel's int32 truncation would turn a
 NaN term into garbage). `fp8lab.gemm.fused_torch` is the same model in torch tensor operations
 for any device, bit for bit these kernels (tests/gemm/test_torch_kernels.py).
-The fast kernel's two sweeps (the exponent max, the truncated terms) take the group's nonzero K
-elements four at a time, keeping each lane's running max or sum in a register in the same K order:
-the sweeps are bound by loads and stores, and this cut the time at 2048^3 by ~30% on AVX-512.
+The fast kernel's two sweeps (the exponent max, the truncated terms) run over a register tile
+of two output rows by 32 columns (`fp8lab.gemm.simd` vectors): each lane's running max and sum
+stay in registers through the group, and each load of b (from panels packed once per GEMM,
+`_pack_b`) serves both rows. The max chain keeps K order; the sums are exact integers, in any
+order the same bits.
 """
 
 from __future__ import annotations
@@ -57,12 +59,24 @@ from fp8lab.gemm.accumulator import Accumulator
 from fp8lab.gemm.fused_torch import fused_dots_torch, fused_gemm_torch, pow2_exponents
 from fp8lab.gemm.fused_triton import fits, fused_gemm_triton, triton_mode, verified_kernel
 from fp8lab.gemm.limited import c_start, check_promotion, interval_scales, output_scales
+from fp8lab.gemm.simd import (
+    vadd,
+    vand_bits,
+    vdiv,
+    vload,
+    vmask_outside,
+    vmax,
+    vmul,
+    vsplat,
+    vstore,
+    vtrunc_i32,
+)
 from fp8lab.kernels import claim, parallel, use_torch
 from fp8lab.qtensor import QTensor
 
 __all__ = ["fast_path_applies", "fused", "fused_dot", "pow2_exponents"]
 
-_NT = 512  # output columns per tile of the fast kernel (long SIMD loops; b rows stay in L2)
+_NT = 512  # output columns per job of the fast kernel (a multiple of 32; its b panels in L2)
 _RB = 16  # output rows per job of the fast kernel
 _LO = np.float32(2.0**-100)  # 2**E outside (_LO, _HI): a lane of the fast kernel falls back
 _HI = np.float32(2.0**100)
@@ -210,111 +224,179 @@ def _fused_general_serial(va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_b
 
 
 @njit(cache=True, inline="always")
-def _four_terms(xa, xb, r, nzk, q, n0, w):  # pragma: no cover - numba
-    """The K elements ``nzk[q:q+4]`` of row ``r``: their four ``xa[r, k]`` and the four row
-    slices ``xb[k, n0:n0+w]`` (row slices: 2-D indexing is 4x slower)."""
-    k1, k2, k3, k4 = nzk[q], nzk[q + 1], nzk[q + 2], nzk[q + 3]
-    c = slice(n0, n0 + w)
-    return xa[r, k1], xa[r, k2], xa[r, k3], xa[r, k4], xb[k1, c], xb[k2, c], xb[k3, c], xb[k4, c]
+def _fast_block(cbuf, xa, xp, dk, nz, vbp, pbp, p0, j, scale_f, inv_f, mask):
+    """One MMA step for two output rows by 32 output columns, in 2 x 4 float32 vectors: row
+    ``i``'s c in ``cbuf[i, j : j + 32]``, its step result written back there. The group's K
+    elements where either row's a is nonzero: row ``i``'s values ``xa[i, :nz]`` and powers of
+    two ``xp[i, :nz]`` (a zero is a zero product: no term in pass 1, +0 in pass 2), their K
+    offsets in the group ``dk[:nz]``; ``vbp``/``pbp`` row ``p0 + dk[q]`` holds the 32 columns'
+    b values and powers of two (`_pack_b`), each load serving both rows. Per lane the
+    operations of the scalar sweeps, with the running max and the sums of the truncated terms
+    in registers. Returns per row the bit mask of lanes whose ``2**E`` is outside (`_LO`,
+    `_HI`): those need `_step64`."""
+    e = np.uint32(0x7F800000)
+    c0, c1, c2, c3 = (vload(cbuf, 0, j), vload(cbuf, 0, j + 8), vload(cbuf, 0, j + 16),
+                      vload(cbuf, 0, j + 24))  # fmt: skip
+    d0, d1, d2, d3 = (vload(cbuf, 1, j), vload(cbuf, 1, j + 8), vload(cbuf, 1, j + 16),
+                      vload(cbuf, 1, j + 24))  # fmt: skip
+    # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term)
+    m0, m1, m2, m3 = vand_bits(c0, e), vand_bits(c1, e), vand_bits(c2, e), vand_bits(c3, e)
+    n0, n1, n2, n3 = vand_bits(d0, e), vand_bits(d1, e), vand_bits(d2, e), vand_bits(d3, e)
+    for q in range(nz):
+        x, y = vsplat(xp[0, q]), vsplat(xp[1, q])
+        row = p0 + dk[q]
+        b = vload(pbp, row, 0)
+        m0, n0 = vmax(m0, vmul(x, b)), vmax(n0, vmul(y, b))
+        b = vload(pbp, row, 8)
+        m1, n1 = vmax(m1, vmul(x, b)), vmax(n1, vmul(y, b))
+        b = vload(pbp, row, 16)
+        m2, n2 = vmax(m2, vmul(x, b)), vmax(n2, vmul(y, b))
+        b = vload(pbp, row, 24)
+        m3, n3 = vmax(m3, vmul(x, b)), vmax(n3, vmul(y, b))
+    # pass 2: the terms truncated to multiples of 2**(E - F) (the int32 conversion; every term
+    # is below 2**15 and an exact zero comes back +0), summed exactly in units of 2**(E - F)
+    sf = vsplat(scale_f)
+    sc0, sc1, sc2, sc3 = vdiv(sf, m0), vdiv(sf, m1), vdiv(sf, m2), vdiv(sf, m3)
+    sd0, sd1, sd2, sd3 = vdiv(sf, n0), vdiv(sf, n1), vdiv(sf, n2), vdiv(sf, n3)
+    s0, s1 = vtrunc_i32(vmul(c0, sc0)), vtrunc_i32(vmul(c1, sc1))
+    s2, s3 = vtrunc_i32(vmul(c2, sc2)), vtrunc_i32(vmul(c3, sc3))
+    t0, t1 = vtrunc_i32(vmul(d0, sd0)), vtrunc_i32(vmul(d1, sd1))
+    t2, t3 = vtrunc_i32(vmul(d2, sd2)), vtrunc_i32(vmul(d3, sd3))
+    for q in range(nz):
+        x, y = vsplat(xa[0, q]), vsplat(xa[1, q])
+        row = p0 + dk[q]
+        b = vload(vbp, row, 0)
+        s0 = vadd(s0, vtrunc_i32(vmul(vmul(x, b), sc0)))
+        t0 = vadd(t0, vtrunc_i32(vmul(vmul(y, b), sd0)))
+        b = vload(vbp, row, 8)
+        s1 = vadd(s1, vtrunc_i32(vmul(vmul(x, b), sc1)))
+        t1 = vadd(t1, vtrunc_i32(vmul(vmul(y, b), sd1)))
+        b = vload(vbp, row, 16)
+        s2 = vadd(s2, vtrunc_i32(vmul(vmul(x, b), sc2)))
+        t2 = vadd(t2, vtrunc_i32(vmul(vmul(y, b), sd2)))
+        b = vload(vbp, row, 24)
+        s3 = vadd(s3, vtrunc_i32(vmul(vmul(x, b), sc3)))
+        t3 = vadd(t3, vtrunc_i32(vmul(vmul(y, b), sd3)))
+    # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal) float32 sum;
+    # scaling back by 2**(E - F) is exact (or overflows to inf)
+    fi = vsplat(inv_f)
+    vstore(cbuf, 0, j, vmul(vand_bits(s0, mask), vmul(m0, fi)))
+    vstore(cbuf, 0, j + 8, vmul(vand_bits(s1, mask), vmul(m1, fi)))
+    vstore(cbuf, 0, j + 16, vmul(vand_bits(s2, mask), vmul(m2, fi)))
+    vstore(cbuf, 0, j + 24, vmul(vand_bits(s3, mask), vmul(m3, fi)))
+    vstore(cbuf, 1, j, vmul(vand_bits(t0, mask), vmul(n0, fi)))
+    vstore(cbuf, 1, j + 8, vmul(vand_bits(t1, mask), vmul(n1, fi)))
+    vstore(cbuf, 1, j + 16, vmul(vand_bits(t2, mask), vmul(n2, fi)))
+    vstore(cbuf, 1, j + 24, vmul(vand_bits(t3, mask), vmul(n3, fi)))
+    bad0 = (
+        vmask_outside(m0, _LO, _HI)
+        | (vmask_outside(m1, _LO, _HI) << 8)
+        | (vmask_outside(m2, _LO, _HI) << 16)
+        | (vmask_outside(m3, _LO, _HI) << 24)
+    )
+    bad1 = (
+        vmask_outside(n0, _LO, _HI)
+        | (vmask_outside(n1, _LO, _HI) << 8)
+        | (vmask_outside(n2, _LO, _HI) << 16)
+        | (vmask_outside(n3, _LO, _HI) << 24)
+    )
+    return bad0, bad1
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fast_job(
-    job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
+    job, va, pa, vb, pb, vbp, pbp, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp
 ):  # pragma: no cover
-    """Job ``job`` of `_fused_fast`: `_RB` output rows by `_NT` output columns."""
+    """Job ``job`` of `_fused_fast`: `_RB` output rows by `_NT` output columns, two rows at a
+    time (an odd last row is paired with itself) in blocks of 32 columns (`_fast_block`; the
+    last block's lanes past N compute on zero padding and are not kept)."""
     m, k = va.shape
-    ncols = vb.shape[1]
+    ncols = acc.shape[1]
     ng = (k + group - 1) // group
+    nb = (ncols + 31) // 32
     ntiles = (ncols + _NT - 1) // _NT
     scale_f = np.float32(2.0**f_bits)
     inv_f = np.float32(2.0**-f_bits)
     mask = np.uint32((0xFFFFFFFF << (23 - out_bits)) & 0xFFFFFFFF)
-    expo = np.uint32(0x7F800000)
     n0 = (job % ntiles) * _NT
     r0 = (job // ntiles) * _RB
     w = min(n0 + _NT, ncols) - n0
-    big_p = np.empty(_NT, dtype=np.float32)
-    scl = np.empty(_NT, dtype=np.float32)
-    s = np.empty(_NT, dtype=np.float32)
-    cin = np.empty(_NT, dtype=np.float32)
-    nzk = np.empty(group, dtype=np.int64)
+    cbuf = np.zeros((2, _NT), dtype=np.float32)
+    bad = np.zeros((2, _NT // 32), dtype=np.int64)
+    xa = np.empty((2, group), dtype=np.float32)
+    xp = np.empty((2, group), dtype=np.float32)
+    dk = np.empty(group, dtype=np.int64)
     for g in range(ng):
         k0 = g * group
         k1 = min(k0 + group, k)
         promote = gpp > 0 and ((g + 1) % gpp == 0 or g == ng - 1)
-        for r in range(r0, min(r0 + _RB, m)):
-            ar = acc[r, n0 : n0 + w]
-            # the K indices of this group's nonzero a elements (zeros are no terms), in order
+        for rp in range(r0, min(r0 + _RB, m), 2):
+            rr = (rp, min(rp + 1, m - 1))
+            nrows = min(rp + 2, m) - rp
+            # the group's K elements where either row's a is nonzero, in K order
             nz = 0
             for kk in range(k0, k1):
-                if va[r, kk] != 0:
-                    nzk[nz] = kk
+                u, v = va[rr[0], kk], va[rr[1], kk]
+                if u != 0 or v != 0:
+                    xa[0, nz], xa[1, nz] = u, v
+                    xp[0, nz], xp[1, nz] = pa[rr[0], kk], pa[rr[1], kk]
+                    dk[nz] = kk - k0
                     nz += 1
-            # pass 1: 2**E = max(2**e_c, max 2**(e_a + e_b)); zeros give 0 (no term). Four
-            # K elements per sweep, the same max chain per lane in K order as one at a time:
-            # the running max stays in a register (the sweeps are load/store bound)
-            for j in range(w):
-                cin[j] = ar[j]
-                big_p[j] = u32_to_f32(np.uint32(f32_to_u32(ar[j]) & expo))
-            q = 0
-            while q + 4 <= nz:
-                p1, p2, p3, p4, b1, b2, b3, b4 = _four_terms(pa, pb, r, nzk, q, n0, w)
+            for i in range(2):
+                ar = acc[rr[i], n0 : n0 + w]
                 for j in range(w):
-                    bp = max(big_p[j], p1 * b1[j])
-                    bp = max(bp, p2 * b2[j])
-                    bp = max(bp, p3 * b3[j])
-                    big_p[j] = max(bp, p4 * b4[j])
-                q += 4
-            while q < nz:
-                pak = pa[r, nzk[q]]
-                pbk = pb[nzk[q], n0 : n0 + w]
+                    cbuf[i, j] = ar[j]
+            anybad = 0
+            for j in range(0, w, 32):
+                p0 = (g * nb + (n0 + j) // 32) * group
+                b0, b1 = _fast_block(cbuf, xa, xp, dk, nz, vbp, pbp, p0, j, scale_f, inv_f, mask)
+                bad[0, j // 32], bad[1, j // 32] = b0, b1
+                anybad |= b0 | b1
+            for i in range(nrows):
+                r = rr[i]
+                ar = acc[r, n0 : n0 + w]
+                if anybad:  # no nonzero product and c tiny, huge or not finite: the reference
+                    for j in range(w):
+                        if (bad[i, j // 32] >> (j % 32)) & 1:
+                            cbuf[i, j] = _step64(ar[j], va, pa, vb, pb, r, n0 + j, k0, k1,
+                                                 f_bits, out_bits, False, False, floor_p)  # fmt: skip
                 for j in range(w):
-                    big_p[j] = max(big_p[j], pak * pbk[j])
-                q += 1
-            # pass 2: the terms truncated to multiples of 2**(E - F), summed exactly in
-            # units of 2**(E - F); truncation is the int32 conversion (vectorises, unlike
-            # trunc; every term is below 2**15) and an exact zero comes back as +0. Four K
-            # elements per sweep, added in K order (the sums are exact integers anyway)
-            for j in range(w):
-                scl[j] = scale_f / big_p[j]
-                s[j] = np.float32(np.int32(cin[j] * scl[j]))
-            q = 0
-            while q + 4 <= nz:
-                a1, a2, a3, a4, b1, b2, b3, b4 = _four_terms(va, vb, r, nzk, q, n0, w)
-                for j in range(w):
-                    sc = scl[j]
-                    t = s[j] + np.float32(np.int32(a1 * b1[j] * sc))
-                    t += np.float32(np.int32(a2 * b2[j] * sc))
-                    t += np.float32(np.int32(a3 * b3[j] * sc))
-                    s[j] = t + np.float32(np.int32(a4 * b4[j] * sc))
-                q += 4
-            while q < nz:
-                av = va[r, nzk[q]]
-                vbk = vb[nzk[q], n0 : n0 + w]
-                for j in range(w):
-                    s[j] += np.float32(np.int32(av * vbk[j] * scl[j]))
-                q += 1
-            # normalise: RZ to out_bits fraction bits is a mask of the (integer, normal)
-            # float32 sum; scaling back by 2**(E - F) is exact (or overflows to inf)
-            bad = 0
-            for j in range(w):
-                bp = big_p[j]
-                bad += (bp <= _LO) | (bp >= _HI)
-                ar[j] = u32_to_f32(np.uint32(f32_to_u32(s[j]) & mask)) * (bp * inv_f)
-            if bad:  # no nonzero product and c tiny, huge or not finite: the reference
-                for j in range(w):
-                    if big_p[j] <= _LO or big_p[j] >= _HI:
-                        ar[j] = _step64(cin[j], va, pa, vb, pb, r, n0 + j, k0, k1, f_bits,
-                                        out_bits, False, False, floor_p)  # fmt: skip
-            if promote:
-                t = g // gpp
-                srt = sa[r, t]
-                outr = out[r, n0 : n0 + w]
-                sbt = sb[t, n0 : n0 + w]
-                for j in range(w):
-                    outr[j] += (srt * sbt[j]) * ar[j]
-                    ar[j] = np.float32(0.0)
+                    ar[j] = cbuf[i, j]
+                if promote:
+                    t = g // gpp
+                    srt = sa[r, t]
+                    outr = out[r, n0 : n0 + w]
+                    sbt = sb[t, n0 : n0 + w]
+                    for j in range(w):
+                        outr[j] += (srt * sbt[j]) * ar[j]
+                        ar[j] = np.float32(0.0)
+
+
+@njit(cache=True)
+def _pack_b(v, p, vbp, pbp, group):  # pragma: no cover - numba
+    """b's values ``v`` and powers of two ``p`` [K, N] (C-contiguous) into the panels
+    `_fast_block` reads: ``vbp[(g * nb + jb) * group + q, i] = v[g * group + q, 32 * jb + i]``
+    (``nb`` blocks of 32 columns, zero past N), the same for ``p``. A block reads 128
+    contiguous bytes per K element and a group's panels are contiguous: rows of b a power of
+    two apart would share cache sets."""
+    kk, n = v.shape
+    nb = (n + 31) // 32
+    full = n // 32
+    for k in range(kk):
+        g, q = k // group, k % group
+        vk, pk = v[k], p[k]
+        for jb in range(full):
+            row = (g * nb + jb) * group + q
+            vr, pr = vbp[row], pbp[row]
+            for i in range(32):
+                vr[i] = vk[32 * jb + i]
+                pr[i] = pk[32 * jb + i]
+        if full < nb:
+            row = (g * nb + full) * group + q
+            for i in range(32):
+                c = 32 * full + i
+                vbp[row, i] = vk[c] if c < n else np.float32(0.0)
+                pbp[row, i] = pk[c] if c < n else np.float32(0.0)
 
 
 def _fast_jobs(m: int, ncols: int) -> int:
@@ -323,7 +405,23 @@ def _fast_jobs(m: int, ncols: int) -> int:
 
 @njit(parallel=True, cache=True)
 def _fused_fast(
-    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs, workers
+    va,
+    pa,
+    vb,
+    pb,
+    vbp,
+    pbp,
+    acc,
+    out,
+    sa,
+    sb,
+    group,
+    f_bits,
+    out_bits,
+    floor_p,
+    gpp,
+    jobs,
+    workers,
 ):  # pragma: no cover
     """FP8 operands, aligned c, RZ output, exact float32 sums (`fast_path_applies`): float32
     SIMD across a tile of output columns; same contract as `_fused_general`."""
@@ -331,18 +429,35 @@ def _fused_fast(
     for _ in prange(workers):
         job = claim(counter)
         while job < jobs:
-            _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p,
-                      gpp)  # fmt: skip
+            _fast_job(job, va, pa, vb, pb, vbp, pbp, acc, out, sa, sb, group, f_bits, out_bits,
+                      floor_p, gpp)  # fmt: skip
             job = claim(counter)
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
 def _fused_fast_serial(
-    va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp, jobs, workers
+    va,
+    pa,
+    vb,
+    pb,
+    vbp,
+    pbp,
+    acc,
+    out,
+    sa,
+    sb,
+    group,
+    f_bits,
+    out_bits,
+    floor_p,
+    gpp,
+    jobs,
+    workers,
 ):  # pragma: no cover
     """`_fused_fast` on the calling thread (`fp8lab.kernels`)."""
     for job in range(jobs):
-        _fast_job(job, va, pa, vb, pb, acc, out, sa, sb, group, f_bits, out_bits, floor_p, gpp)
+        _fast_job(job, va, pa, vb, pb, vbp, pbp, acc, out, sa, sb, group, f_bits, out_bits,
+                  floor_p, gpp)  # fmt: skip
 
 
 @njit(cache=True, error_model="numpy")  # as a prange body: x / 0 is inf
@@ -477,9 +592,12 @@ def fused(
             sa.numpy(), sb.numpy())  # fmt: skip
     par = parallel(m * n * k)  # the thread policy of fp8lab.kernels
     if use_fast:
+        rows = -(-k // acc.group) * -(-n // 32) * acc.group
+        vbp, pbp = np.empty((rows, 32), np.float32), np.empty((rows, 32), np.float32)
+        _pack_b(args[2], args[3], vbp, pbp, acc.group)
         kernel = _fused_fast if par else _fused_fast_serial
-        kernel(*args, acc.group, acc.align_bits, acc.out_bits, floor_p, gpp, _fast_jobs(m, n),
-               numba.get_num_threads())  # fmt: skip
+        kernel(*args[:4], vbp, pbp, *args[4:], acc.group, acc.align_bits, acc.out_bits, floor_p,
+               gpp, _fast_jobs(m, n), numba.get_num_threads())  # fmt: skip
     else:
         f_bits = -1 if acc.align_bits is None else acc.align_bits
         kernel = _fused_general if par else _fused_general_serial
