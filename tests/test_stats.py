@@ -229,3 +229,13 @@ def test_one_definition_of_underflow_and_saturation(dtype) -> None:
 def test_stats_fake_quant_is_a_deprecated_alias() -> None:
     with pytest.warns(DeprecationWarning, match="quantized_pair"):
         assert stats.fake_quant is stats.quantized_pair
+
+
+def test_error_stats_of_an_overflowed_quantization() -> None:
+    """An fp16 cast that overflowed (inf in the quantized tensor, a step the loss scaler
+    skips) has an infinite error: SQNR -inf, not a math domain error."""
+    x = torch.tensor([1.0, 2.0, 1e5])
+    xq = x.to(torch.float16).float()
+    assert math.isinf(xq[2])
+    s = stats.error_stats(x, xq, "fp16")
+    assert s["sqnr_db"] == -math.inf

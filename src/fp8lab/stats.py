@@ -200,7 +200,7 @@ def error_stats(
     under, sat = _percent(nnz, nuf, nsat, n, fmt is not None)
     if sdd == 0.0:
         sq = math.inf
-    elif sxx == 0.0:
+    elif sxx == 0.0 or sdd == math.inf:  # nothing left, or an overflow (fp16's inf)
         sq = -math.inf
     else:
         sq = 10.0 * math.log10(sxx / sdd)
