@@ -3,7 +3,7 @@ verdict on each (README table; docs/debug.md, "The gallery").
 
 One command: ``python benchmarks/study_gallery.py [--scenarios a,b] [--seeds 3] [--size small|
 default] [--steps N] [--jobs 2] [--threads 1] [--out runs/gallery]``. Per scenario
-(`fp8lab.lab.debug.scenarios.GALLERY`) and seed (``train.seed`` = 0, 1, ...):
+(`fp8lab.lab.debug.scenarios.GALLERY`) and seed (``train.seed`` = 1337, 1338, ...: ``--first-seed``):
 
 1. ``fp8lab debug --scenario NAME`` (in this process: `fp8lab.lab.debug.run_debug`) into
    OUT/NAME/seed-S: R's gap to bf16, the noise (fp32 against bf16), the verdict;
@@ -85,21 +85,29 @@ def onset(out: Path, noise: float | None) -> int | None:
     return None
 
 
-def run_fixed(expect: dict[str, Any], recipe: Any, cfg: Any, out: Path) -> float | None:
+def run_fixed(
+    expect: dict[str, Any], recipe: Any, cfg: Any, out: Path
+) -> tuple[float | None, Path | None]:
     """Final validation loss of the scenario's published fix (another recipe, or model
-    options on R's recipe), trained from the same weights and batches."""
+    options on R's recipe), trained from the same weights and batches without operand records,
+    and the run directory of its own baseline: a fix that changes the model (QK-norm) is
+    measured against the baseline recipe on that model (None: R's baseline serves)."""
     from fp8lab.lab.data import load_corpus
     from fp8lab.lab.recipes import resolve_recipe
     from fp8lab.lab.train import train_run
 
     fixed = expect.get("fixed") or {}
     rec = resolve_recipe(fixed["recipe"]) if "recipe" in fixed else recipe
+    cfg = cfg.replace_train(stats_every=0)
+    own_base = None
     if "model" in fixed:
         cfg = replace(cfg, model=replace(cfg.model, **fixed["model"]))
-    run_dir = out / "fixed"
-    if _final(run_dir) is None:
-        train_run(rec, cfg, load_corpus(cfg.data, cfg.model.block_size), run_dir)
-    return _final(run_dir)
+        own_base = out / "fixed-baseline"
+    corpus = load_corpus(cfg.data, cfg.model.block_size)
+    for r, run_dir in ((rec, out / "fixed"), (resolve_recipe("bf16"), own_base)):
+        if run_dir is not None and _final(run_dir) is None:
+            train_run(r, cfg, corpus, run_dir)
+    return _final(out / "fixed"), own_base
 
 
 def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -112,9 +120,12 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     )
     from fp8lab.lab.train import LabConfig
 
+    # as `fp8lab debug --scenario NAME --set ...` builds it: the scenario's training settings,
+    # then the size and seed on top (so a CLI run with these sets is reused)
     sets = [*(SMALL if args.size == "small" else []), f"train.seed={seed}"]
-    cfg = scenario_config(LabConfig().with_overrides(sets), name,
-                          {"steps": args.steps} if args.steps else None)  # fmt: skip
+    cfg = scenario_config(LabConfig(), name).with_overrides(sets)
+    if args.steps:
+        cfg = cfg.replace_train(steps=args.steps)
     recipe, cfg, expect = plant(name, cfg)
     out = Path(args.out) / name / f"seed-{seed}"
     t0 = time.perf_counter()
@@ -122,10 +133,10 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     data = json.loads((out / "debug_result.json").read_text())
     plain = resolve_expect(expect, out / "probes" / "recipe")
-    base = _final(out / "probes" / "baseline")
     t1 = time.perf_counter()
-    fixed = run_fixed(expect, recipe, cfg, out)
+    fixed, own_base = run_fixed(expect, recipe, cfg, out)
     wall_fixed = time.perf_counter() - t1
+    base = _final(own_base or out / "probes" / "baseline")
     fixed_gap = None if fixed is None or base is None else 100.0 * (fixed - base) / base
     gap = res.gap_pct
     removed = None if gap in (None, 0) or fixed_gap is None else 1.0 - fixed_gap / gap
@@ -173,6 +184,12 @@ def main() -> None:
     )
     p.add_argument("--scenarios", default=",".join(GALLERY))
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=1337,
+        help="seeds first-seed, first-seed + 1, ... (1337: the lab's default)",
+    )
     p.add_argument("--size", choices=("small", "default"), default="small")
     p.add_argument("--steps", type=int, default=0, help="override the scenario's steps")
     p.add_argument("--jobs", type=int, default=2)
@@ -183,7 +200,7 @@ def main() -> None:
           f"date: {time.strftime('%Y-%m-%d', time.gmtime())}")  # fmt: skip
     rows = []
     for name in args.scenarios.split(","):
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             rows.append(one(name, seed, args))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "expect"},
                              default=str), flush=True)  # fmt: skip

@@ -56,10 +56,14 @@ study_gallery.py):
   every linear layer trains worse than with the last blocks in BF16 (their ablation). nvfp4
   against ``nvfp4-paper``. Expect: the last block's layers named, remedy
   ``last-blocks-high-precision``.
-- ``fp16-loss-scale``: Micikevicius et al., arXiv 1710.03740: FP16 gradients below 2^-24 flush
-  to zero without loss scaling. fp16-amp with a static loss scale of 1 (too small: none, the
-  smallest `fp8lab.optim.LossScaler` takes; the gradients underflow). Fixed: the dynamic loss scaler. Expect: kind ``loss_scale``, remedy
-  ``dynamic-loss-scaling`` ranked first, no layer named.
+- ``fp16-loss-scale``: Micikevicius et al., arXiv 1710.03740: a loss scale must keep FP16's
+  gradients above 2^-24 (they flush to zero) and below 65504 (they overflow and the step is
+  skipped). fp16-amp with a static loss scale of 2^21 (32x the dynamic scaler's initial
+  2^16): the gradients grow as the model leaves its uniform start, outgrow the scale, and a
+  few percent of the steps overflow and are skipped, from a few dozen steps in. The too-small
+  side (a static scale of 1) does not show at the small sizes: the gradients of a 128-token
+  batch stay above 2^-24 (docs/gallery.md). Fixed: the dynamic loss scaler. Expect: kind
+  ``loss_scale``, remedy ``dynamic-loss-scaling`` ranked first, no layer named.
 
 ``expect`` keys: ``kind`` (`fp8lab.lab.debug.kinds.CULPRIT_KINDS`; ``operand`` when absent),
 ``role``, ``gemm``, ``tensor`` (attention: the tensors one of which must be named), ``layers`` (a list, ``"many"``, or a function of R's run directory computing
@@ -192,8 +196,9 @@ def _fp16(cfg: LabConfig, layers: Sequence[str]):
     from fp8lab.recipe import get_recipe
 
     recipe = get_recipe("fp16-amp").replace(
-        name="fp16-amp+static-1", loss_scaling="static", loss_scale=1.0,
-        description="fp16-amp with a static loss scale of 1 (too small: gradients underflow)")  # fmt: skip
+        name="fp16-amp+static-2^21", loss_scaling="static", loss_scale=2.0**21,
+        description="fp16-amp with a static loss scale of 2^21 (too large: the gradients "
+        "outgrow it as training proceeds, overflow fp16 and the steps are skipped)")  # fmt: skip
     return recipe, cfg, {"kind": "loss_scale", "layers": [], "remedy": "dynamic-loss-scaling",
                          "fixed": {"recipe": "fp16-amp"}}  # fmt: skip
 
@@ -251,8 +256,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("nvfp4-all-layers", "NVFP4 on every layer, against nvfp4-paper's last blocks "
                  "in BF16 (NVIDIA arXiv 2509.25149's ablation)", _nvfp4_all,
                  {"steps": 200, "eval_every": 20}),
-        Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 1: the gradients "
-                 "underflow (Micikevicius et al. arXiv 1710.03740)", _fp16,
+        Scenario("fp16-loss-scale", "fp16-amp with a static loss scale of 2^21: the growing "
+                 "gradients overflow and steps are skipped (Micikevicius et al. arXiv "
+                 "1710.03740)", _fp16,
                  {"steps": 200, "eval_every": 20}),
     )
 }  # fmt: skip
