@@ -43,8 +43,9 @@ CLAIMS = {
     "at high learning rates; QK-norm prevents it (arXiv 2309.14322)",
     "nvfp4-all-layers": "ablation: NVFP4 on every linear layer trains worse; a few last blocks "
     "in BF16 keep it on track (arXiv 2509.25149)",
-    "fp16-loss-scale": "FP16 without loss scaling: gradients below 2^-24 flush to zero and "
-    "accuracy drops; loss scaling restores it (arXiv 1710.03740)",
+    "fp16-loss-scale": "FP16 gradients must be scaled above 2^-24 (they flush) and below "
+    "65504 (they overflow, steps are skipped); loss scaling restores FP32 accuracy "
+    "(arXiv 1710.03740)",
 }
 SMALL = ["model.block_size=16", "model.n_layer=2", "model.n_head=2", "model.d_model=48",
          "model.d_ff=96", "train.batch_size=8", "train.warmup_steps=5", "train.eval_every=25",

@@ -1,13 +1,13 @@
 """The gallery's scenarios at the cheapest stage that shows each failure (make test-slow): the
 small GPT of benchmarks/study_gallery.py (2 layers of width 48) under the scenario's own
 training settings, R against its published fix and the bf16 baseline; the full debugger runs
-and their verdicts are the study's (docs/gallery.md)."""
+and their verdicts are the study's (docs/gallery.md). Only the scenarios that reproduce at this
+size have one (fp16-loss-scale; the others' measurements: docs/gallery.md)."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,18 +51,3 @@ def test_fp16_static_loss_scale_too_large_skips_steps_and_the_dynamic_scaler_fix
     gap, fixed_gap = _gap(r, base), _gap(fixed, base)
     assert gap > 0.1 and fixed_gap < 0.3 * gap, (gap, fixed_gap)
 
-
-def test_swiglu_outliers_delayed_scaling_falls_behind_and_smooth_swiglu_fixes_it(tmp_path):
-    """te-delayed under the scenario's strong weight decay and learning rate, 200 steps: R
-    ends above bf16 beyond the fp32/bf16 scatter and Smooth-SwiGLU (the same recipe) removes
-    >= 70 % of the gap."""
-    name = "swiglu-outliers"
-    recipe, cfg, expect = plant(name, _cfg(name, "train.stats_every=0", "train.steps=200"))
-    r = _run(recipe, cfg, tmp_path / "R")
-    base = _run(resolve_recipe("bf16"), cfg, tmp_path / "bf16")
-    noise = abs(_gap(_run(resolve_recipe("fp32"), cfg, tmp_path / "fp32"), base))
-    assert expect["fixed"] == {"model": {"mlp": "smooth_swiglu"}}
-    fixed_cfg = replace(cfg, model=replace(cfg.model, **expect["fixed"]["model"]))
-    fixed = _run(recipe, fixed_cfg, tmp_path / "fixed")
-    gap, fixed_gap = _gap(r, base), _gap(fixed, base)
-    assert gap > 3 * noise and fixed_gap < 0.3 * gap, (gap, fixed_gap, noise)
