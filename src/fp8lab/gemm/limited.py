@@ -77,7 +77,7 @@ def _group_sums(s, va, vb, r, k0, k1, n0, w):  # pragma: no cover - numba
     [k0, k1), for ``i`` < 4 rows and ``j`` < ``w`` columns: from +0, in K order, four K elements
     per sweep with the running sums in registers, b's loads shared by the four rows. ``va`` is
     float32 (its values widen exactly; rows past ``M`` repeat the last one and are not kept),
-    ``vb`` float64.
+    ``vb`` float32 or float64 (any strides).
 
     The products of FP8 values are exact in float64 and so is their sum for E4M3 and for E5M2
     groups spanning less than 2**53 (docs/gemm.md): the order, and the fused multiply-adds that
@@ -179,8 +179,8 @@ def _sums_job(job, va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne): 
         for r in range(r0, r1):
             for j in range(w):
                 tile[r - r0, j] = c[r, n0 + j]
-    # group-major: a group's b tile (group x _NT float64) is read once per job from memory and
-    # then from cache for every 4 rows; each element still sees its groups in K order
+    # group-major: a group's b panels (group x _NT float64, contiguous) are read once per job
+    # from memory and then from L2 for every 4 rows; each element sees its groups in K order
     for g in range(ngroups):
         k0 = min(g * group, k)
         nk = min(k0 + group, k) - k0  # groups past K (`limited` pads K to whole steps): +0
@@ -236,8 +236,8 @@ def _pack_b(vb, bp, group):  # pragma: no cover - numba
 
 @njit(parallel=True, cache=True)
 def _acc_sums(va, vb, bp, c, out, sa, sb, group, ngroups, gpp, drop, rne, jobs, workers):
-    """The limited model (not per product) over float32 ``va`` [M, K] and float64 ``vb``
-    [K, N]: ``ngroups`` groups of ``group`` K elements (those past K are empty), the
+    """The limited model (not per product) over ``va`` [M, K] and ``vb`` [K, N] (float32 or
+    float64, any strides; ``bp``: ``vb``'s panels, `_pack_b`): ``ngroups`` groups of ``group`` K elements (those past K are empty), the
     accumulator starting at ``c`` [M, N] float64 (or +0 when ``c`` has no rows), promoted into
     ``out`` [M, N] float32 with ``sa`` [M, T], ``sb`` [T, N] every ``gpp`` groups (0: never;
     then ``out`` += the last accumulator). ``workers`` threads claim the jobs
