@@ -17,6 +17,9 @@ from fp8lab.kernels import kernel_counts, using_kernels
 from fp8lab.qtensor import transforms
 from fp8lab.qtensor.spec import QuantSpec
 
+# each test runs the numba kernels beside the torch kernels itself (`using_kernels`)
+pytestmark = pytest.mark.numba_only
+
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # the midpoints of E2M1's grid
 
 
