@@ -14,9 +14,13 @@ same for every NVFP4 spec.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from numba import njit
 
 from fp8lab.formats import cast
+from fp8lab.kernels import use_torch
+from fp8lab.qtensor.kernels import _fast_params_for, _rne_sat
 from fp8lab.scaling.rules import FLT_MAX
 
 __all__ = ["four_over_six_scales", "second_level_amax"]
@@ -111,6 +115,8 @@ def four_over_six_scales(
     Ragged edges are zero-padded (zeros never win or lose a block). TE's fast-math error mode
     (the error in the FP16 product domain) is not simulated.
     """
+    if not use_torch(x2, what="4over6 scales"):
+        return _four_over_six_numba(x2, block_amax, block, mode, bound, row_scaled)
     if block[0] == 16 and block[1] == 1:
         enc, s_blk, s_dec = four_over_six_scales(
             x2.t().contiguous(), block_amax.t(), (1, 16), mode, bound, row_scaled
@@ -140,3 +146,94 @@ def four_over_six_scales(
     s_blk = torch.where(pick4, sf4, sf6)[:, :, 0]
     enc = torch.where(pick4, enc4, enc6)[:, :, 0]
     return enc, s_blk, g_dec
+
+
+def _four_over_six_numba(
+    x2: torch.Tensor, block_amax: torch.Tensor, block: tuple[int, int], mode: str, bound: float,
+    row_scaled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`four_over_six_scales` on the CPU: the same steps in one numba pass over the blocks
+    (`_four_over_six_blocks`); a 16x1 block reads the transpose in place."""
+    col = block[0] == 16 and block[1] == 1
+    x = x2.t().numpy() if col else x2.numpy()
+    amax = np.ascontiguousarray((block_amax.t() if col else block_amax).to(torch.float32).numpy())
+    nr, nc = amax.shape
+    ng = nr if row_scaled else 1
+    enc = np.empty((nr, nc), dtype=np.float32)
+    s_blk = np.empty((nr, nc), dtype=np.float32)
+    g_dec = np.empty(ng, dtype=np.float32)
+    _four_over_six_blocks(x, amax, 1 if col else block[0], mode == "mse", np.float32(bound),
+                          row_scaled, _fast_params_for("e2m1", "nearest_even", True),
+                          _fast_params_for("e4m3", "nearest_even", True), enc, s_blk, g_dec)  # fmt: skip
+    enc_t, s_t = torch.from_numpy(enc), torch.from_numpy(s_blk)
+    dec_t = torch.from_numpy(g_dec).reshape(nr, 1) if row_scaled else torch.from_numpy(g_dec)[0]
+    if col:
+        return enc_t.t(), s_t.t(), dec_t.t() if row_scaled else dec_t
+    return enc_t, s_t, dec_t
+
+
+@njit(cache=True, error_model="numpy")
+def _four_over_six_blocks(
+    x, amax, ty, mse, bound, row_scaled, g2, g4, enc, s_blk, g_dec
+):  # pragma: no cover
+    """`four_over_six_scales`' steps 1-4 per block of ``x`` ``[R, C]`` (any strides) with
+    ``ty`` x 16 blocks, each float32 operation of the torch version rounded once in the same
+    order (`_rne_sat`: the RNE + saturate casts onto E2M1 ``g2`` and E4M3 ``g4``)."""
+    rows, cols = x.shape
+    nr, nc = amax.shape
+    flt_max = np.float32(3.4028234663852886e38)
+    one = np.float32(1.0)
+    six = np.float32(6.0)
+    top = np.float32(bound * six)  # fl32(bound * 6), exact
+    smax = np.float32(448.0)
+    errs = np.zeros((2, 16), dtype=np.float32)
+    for gi in range(g_dec.shape[0]):
+        g_dec[gi] = np.float32(0.0)
+    for br in range(nr):  # the second-level amax: the tensor's or the block row's
+        for cb in range(nc):
+            gi = br if row_scaled else 0
+            g_dec[gi] = max(g_dec[gi], amax[br, cb])
+    g_amax = g_dec.copy()
+    g_enc = np.empty_like(g_dec)
+    for gi in range(g_dec.shape[0]):
+        ga = g_amax[gi]
+        ge = min(np.float32(top / ga), flt_max)
+        if ga == np.float32(0.0) or ge == np.float32(0.0):
+            ge = one
+        g_enc[gi] = ge
+        g_dec[gi] = np.float32(one / ge)
+    for br in range(nr):
+        gi = br if row_scaled else 0
+        ga, ge, gd = g_amax[gi], g_enc[gi], g_dec[gi]
+        for cb in range(nc):
+            base = np.float32(np.float32(amax[br, cb] / six) * ge)
+            best_sf = np.float32(0.0)
+            best_enc = np.float32(0.0)
+            for cand in range(2):  # 0: map-to-6, 1: map-to-4
+                pre = base if cand == 0 else np.float32(base * np.float32(1.5))
+                sf = _rne_sat(min(max(pre, -smax), smax), g4)
+                e = min(np.float32(one / np.float32(sf * gd)), flt_max)
+                for t in range(16):
+                    errs[cand, t] = np.float32(0.0)
+                for t in range(ty):
+                    r = br * ty + t
+                    acc = np.float32(0.0)
+                    for i in range(16):
+                        c = cb * 16 + i
+                        # ragged edges: zeros, as the torch version pads (0 * an infinite
+                        # second-level amax is NaN there too)
+                        xv = x[r, c] if (r < rows and c < cols) else np.float32(0.0)
+                        q = _rne_sat(np.float32(xv * e), g2)
+                        val = np.float32(np.float32(np.float32(q * sf) * ga) / top)
+                        d = np.float32(val - xv)
+                        acc = np.float32(acc + (np.float32(d * d) if mse else abs(d)))
+                    errs[cand, t] = acc
+                half = ty // 2
+                while half >= 1:  # a 16x16 tile: row i + row i + half, 8 -> 4 -> 2 -> 1
+                    for t in range(half):
+                        errs[cand, t] = np.float32(errs[cand, t] + errs[cand, t + half])
+                    half //= 2
+                if cand == 0 or errs[1, 0] < errs[0, 0]:
+                    best_sf, best_enc = sf, e
+            s_blk[br, cb] = best_sf
+            enc[br, cb] = best_enc
