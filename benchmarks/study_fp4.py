@@ -1,7 +1,7 @@
 """FP4 ablation study (issue 33): what each technique of NVIDIA's NVFP4 recipe (arXiv 2509.25149)
 does to the final validation loss of a small GPT, and how MXFP4, Quartet and 4over6 compare.
 
-One command: ``python benchmarks/study_fp4.py [--seeds 3] [--steps 300] [--jobs 2]
+One command: ``python benchmarks/study_fp4.py [--seeds 3] [--steps 300] [--jobs 2] [--threads 1]
 [--out runs/study-fp4] [--figure docs/figures/study_fp4.png]``. The lab's GPT at the issue's
 size (6 layers, d_model 128, d_ff 384, block 128, 8 sequences per step, the built-in corpus),
 300 steps, every recipe under the same seed sees the same initial weights and batches. Per seed
@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads per job (default 1: two jobs on two cores; 0 = torch's "
+        "default, which oversubscribes the cores and stalls on OpenMP waits)",
+    )
     ap.add_argument("--out", default="runs/study-fp4")
     ap.add_argument("--figure", default=None, help="default: OUT/study_fp4.png")
     ap.add_argument("--only", default=None, help="comma-separated labels (timing runs)")
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     noise: list[float] = []
     for s in range(a.seeds):
         res = run_comparison(_config(s, a.steps), [files[lab] for lab in labels], "bf16",
-                             out / f"seed{s}", jobs=a.jobs, noise_seeds=2 if s == 0 else 0)  # fmt: skip
+                             out / f"seed{s}", jobs=a.jobs, threads=a.threads, noise_seeds=2 if s == 0 else 0)  # fmt: skip
         final["bf16"].append(_final(res.metrics["bf16"]))
         for lab in labels:
             final[lab].append(_final(res.metrics[files[lab]]))

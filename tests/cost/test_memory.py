@@ -34,3 +34,18 @@ def test_model_memory_counts_a_shared_tensor_once():
     a, b = (model_memory(model, 8, 1, 4, rec.replace(master_weights=m))
             for m in ("fp16", "fp16-scaled"))  # fmt: skip
     assert b["weights"] - a["weights"] == 4 * 2
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_quantized_saved_activations_cover_the_qk_and_final_norms(qk_norm):
+    """save_activations = "quantized" saves every norm's input and SwiGLU's in 1 x 16 FP8 groups
+    (1 byte + a 4-byte scale per 16 values) instead of bf16 (2 bytes): per token, the two block
+    norms (2d), SwiGLU's gate and up (2f) and the q/k norms (2d) per layer, and the final norm (d)."""
+    cfg = GPTConfig(n_layer=3, d_model=64, d_ff=128, n_head=2, block_size=16, qk_norm=qk_norm)
+    rec = fp8lab.get_recipe("te-current")
+    hp, q = (simulated_memory(cfg, 4, rec.replace(save_activations=s))
+             for s in ("high_precision", "quantized"))  # fmt: skip
+    d, f, N = cfg.d_model, cfg.d_ff, 4 * cfg.block_size
+    elems = N * (cfg.n_layer * (2 * d + 2 * f + (2 * d if qk_norm else 0)) + d)
+    assert hp["activations"] - q["activations"] == pytest.approx(elems * (2 - (1 + 4 / 16)))
+    assert hp["weights"] == q["weights"] and hp["optimizer"] == q["optimizer"]

@@ -13,7 +13,8 @@ Three parts, each ``{"weights", "optimizer", "activations", "total"}``:
   values, and COAT's ``moment_expansion`` two more fp32 values per group: its exponent k and
   centre g);
 * activations: what autograd keeps for backward (``save_activations = "quantized"``: the
-  inputs of norms and of the SwiGLU activation at 1 byte plus one fp32 scale per 16 values).
+  inputs of the block norms, the q/k norms, the final norm and the SwiGLU activation at 1 byte
+  plus one fp32 scale per 16 values).
 
 :func:`simulated_memory` prices the lab's built-in GPT from its configuration, activations
 included; :func:`model_memory` prices any built model, whose activations are known only as far
@@ -135,13 +136,16 @@ def simulated_memory(model_cfg: Any, batch_size: int, recipe: Any) -> dict[str, 
     weights = _weights(n_params, n_tensors, linear_elems, copies, master, recipe)
     linear_inputs = {"qkv": d, "proj": d, "gate/up": d, "down": f}
     saved = sum(_saved_input(inp, save, act, N, w) for w in linear_inputs.values())
-    # the inputs of the two norms and of SwiGLU's activation (gate and up outputs) per layer
-    nonlinear = N * (2 * d + 2 * f)
+    # the inputs of the two norms and of SwiGLU's activation (gate and up outputs) per layer, and
+    # of the q/k norms (each head's queries and keys) where the model has them
+    nonlinear = N * (2 * d + 2 * f + (2 * d if getattr(c, "qk_norm", False) else 0))
     nl_bytes = (
         _SAVED_FP8_BYTES if state is not None and state.save_activations == "quantized" else act
     )
     other = N * (4 * d + f) + batch_size * c.n_head * T * T  # per layer
-    activations = L * (saved + other * act + nonlinear * nl_bytes) + N * (2 * d * act + V * 4)
+    # after the blocks: the final norm's input (a nonlinearity's), the head's input, fp32 logits
+    tail = N * (d * nl_bytes + d * act + V * 4)
+    activations = L * (saved + other * act + nonlinear * nl_bytes) + tail
     return _parts(weights, _optimizer(n_params, state), activations)
 
 
