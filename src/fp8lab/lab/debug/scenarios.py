@@ -24,9 +24,10 @@ model's converted layers, so it also works with other sizes (``--set model.n_lay
   layer's gradient scale is far too small and most gradients underflow. Expect: role
   ``grad_output`` on many layers, current scaling as the fix.
 
-Published failures, reproduced (the gallery; each names its source, what the paper measured and
-its published fix, the ``fixed`` counterpart a study runs; docs/debug.md, benchmarks/
-study_gallery.py):
+Published failures (the gallery; each names its source, what the paper measured and its
+published fix, the ``fixed`` counterpart a study runs; docs/debug.md, benchmarks/
+study_gallery.py). Which of them reproduce at CPU size, and the measurements of those that do
+not: docs/gallery.md.
 
 - ``swiglu-outliers``: Fishman et al., arXiv 2409.12517. With SwiGLU and weight decay the gate
   and linear weight vectors of a channel align over long training, their product grows
