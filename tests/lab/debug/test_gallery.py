@@ -50,4 +50,3 @@ def test_fp16_static_loss_scale_too_large_skips_steps_and_the_dynamic_scaler_fix
     assert fixed["skipped_steps"] == 0
     gap, fixed_gap = _gap(r, base), _gap(fixed, base)
     assert gap > 0.1 and fixed_gap < 0.3 * gap, (gap, fixed_gap)
-
