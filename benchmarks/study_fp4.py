@@ -185,7 +185,8 @@ def _figure(result: dict[str, Any], path: Path) -> None:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), list(rows), rotation=30, ha="right")
     ax.set_ylabel("final val loss gap to bf16 (%)")
-    ax.set_title("FP4 ablation: 6-layer GPT, d_model 128, 300 steps, 3 seeds")
+    n = result["seeds"]
+    ax.set_title(f"FP4 ablation: 6-layer GPT, d_model 128, {result['steps']} steps, {n} seed(s)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
