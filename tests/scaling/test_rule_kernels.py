@@ -140,6 +140,7 @@ def test_max_kernel_options_are_max_scales():
         max_rule_scales(amax, "e4m3", 2)  # margin is keyword-only, as in max_scale
 
 
+@pytest.mark.numba_only  # calls the numba kernel itself, beside the torch rule
 @pytest.mark.parametrize(
     "block, row_scaled, tensor_scale",
     [((1, 16), False, None), ((1, 16), True, None), ((16, 1), True, None), ((16, 16), False, None),
