@@ -65,9 +65,9 @@ import torch
 from fp8lab.lab import models
 from fp8lab.lab import noise as noise_rule
 from fp8lab.lab.checkpoint import corpus_config
-from fp8lab.lab.compare_summary import _val_curve
+from fp8lab.lab.compare_summary import val_curve
 from fp8lab.lab.data import load_corpus
-from fp8lab.lab.debug.runner import ProbeSpec, load_state, run_probe, snapshot_path
+from fp8lab.lab.debug.runner import ProbeSpec, run_probe, snapshot_path
 from fp8lab.lab.debug.search import prefix_search
 from fp8lab.lab.loop import diverged_loss
 from fp8lab.lab.pool import Callback, Job, WorkerPool, check_count
@@ -384,7 +384,7 @@ class _Ctx:
         a, b = noise_rule.PAIR
         vals = []
         for s in self.seeds:
-            ca, cb = (_val_curve(read_metrics(_seed_dir(self.out, n, s))) for n in (a, b))
+            ca, cb = (val_curve(read_metrics(_seed_dir(self.out, n, s))) for n in (a, b))
             v = noise_rule.late_gap_pct(ca, cb, cb)
             if v is None:
                 return None
@@ -407,26 +407,15 @@ def rank_layers(
     update error against ``baseline`` (at the same weights) that the switch removes,
     ``(e_R - e_l) / e_R`` (`fp8lab.lab.debug.attribution`). Highest first, ties in module order.
     A pool job (plain-data arguments)."""
-    from fp8lab.lab.debug.attribution import OptimizerUpdate, StepReplay, _err
+    from fp8lab.lab.debug.attribution import Counterfactual
     from fp8lab.recipe import Recipe
 
-    cfg = LabConfig.from_dict(cfg_dict)
-    corpus = load_corpus(cfg.data, cfg.model.block_size)
-    rec = Recipe.from_dict(recipe, where="recipe")
+    cf = Counterfactual(recipe, baseline, cfg_dict, snapshot)
     pro = Recipe.from_dict(promote, where="promote")
-    base = Recipe.from_dict(baseline, where="baseline")
-    state = load_state(snapshot)
-    r = StepReplay(rec, cfg, corpus, state)
-    b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
-    _, g_r = r.gradient()
-    _, g_b = b.gradient()
-    update = OptimizerUpdate(r, cfg.train.grad_clip)
-    u_b = update(g_b)
-    e_r = _err(update(g_r), u_b)
+    e_r = cf.err_r
     rows = []
     for i, layer in enumerate(layers):
-        _, g_l = r.gradient({layer: pro.for_layer(layer)})
-        e_l = _err(update(g_l), u_b)
+        e_l, _ = cf.errors({layer: pro.for_layer(layer)})
         if math.isinf(e_r):
             score = 1.0 if math.isfinite(e_l) else 0.0
         else:

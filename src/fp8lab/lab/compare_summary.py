@@ -52,7 +52,7 @@ def noise_estimate(
     a, b = noise_rule.PAIR
     pair = None
     if a in names and b in names:  # the lab's one noise rule
-        pair = noise_rule.late_gap_pct(*(_val_curve(metrics[n]) for n in (a, b, baseline)))
+        pair = noise_rule.late_gap_pct(*(val_curve(metrics[n]) for n in (a, b, baseline)))
     seeds = None
     finals = list((replica_finals or {}).values())
     if finals and base_final and None not in finals:
@@ -280,6 +280,6 @@ def _diverged(s: dict[str, Any], vocab_size: int) -> bool:
     return diverged_loss(s["final_train_loss"], s["final_val_loss"], vocab_size)
 
 
-def _val_curve(records: list[dict[str, Any]]) -> dict[int, float | None]:
+def val_curve(records: list[dict[str, Any]]) -> dict[int, float | None]:
     """A run's validation curve ``{step: val_loss}`` from its metrics records."""
     return {r["step"]: r.get("val_loss") for r in records if "val_loss" in r}

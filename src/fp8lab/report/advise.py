@@ -22,9 +22,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from fp8lab.report.debug import _html_table, _md_table
-from fp8lab.report.training import _CSS, _SCRIPT
-from fp8lab.report.training import _fmt as _cell
+from fp8lab.report.page import cell as _cell
+from fp8lab.report.page import html_table, md_table, page_start
 
 FIGURES = "figures"
 KIND_COLORS = {"baseline": "black", "single": "#1f77b4", "mix": "#2ca02c"}
@@ -114,7 +113,7 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
              f"**Verdict.** {result.verdict}", ""]  # fmt: skip
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
-    lines += [*_md_table(["", ""], _summary_rows(result)), ""]
+    lines += [*md_table(["", ""], _summary_rows(result)), ""]
     lines += [
         "## Probes",
         "",
@@ -122,14 +121,14 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
         "and batches as bf16 on that seed; the gap is the mean of the paired gaps.",
         "",
     ]
-    lines += [*_md_table(PROBE_HEAD, probe_rows(result)), ""]
+    lines += [*md_table(PROBE_HEAD, probe_rows(result)), ""]
     for title, f in figs.items():
         lines += [f"## {title}", "", f"![{title}]({f})", ""]
     if result.ranking:
         lines += ["## Layer ranking (one-step replay)", "", "score = share of the AdamW update "
                   "error against bf16 removed by running only that layer on the promoted "
                   "recipe.", ""]  # fmt: skip
-        lines += [*_md_table(["base-to-rung", "layer", "score"], _ranking_rows(result)), ""]
+        lines += [*md_table(["base-to-rung", "layer", "score"], _ranking_rows(result)), ""]
     if recipe_text:
         lines += ["## advise.toml", "", "```toml", recipe_text.rstrip(), "```", ""]
     lines += ["## Lab configuration", "", "```json", json.dumps(result.lab_config, indent=2),
@@ -140,23 +139,21 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
 def render_html(result: Any, figs: dict[str, str], command: str | None,
                 recipe_text: str | None) -> str:  # fmt: skip
     e = html.escape
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             "<title>fp8lab advise report</title>",
-             f"<style>{_CSS}</style><script>{_SCRIPT}</script></head><body>",
-             "<h1>fp8lab advise: the fastest per-layer recipe within the loss budget</h1>",
+    parts = [*page_start("fp8lab advise report",
+                         "fp8lab advise: the fastest per-layer recipe within the loss budget"),
              f"<p><b>Verdict.</b> {e(result.verdict)}</p>"]  # fmt: skip
     if command:
         parts.append(f"<p>Command:</p><pre>{e(command)}</pre>")
-    parts.append(_html_table(["", ""], _summary_rows(result)))
+    parts.append(html_table(["", ""], _summary_rows(result)))
     parts.append("<h2>Probes</h2><p>Every probe trained on every seed from the same initial "
                  "weights and batches as bf16 on that seed; the gap is the mean of the paired "
                  "gaps.</p>")  # fmt: skip
-    parts.append(_html_table(PROBE_HEAD, probe_rows(result)))
+    parts.append(html_table(PROBE_HEAD, probe_rows(result)))
     for title, f in figs.items():
         parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')
     if result.ranking:
         parts.append("<h2>Layer ranking (one-step replay)</h2>")
-        parts.append(_html_table(["base-to-rung", "layer", "score"], _ranking_rows(result)))
+        parts.append(html_table(["base-to-rung", "layer", "score"], _ranking_rows(result)))
     if recipe_text:
         parts.append(f"<h2>advise.toml</h2><pre>{e(recipe_text)}</pre>")
     parts.append(f"<h2>Lab configuration</h2><pre>{e(json.dumps(result.lab_config, indent=2))}"

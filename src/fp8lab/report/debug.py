@@ -23,8 +23,8 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from fp8lab.lab import noise as noise_rule
-from fp8lab.report.training import _CSS, _SCRIPT
-from fp8lab.report.training import _fmt as _cell
+from fp8lab.report.page import cell as _cell
+from fp8lab.report.page import html_table, md_table, page_start
 
 FIGURES = "figures"
 CELLS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"),
@@ -141,12 +141,6 @@ def _probe_rows(result: Any) -> list[list[str]]:
 PROBE_HEAD = ["probe", "kind", "what", "val loss", "gap %", "share closed", "explains"]
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
-    return out
-
-
 def _summary_rows(result: Any, expect: dict | None) -> list[list[str]]:
     c = result.culprit
     rows = [
@@ -201,13 +195,13 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
              f"**Verdict.** {result.verdict}", ""]  # fmt: skip
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
-    lines += [*_md_table(["", ""], _summary_rows(result, expect)), ""]
+    lines += [*md_table(["", ""], _summary_rows(result, expect)), ""]
     lines += ["## Probes", "",
               "Every probe trains from the same initial weights on the same batches; gap % = "
               "final validation loss relative to the baseline's; share closed = 1 - gap / R's "
               f"gap; a probe explains the gap when it closes >= 70 % of it or lands within "
               f"{noise_rule.WITHIN:g}x the noise.", ""]  # fmt: skip
-    lines += [*_md_table(PROBE_HEAD, _probe_rows(result)), ""]
+    lines += [*md_table(PROBE_HEAD, _probe_rows(result)), ""]
     for title, f in figs.items():
         lines += [f"## {title}", "", f"![{title}]({f})", ""]
     if result.attribution:
@@ -216,7 +210,7 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
                   "running only that cell in high precision (u: the AdamW update the "
                   "checkpoint's optimizer state makes of a gradient), pooled over the screened "
                   f"checkpoints (steps {result.details['state'].get('screen_steps')}).", ""]  # fmt: skip
-        lines += _md_table(["layer", "GEMM", "role", "score"],
+        lines += md_table(["layer", "GEMM", "role", "score"],
                            [[a["layer"], a["gemm"], a["role"], _fmt(a["score"], ".3f")]
                             for a in result.attribution[:20]])  # fmt: skip
         lines.append("")
@@ -229,7 +223,7 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
             "quantization passes per step relative to R's (a proxy, docs/debug.md).",
             "",
         ]
-        lines += _md_table(["remedy", "what", "gap %", "share closed", "relative_cost",
+        lines += md_table(["remedy", "what", "gap %", "share closed", "relative_cost",
                             "explains"],
                            [[r["name"], r["label"], _fmt(r["gap_pct"]), _fmt(r["closure"], ".2f"),
                              _fmt(r["relative_cost"], "+.3f"), _fmt(r["explains"])]
@@ -243,35 +237,26 @@ def render_markdown(result: Any, figs: dict[str, str], command: str | None,
     return "\n".join(lines)
 
 
-def _html_table(head: list[str], rows: list[list[str]]) -> str:
-    e = html.escape
-    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"]
-    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
-    return "\n".join(out) + "</table>"
-
-
 def render_html(result: Any, figs: dict[str, str], command: str | None,
                 expect: dict | None, fix_text: str | None) -> str:  # fmt: skip
     e = html.escape
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             "<title>fp8lab debug report</title>",
-             f"<style>{_CSS}</style><script>{_SCRIPT}</script></head><body>",
-             "<h1>fp8lab debug: which GEMM of which layer breaks the run</h1>",
+    parts = [*page_start("fp8lab debug report",
+                         "fp8lab debug: which GEMM of which layer breaks the run"),
              f"<p><b>Verdict.</b> {e(result.verdict)}</p>"]  # fmt: skip
     if command:
         parts.append(f"<p>Command:</p><pre>{e(command)}</pre>")
-    parts.append(_html_table(["", ""], _summary_rows(result, expect)))
+    parts.append(html_table(["", ""], _summary_rows(result, expect)))
     parts.append("<h2>Probes</h2><p>Same initial weights and batches for every probe; a probe "
                  f"explains the gap when it closes at least 70 % of it or lands within "
                  f"{noise_rule.WITHIN:g}x the noise.</p>")  # fmt: skip
-    parts.append(_html_table(PROBE_HEAD, _probe_rows(result)))
+    parts.append(html_table(PROBE_HEAD, _probe_rows(result)))
     for title, f in figs.items():
         parts.append(f'<h2>{e(title)}</h2><img src="{e(f)}" alt="{e(title)}">')
     if result.attribution:
         parts.append("<h2>Attribution (one-step replay, top 20 cells)</h2><p>score = share "
                      "of the AdamW update error against the baseline removed by running only "
                      "that cell in high precision.</p>")  # fmt: skip
-        parts.append(_html_table(["layer", "GEMM", "role", "score"],
+        parts.append(html_table(["layer", "GEMM", "role", "score"],
                                  [[a["layer"], a["gemm"], a["role"], _fmt(a["score"], ".3f")]
                                   for a in result.attribution[:20]]))  # fmt: skip
     rem = result.details.get("remedies", [])
@@ -280,7 +265,7 @@ def render_html(result: Any, figs: dict[str, str], command: str | None,
             "<h2>Remedies</h2><p>relative_cost = share of GEMM FLOPs moved to high "
             "precision + extra quantization passes relative to R's (a proxy).</p>"
         )
-        parts.append(_html_table(["remedy", "what", "gap %", "share closed", "relative_cost",
+        parts.append(html_table(["remedy", "what", "gap %", "share closed", "relative_cost",
                                   "explains"],
                                  [[r["name"], r["label"], _fmt(r["gap_pct"]),
                                    _fmt(r["closure"], ".2f"), _fmt(r["relative_cost"], "+.3f"),

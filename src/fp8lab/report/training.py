@@ -25,6 +25,9 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
+from fp8lab.report.page import cell as _fmt
+from fp8lab.report.page import page_start
+
 FIGURES = "figures"
 ROLES = ("input", "weight", "grad_output")
 
@@ -46,18 +49,6 @@ def ema(values: Sequence[float | None], beta: float = 0.9) -> list[float | None]
 
 def _nan(v: float | None) -> float:
     return math.nan if v is None else v
-
-
-def _fmt(v: Any, spec: str = ".4f", blank_nonfinite: bool = False) -> str:
-    """A table cell: "—" for None (and for Inf/NaN with ``blank_nonfinite``), yes/no, floats
-    formatted with ``spec``."""
-    if v is None or (blank_nonfinite and isinstance(v, float) and not math.isfinite(v)):
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
 
 
 def _mib(b: float) -> str:
@@ -478,41 +469,12 @@ def render_markdown(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     return "\n".join(lines)
 
 
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
-table { border-collapse: collapse; font-size: 0.9em; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
-tr.negative td { color: #a00; }
-p.warning { color: #a00; }
-img { max-width: 100%; border: 1px solid #eee; }
-pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 0.85em; }
-"""
-
-# marks every image once the page has loaded; scripts/check_report.py reads the marks
-_SCRIPT = """
-window.addEventListener("load", function () {
-  var imgs = document.querySelectorAll("img"), ok = 0;
-  imgs.forEach(function (im) {
-    var good = im.complete && im.naturalWidth > 0;
-    im.setAttribute("data-loaded", good ? "1" : "0");
-    if (good) ok++;
-  });
-  document.body.setAttribute("data-figures", ok + "/" + imgs.length);
-});
-"""
-
-
 def render_html(summary, figures, stats_by_recipe, lab_cfg, command) -> str:
     e = html.escape
     md_intro = render_markdown(summary, {}, {}, lab_cfg, None).split("## Results")[0]
     intro = [ln for ln in md_intro.splitlines()[2:] if ln.strip()]
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>fp8lab training lab report</title>",
-        f"<style>{_CSS}</style><script>{_SCRIPT}</script></head><body>",
-        "<h1>fp8lab training lab: recipes side by side</h1>",
+        *page_start("fp8lab training lab report", "fp8lab training lab: recipes side by side"),
         *[f"<p>{e(ln).replace('**', '')}</p>" for ln in intro],
     ]
     if command:

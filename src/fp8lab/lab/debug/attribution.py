@@ -211,6 +211,38 @@ class OptimizerUpdate:
         return -torch.cat([master(p).reshape(-1) for p in self.params]).double()
 
 
+class Counterfactual:
+    """The step after checkpoint ``snapshot`` of a run of ``recipe`` (plain-data recipe and
+    config, as pool jobs pass them), replayed under R and under ``baseline`` at R's weights, and
+    the errors of replays with some layers switched: ``err_r`` = |u(g_R) - u(g_B)| (update
+    error), ``err_r_raw`` = |g_R - g_B|, ``loss`` = R's replayed loss."""
+
+    def __init__(
+        self, recipe: dict[str, Any], baseline: dict[str, Any], cfg_dict: dict[str, Any],
+        snapshot: str,
+    ) -> None:  # fmt: skip
+        from fp8lab.recipe import Recipe
+
+        cfg = LabConfig.from_dict(cfg_dict)
+        corpus = load_corpus(cfg.data, cfg.model.block_size)
+        self.recipe = Recipe.from_dict(recipe, where="recipe")
+        base = Recipe.from_dict(baseline, where="baseline")
+        state = load_state(snapshot)
+        self.replay = StepReplay(self.recipe, cfg, corpus, state)
+        b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
+        self.loss, g_r = self.replay.gradient()
+        _, self.g_b = b.gradient()
+        self.update = OptimizerUpdate(self.replay, cfg.train.grad_clip)
+        self.u_b = self.update(self.g_b)
+        self.err_r, self.err_r_raw = _err(self.update(g_r), self.u_b), _err(g_r, self.g_b)
+
+    def errors(self, switched: dict[str, Any]) -> tuple[float, float]:
+        """(update error, raw gradient error) of the replay with ``switched`` ({layer: its
+        recipe}) in place of R's layers."""
+        _, g = self.replay.gradient(switched)
+        return _err(self.update(g), self.u_b), _err(g, self.g_b)
+
+
 def screen_snapshot(
     recipe: dict[str, Any],
     baseline: dict[str, Any],
@@ -226,21 +258,9 @@ def screen_snapshot(
     |u(g_c) - u(g_B)|, the optimizer update error; ``err_raw``: |g_c - g_B|)."""
     import time
 
-    from fp8lab.recipe import Recipe
-
     t0 = time.perf_counter()
-    cfg = LabConfig.from_dict(cfg_dict)
-    corpus = load_corpus(cfg.data, cfg.model.block_size)
-    rec = Recipe.from_dict(recipe, where="recipe")
-    base = Recipe.from_dict(baseline, where="baseline")
-    state = load_state(snapshot)
-    r = StepReplay(rec, cfg, corpus, state)
-    b = StepReplay(base, cfg, corpus, state, baseline_weights=True)
-    loss_r, g_r = r.gradient()
-    _, g_b = b.gradient()
-    update = OptimizerUpdate(r, cfg.train.grad_clip)
-    u_b = update(g_b)
-    err_r, err_r_raw = _err(update(g_r), u_b), _err(g_r, g_b)
+    cf = Counterfactual(recipe, baseline, cfg_dict, snapshot)
+    rec, r = cf.recipe, cf.replay
     todo = [(layer, g, ro) for layer in layers for g, ro in cells
             if rec.for_layer(layer).spec(g, ro) is not None
             and rec.for_layer(layer).gemm(g).high_precision is None]  # fmt: skip
@@ -248,9 +268,8 @@ def screen_snapshot(
     name = f"screen@{r.step}"
     for i, (layer, g, ro) in enumerate(todo):
         switched = {layer: with_cells_hp(rec.for_layer(layer), [(g, ro)], precision)}
-        _, g_c = r.gradient(switched)
-        rows.append({"layer": layer, "gemm": g, "role": ro, "err": _err(update(g_c), u_b),
-                     "err_raw": _err(g_c, g_b)})  # fmt: skip
+        err, err_raw = cf.errors(switched)
+        rows.append({"layer": layer, "gemm": g, "role": ro, "err": err, "err_raw": err_raw})
         if events is not None:
             events.put({"event": "replay", "recipe": name, "probe": name, "done": i + 1,
                         "total": len(todo)})  # fmt: skip
@@ -268,11 +287,10 @@ def screen_snapshot(
             else:
                 switched = {layer: with_cells_hp(rec.for_layer(layer), [(g, ro) for g in gs],
                                                  precision)}  # fmt: skip
-                _, g_p = r.gradient(switched)
-                err, err_raw = _err(update(g_p), u_b), _err(g_p, g_b)
+                err, err_raw = cf.errors(switched)
             pairs.append({"layer": layer, "gemm": "+".join(gs), "role": ro, "err": err,
                           "err_raw": err_raw})  # fmt: skip
-    return {"step": r.step, "loss": loss_r, "err_r": err_r, "err_r_raw": err_r_raw,
+    return {"step": r.step, "loss": cf.loss, "err_r": cf.err_r, "err_r_raw": cf.err_r_raw,
             "rows": rows, "pairs": pairs, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
