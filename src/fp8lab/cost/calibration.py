@@ -150,18 +150,12 @@ def b200_figures() -> dict[str, Any]:
 
 def blackwell_calibration() -> dict[str, Any]:
     """Blackwell efficiencies from named B200 figures only (module docstring): GEMM class ->
-    published TFLOPS / the b200 table's dense peak (a class marked ``same_as`` borrows another's),
-    bandwidth efficiency = the cast kernel's GB/s / the b200 bandwidth. Uses no B300 number."""
+    published TFLOPS / the b200 table's dense peak, bandwidth efficiency = the cast kernel's
+    GB/s / the b200 bandwidth. Uses no B300 number."""
     fig = b200_figures()
     dev = get_device("b200", calibration={})
-    eff: dict[str, float] = {}
-    for cls, row in fig["gemm"].items():
-        if "tflops" in row:
-            eff[cls] = row["tflops"] * 1e12 / dev.peak(cls)
-    for cls, row in fig["gemm"].items():
-        if "same_as" in row:
-            eff[cls] = eff[row["same_as"]]
-    fitted = [f"b200 {cls} GEMM" for cls, row in fig["gemm"].items() if "tflops" in row]
+    eff = {cls: row["tflops"] * 1e12 / dev.peak(cls) for cls, row in fig["gemm"].items()}
+    fitted = [f"b200 {cls} GEMM" for cls in fig["gemm"]]
     return {
         "efficiency": eff,
         "bandwidth_efficiency": fig["quantize"]["gbs"] * 1e9 / dev.bandwidth,
