@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from fp8lab.report.page import cell, html_table, md_table, page_start
+from fp8lab.report.page import cell, gap_cell, html_table, md_table, page_start
 
 pytestmark = pytest.mark.no_arithmetic
 
@@ -25,3 +25,8 @@ def test_page_start_escapes_and_carries_the_image_marks():
     head = "\n".join(page_start("t<1>", "h & h"))
     assert head.startswith("<!DOCTYPE html>") and "<title>t&lt;1&gt;</title>" in head
     assert "<h1>h &amp; h</h1>" in head and "data-loaded" in head
+
+
+def test_gap_cells_are_signed_and_blank_when_not_finite():
+    assert gap_cell(0.1234) == "+0.123" and gap_cell(-2.0, ".2f") == "-2.00"
+    assert gap_cell(math.inf) == "—" and gap_cell(None) == "—"

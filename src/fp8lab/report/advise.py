@@ -22,15 +22,11 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from fp8lab.report.page import cell as _cell
+from fp8lab.report.page import gap_cell as _fmt
 from fp8lab.report.page import html_table, md_table, page_start
 
 FIGURES = "figures"
 KIND_COLORS = {"baseline": "black", "single": "#1f77b4", "mix": "#2ca02c"}
-
-
-def _fmt(v: Any, spec: str = "+.3f") -> str:
-    return _cell(v, spec, blank_nonfinite=True)
 
 
 def plot_pareto(result: Any, path: Path) -> Path:

@@ -23,7 +23,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from fp8lab.lab import noise as noise_rule
-from fp8lab.report.page import cell as _cell
+from fp8lab.report.page import gap_cell as _fmt
 from fp8lab.report.page import html_table, md_table, page_start
 
 FIGURES = "figures"
@@ -32,10 +32,6 @@ CELLS = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"),
 KIND_COLORS = {"recipe": "#d62728", "baseline": "black", "noise": "#7f7f7f",
                "recovery": "#9467bd", "fake-quant": "#8c564b", "role": "#1f77b4",
                "gemm": "#17becf", "layers": "#2ca02c", "remedy": "#ff7f0e"}  # fmt: skip
-
-
-def _fmt(v: Any, spec: str = "+.3f") -> str:
-    return _cell(v, spec, blank_nonfinite=True)
 
 
 def _gap_curve(val: list, base: dict[int, float | None]) -> tuple[list[int], list[float]]:

@@ -52,6 +52,11 @@ def cell(v: Any, spec: str = ".4f", blank_nonfinite: bool = False) -> str:
     return str(v)
 
 
+def gap_cell(v: Any, spec: str = "+.3f") -> str:
+    """A signed result cell (gaps, scores): `cell` with Inf/NaN shown as "—"."""
+    return cell(v, spec, blank_nonfinite=True)
+
+
 def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table's lines (``|`` in a cell becomes ``/``)."""
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
